@@ -1,0 +1,20 @@
+# The two commands of README.md: `make run` (the mesh / engine with the tiny model) and
+# `make test`. Both install what they need into .venv first.
+PY := .venv/bin/python
+
+.PHONY: setup run test lint bench
+
+setup:
+	@bash scripts/bootstrap.sh
+
+run: setup
+	.venv/bin/hicache-mesh generate --prompt "The quick brown fox jumps over the lazy dog. The quick brown fox" --max-tokens 16 --repeat 2
+
+test: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+lint: setup
+	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy
