@@ -7,8 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
+_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -40,8 +44,16 @@ class ModelConfig:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                      "num_heads", "num_kv_heads", "head_dim", "context_len"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "context_len",
+        ):
             if getattr(self, field) <= 0:
                 raise ValueError(f"ModelConfig.{field} must be positive")
         if self.num_heads % self.num_kv_heads:
@@ -64,8 +76,16 @@ BYTE_VOCAB_SIZE = 260
 PRESETS: dict[str, ModelConfig] = {
     # Runs anywhere in seconds; with --dtype float64 the cache-off oracle is exact.
     "tiny": ModelConfig(
-        vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=4,
-        num_heads=4, num_kv_heads=2, head_dim=16, context_len=8192,
-        eos_token_ids=(BYTE_EOS_ID,), bos_token_id=BYTE_BOS_ID, name="tiny",
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        context_len=8192,
+        eos_token_ids=(BYTE_EOS_ID,),
+        bos_token_id=BYTE_BOS_ID,
+        name="tiny",
     ),
 }

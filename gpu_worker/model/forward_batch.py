@@ -45,8 +45,9 @@ class ForwardBatch:
         return len(self.seq_lens)
 
     @classmethod
-    def build(cls, seqs: list[tuple[list[int], int, torch.Tensor]], device: torch.device
-              ) -> ForwardBatch:
+    def build(
+        cls, seqs: list[tuple[list[int], int, torch.Tensor]], device: torch.device
+    ) -> ForwardBatch:
         """From `(new_token_ids, prefix_len, slot_ids)` per request."""
         ids: list[int] = []
         pos: list[int] = []
@@ -60,5 +61,7 @@ class ForwardBatch:
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(pos, dtype=torch.int64, device=device),
-            seq_lens=seq_lens, extend_lens=extend_lens, slot_ids=slots,
+            seq_lens=seq_lens,
+            extend_lens=extend_lens,
+            slot_ids=slots,
         )

@@ -34,8 +34,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None) -> int:
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick the next token from `logits` (vocab,) under `params`.
 
     Greedy is an argmax; otherwise softmax(logits / T) restricted to the smallest set of

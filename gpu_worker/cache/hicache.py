@@ -1,0 +1,332 @@
+"""The prefix cache of one rank: radix tree + device pool + (optionally) the host tier.
+
+`PrefixCache` is the scheduler's only door to cached KV. It owns the tree, both page
+allocators and the transfer engine; requests hold tree nodes only through `lock`. All of it
+is driven from the scheduler thread; the transfer engine's workers only complete copies,
+and their effects land here when `consume` pops ACKs, in submission order.
+
+Write policies (SGLang's names): `write_through` backs up every inserted node at once,
+`write_through_selective` backs up a node once it has been matched `write_through_threshold`
+times, `write_back` backs up only what device eviction is about to drop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from gpu_worker.cache.radix import MatchResult, RadixTree, TreeNode
+from gpu_worker.cache.transfer import DelayInjection, TransferAck, TransferEngine, TransferKind
+from gpu_worker.memory.allocator import HostPageId, PageId
+from gpu_worker.memory.device_pool import DeviceKVPool
+from gpu_worker.memory.host_pool import HOST_LAYOUTS, HostKVPool, HostLayout
+from gpu_worker.memory.kv_spec import KVSpec
+
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+WRITE_POLICIES: tuple[WritePolicy, ...] = ("write_through", "write_through_selective", "write_back")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Cache sizing and policy of one engine; flags named like SGLang's."""
+
+    page_size: int = 16
+    num_device_pages: int = 1024
+    enable_radix_cache: bool = True  # --disable-radix-cache turns reuse off (the oracle's cold run)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pages = ratio x device pages
+    hicache_size_gb: float = 0.0  # when > 0, host pool size in GB (overrides the ratio)
+    hicache_write_policy: WritePolicy = "write_through"
+    hicache_mem_layout: HostLayout = "layer_first"
+    write_through_threshold: int = 2
+    transfer_workers: int = 1
+    transfer_delay: DelayInjection | None = None  # test hook
+    check_reads: bool = False  # fail any read of a page whose load is not consumed
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.num_device_pages <= 0:
+            raise ValueError("page_size and num_device_pages must be positive")
+        if self.hicache_write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"unknown --hicache-write-policy {self.hicache_write_policy!r}; "
+                f"choose one of {WRITE_POLICIES}"
+            )
+        if self.hicache_mem_layout not in HOST_LAYOUTS:
+            raise ValueError(
+                f"unknown --hicache-mem-layout {self.hicache_mem_layout!r}; "
+                f"choose one of {HOST_LAYOUTS}"
+            )
+        if self.hicache_ratio <= 0 or self.hicache_size_gb < 0:
+            raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0")
+        if self.write_through_threshold < 1:
+            raise ValueError("write_through_threshold must be >= 1")
+
+    def num_host_pages(self, spec: KVSpec) -> int:
+        if self.hicache_size_gb > 0:
+            return max(1, int(self.hicache_size_gb * 1e9) // spec.bytes_per_page)
+        return max(1, int(self.num_device_pages * self.hicache_ratio))
+
+
+@dataclass(slots=True)
+class LoadTicket:
+    """A load-back of a request's host hit; `done` flips when its ACK is consumed."""
+
+    last_node: TreeNode  # end of the host range being loaded
+    start_len: int  # the range is tokens [start_len, path end) of last_node's path
+    page_ids: list[PageId]  # device pages receiving it
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _BackupOp:
+    last_node: TreeNode
+    start_len: int
+    host_page_ids: list[HostPageId]
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Counters since the last flush; cached tokens are what requests actually reused."""
+
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    num_backups: int = 0
+    num_loads: int = 0
+    backed_up_pages: int = 0
+    loaded_pages: int = 0
+    consumed_acks: list[int] = field(default_factory=list)  # ACK seq numbers, in consume order
+
+
+class PrefixCache:
+    """One rank's cache. See the module docstring."""
+
+    def __init__(self, config: CacheConfig, spec: KVSpec, device: torch.device) -> None:
+        self.config = config
+        self.spec = spec
+        self.device_pool = DeviceKVPool(spec, config.num_device_pages, device, config.check_reads)
+        self.tree = RadixTree(config.page_size)
+        self.host_pool: HostKVPool | None = None
+        self.transfers: TransferEngine | None = None
+        if config.enable_hierarchical_cache and config.enable_radix_cache:
+            self.host_pool = HostKVPool(
+                spec, config.num_host_pages(spec), config.hicache_mem_layout, device
+            )
+            self.transfers = TransferEngine(device, config.transfer_workers, config.transfer_delay)
+        self.stats = CacheStats()
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def num_free_device_pages(self) -> int:
+        return self.device_pool.allocator.num_free
+
+    @property
+    def num_available_device_pages(self) -> int:
+        """Free pages plus pages that eviction could free (unlocked tree pages)."""
+        return self.num_free_device_pages + self.tree.num_evictable_device_pages
+
+    # ----------------------------------------------------------------- match / lock
+
+    def match(self, ids: list[int]) -> MatchResult:
+        """The cached prefix of `ids` (nothing when the radix cache is off).
+
+        The last page-aligned token is never matched in full: a request must compute at least
+        one token to get logits, so a full-prompt hit is cut back by one page.
+        """
+        if not self.config.enable_radix_cache:
+            return MatchResult(0, 0, [], [], self.tree.root, self.tree.root)
+        limit = len(ids) - 1
+        result = self.tree.match_prefix(ids[:limit])
+        if self.config.hicache_write_policy == "write_through_selective" and self.host_pool:
+            node = result.last_device_node
+            if node is not self.tree.root and node.hit_count >= self.config.write_through_threshold:
+                self._backup(node)
+        return result
+
+    def lock(self, node: TreeNode) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self.tree.unlock(node)
+
+    # ----------------------------------------------------------------- device pages
+
+    def alloc(self, num_pages: int) -> list[PageId] | None:
+        """Take `num_pages` device pages, evicting unlocked cache if needed; None if impossible."""
+        short = num_pages - self.num_free_device_pages
+        if short > 0:
+            self.evict_device(short)
+        pages = self.device_pool.allocator.alloc(num_pages)
+        return None if pages is None else [PageId(p) for p in pages]
+
+    def free(self, page_ids: list[PageId]) -> None:
+        self.device_pool.allocator.free(list(page_ids))
+
+    def evict_device(self, num_pages: int) -> None:
+        """Free `num_pages` device pages from unlocked cache (write_back backs them up first)."""
+        write_back = self.host_pool is not None and self.config.hicache_write_policy == "write_back"
+        freed = 0
+        while freed < num_pages:
+            result = self.tree.evict_device(num_pages - freed, delete_unbacked=not write_back)
+            self.free([PageId(p) for p in result.freed_page_ids])
+            freed += len(result.freed_page_ids)
+            if freed >= num_pages or not result.unbacked:
+                break
+            # write_back: back up the leaves about to go, wait for them, then evict again.
+            if not any([self._backup(node) for node in result.unbacked]):
+                break
+            self.consume(self.num_queued_acks)
+
+    # ----------------------------------------------------------------- insert
+
+    def insert(
+        self, ids: list[int], page_ids: list[PageId], cached_len: int
+    ) -> tuple[list[PageId], TreeNode]:
+        """Put the page-aligned prefix of `ids` (KV in `page_ids`) into the tree.
+
+        `cached_len` tokens at the front are pages the request got from the tree. The request's
+        own pages that duplicate tree pages are freed here; the returned pages (the tree's, for
+        the whole aligned prefix) replace the request's, and the returned node ends that prefix:
+        the caller locks it and unlocks its previous node.
+        """
+        ps = self.page_size
+        aligned = len(ids) - len(ids) % ps
+        result = self.tree.insert(ids[:aligned], page_ids[: aligned // ps])
+        self.free(page_ids[cached_len // ps : result.dup_len // ps])
+        if self.host_pool is not None and self.config.hicache_write_policy == "write_through":
+            self._backup(result.last_node)
+        return self.tree.path_device_page_ids(result.last_node), result.last_node
+
+    # ----------------------------------------------------------------- host tier
+
+    def _backup(self, node: TreeNode) -> bool:
+        """Start backing up the path to `node` from where its host coverage ends."""
+        assert self.host_pool is not None and self.transfers is not None
+        start = self.tree.host_covered_len(node)
+        nodes = self.tree.path_range(node, start)
+        if not nodes:
+            return False
+        device_ids = [p for _, n in nodes for p in (n.device_page_ids or [])]
+        host_ids = self._alloc_host(len(device_ids))
+        if host_ids is None:
+            return False
+        self.tree.mark_backup_pending(node, start)
+        self.tree.lock(node)  # the device copy must outlive the copy
+        op = _BackupOp(node, start, host_ids)
+        self.transfers.submit(
+            TransferKind.BACKUP,
+            self.device_pool.page_view(),
+            self.host_pool.page_view(),
+            list(device_ids),
+            list(host_ids),
+            op,
+        )
+        self.stats.num_backups += 1
+        self.stats.backed_up_pages += len(device_ids)
+        return True
+
+    def _alloc_host(self, num_pages: int) -> list[HostPageId] | None:
+        assert self.host_pool is not None
+        allocator = self.host_pool.allocator
+        short = num_pages - allocator.num_free
+        if short > 0:
+            allocator.free(list(self.tree.evict_host(short)))
+        pages = allocator.alloc(num_pages)
+        return None if pages is None else [HostPageId(p) for p in pages]
+
+    def start_load(self, match: MatchResult) -> LoadTicket | None:
+        """Start loading a match's host part back to device pages; None if there is no room.
+
+        The caller has locked `match.last_device_node`. The host range stays pinned until the
+        ACK is consumed; the ticket's pages join the tree only then.
+        """
+        if match.host_len == 0 or self.host_pool is None or self.transfers is None:
+            return None
+        self.tree.ref_host(match.last_node)
+        pages = self.alloc(len(match.host_page_ids))
+        if pages is None:
+            self.tree.unref_host(match.last_node)
+            return None
+        ticket = LoadTicket(match.last_node, match.device_len, pages)
+        self.device_pool.mark_pending(pages, True)
+        self.transfers.submit(
+            TransferKind.LOAD,
+            self.host_pool.page_view(),
+            self.device_pool.page_view(),
+            list(match.host_page_ids),
+            list(pages),
+            ticket,
+        )
+        self.stats.num_loads += 1
+        self.stats.loaded_pages += len(pages)
+        return ticket
+
+    @property
+    def num_queued_acks(self) -> int:
+        return 0 if self.transfers is None else len(self.transfers)
+
+    def num_ready_acks(self) -> int:
+        return 0 if self.transfers is None else self.transfers.num_ready()
+
+    def consume(self, num_acks: int) -> None:
+        """Apply the first `num_acks` queued ACKs, in order (waiting for unfinished ones)."""
+        if self.transfers is None or num_acks == 0:
+            return
+        for ack in self.transfers.pop(num_acks):
+            self._apply(ack)
+
+    def _apply(self, ack: TransferAck) -> None:
+        self.stats.consumed_acks.append(ack.seq)
+        if ack.kind is TransferKind.BACKUP:
+            op = ack.op
+            assert isinstance(op, _BackupOp)
+            self.tree.commit_backup(op.last_node, op.start_len, op.host_page_ids)
+            self.tree.unlock(op.last_node)
+        else:
+            ticket = ack.op
+            assert isinstance(ticket, LoadTicket)
+            unused = self.tree.commit_load(ticket.last_node, ticket.start_len, ticket.page_ids)
+            self.device_pool.mark_pending(ticket.page_ids, False)
+            self.free(unused)
+            self.tree.unref_host(ticket.last_node)
+            ticket.done = True
+
+    def drain(self) -> None:
+        """Wait for and apply every queued ACK."""
+        self.consume(self.num_queued_acks)
+
+    # ----------------------------------------------------------------- whole-cache
+
+    def flush(self) -> None:
+        """Drop every cached page (device and host). Only valid with no request running."""
+        self.drain()
+        device, host = self.tree.reset()
+        self.free(device)
+        if self.host_pool is not None:
+            self.host_pool.allocator.free(list(host))
+        self.stats = CacheStats()
+
+    def check_integrity(self, request_page_ids: set[int] | None = None) -> None:
+        """Tree invariants, plus: every device page is free, in the tree, or held by a request."""
+        self.tree.check_integrity()
+        free = self.device_pool.allocator.free_set()
+        in_tree = self.tree.device_page_set()
+        held = request_page_ids or set()
+        assert free.isdisjoint(in_tree), "a free device page is in the tree"
+        assert free.isdisjoint(held), "a free device page is held by a request"
+        if request_page_ids is not None and not self.num_queued_acks:
+            total = len(free) + len(in_tree | held)
+            assert total == self.device_pool.num_pages, f"device pages leaked: {total}"
+        if self.host_pool is not None:
+            host_free = self.host_pool.allocator.free_set()
+            assert host_free.isdisjoint(self.tree.host_page_set()), (
+                "a free host page is in the tree"
+            )
+
+    def close(self) -> None:
+        if self.transfers is not None:
+            self.transfers.close()

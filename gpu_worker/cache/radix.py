@@ -1,0 +1,560 @@
+"""The page-aligned radix tree over token ids, with per-node tier state.
+
+A node owns a run of whole pages of tokens. Its KV lives on the device (`device_page_ids`),
+on the host (`host_page_ids`), or both. Two sets stay prefix-closed, and
+`check_integrity()` verifies it: the nodes on the device, and the nodes on the host (a
+node is on a tier only if its parent is). So a matched path is always a device part
+followed by a host-only part.
+
+The tree is written by one thread only (the scheduler). It never moves data: tier moves are
+committed here after the transfer engine's ACK for them has been consumed
+(`commit_backup`, `commit_load`). Splits keep the original node object as the *lower*
+part, so a node held as "the end of a path" by a lock or an in-flight transfer still ends
+the same token path after any split.
+
+LRU order uses a logical clock, never wall-clock time, so every rank evicts the same nodes.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_worker.memory.allocator import HostPageId, PageId
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    BOTH = "both"
+
+
+class TreeNode:
+    """One edge of the tree: `key` holds whole pages of token ids."""
+
+    __slots__ = (
+        "backup_pending",  # a backup to host is in flight (issued, ACK not yet consumed)
+        "children",  # first page of the child's key -> child
+        "device_page_ids",  # one device page per page of `key`, or None
+        "hit_count",  # matches that reached this node (write_through_selective)
+        "host_page_ids",  # one host page per page of `key`, or None
+        "host_ref",  # host pins: in-flight loads/backups that read the host copy
+        "id",  # creation order; breaks LRU ties deterministically
+        "key",  # token ids, len % page_size == 0
+        "last_access",  # logical clock of the last match/insert through this node
+        "lock_ref",  # device pins: running requests (and backups) reading the device pages
+        "parent",
+    )
+
+    def __init__(self, node_id: int, parent: TreeNode | None, key: list[int]) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.key = key
+        self.children: dict[Any, TreeNode] = {}
+        self.device_page_ids: list[PageId] | None = None
+        self.host_page_ids: list[HostPageId] | None = None
+        self.lock_ref = 0
+        self.host_ref = 0
+        self.last_access = 0
+        self.hit_count = 0
+        self.backup_pending = False
+
+    @property
+    def tier(self) -> Tier | None:
+        """Where this node's KV is readable; None only for the root."""
+        if self.device_page_ids is not None:
+            return Tier.BOTH if self.host_page_ids is not None else Tier.DEVICE
+        return Tier.HOST if self.host_page_ids is not None else None
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_page_ids is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_page_ids is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, len={len(self.key)}, tier={self.tier}, lock={self.lock_ref})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """The longest cached page-aligned prefix of a query.
+
+    Tokens `[0, device_len)` are on the device in `device_page_ids`; tokens
+    `[device_len, device_len + host_len)` are only on the host, in `host_page_ids`.
+    """
+
+    device_len: int
+    host_len: int
+    device_page_ids: list[PageId]
+    host_page_ids: list[HostPageId]
+    last_device_node: TreeNode  # end of the device part (the root when device_len == 0)
+    last_node: TreeNode  # end of the whole match
+
+    @property
+    def total_len(self) -> int:
+        return self.device_len + self.host_len
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """`dup_len`: tokens whose device pages the tree already held; `last_node`: end of the path."""
+
+    dup_len: int
+    last_node: TreeNode
+
+
+@dataclass(slots=True)
+class EvictResult:
+    freed_page_ids: list[int] = field(default_factory=list)
+    unbacked: list[TreeNode] = field(default_factory=list)  # leaves kept: need a backup first
+
+
+class RadixTree:
+    """Page-aligned radix tree. See the module docstring for the invariants."""
+
+    def __init__(self, page_size: int) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.page_size = page_size
+        self._next_id = 0
+        self._clock = 0
+        self.root = self._new_node(None, [])
+        self.root.lock_ref = 1  # the root is never evicted
+        self.num_device_pages = 0  # device pages held by the tree
+        self.num_locked_device_pages = 0  # of those, pinned by lock_ref > 0
+        self.num_host_pages = 0
+
+    # ----------------------------------------------------------------- helpers
+
+    def _new_node(self, parent: TreeNode | None, key: list[int]) -> TreeNode:
+        node = TreeNode(self._next_id, parent, key)
+        self._next_id += 1
+        return node
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _child_key(self, ids: Sequence[int], pos: int) -> Any:
+        if self.page_size == 1:
+            return ids[pos]
+        return tuple(ids[pos : pos + self.page_size])
+
+    def _common_len(self, key: list[int], ids: Sequence[int], pos: int, end: int) -> int:
+        """Page-aligned length of the common prefix of `key` and `ids[pos:end]`."""
+        limit = min(len(key), end - pos)
+        if ids[pos : pos + limit] == key[:limit]:
+            return limit
+        ps = self.page_size
+        lo, hi = 0, limit // ps  # pages: [0, lo) equal; the first differing page is < hi
+        while lo < hi:  # binary search on page count; slices compare at C speed
+            mid = (lo + hi + 1) // 2
+            if ids[pos : pos + mid * ps] == key[: mid * ps]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * ps
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut `node` at token offset `at`; the new *upper* node is returned.
+
+        The original object keeps the lower part, so references to it as a path end stay valid.
+        """
+        ps = self.page_size
+        parent = node.parent
+        assert parent is not None and 0 < at < len(node.key) and at % ps == 0
+        upper = self._new_node(parent, node.key[:at])
+        upper.lock_ref = node.lock_ref
+        upper.host_ref = node.host_ref
+        upper.last_access = node.last_access
+        upper.hit_count = node.hit_count
+        upper.backup_pending = node.backup_pending
+        pages = at // ps
+        if node.device_page_ids is not None:
+            upper.device_page_ids = node.device_page_ids[:pages]
+            node.device_page_ids = node.device_page_ids[pages:]
+        if node.host_page_ids is not None:
+            upper.host_page_ids = node.host_page_ids[:pages]
+            node.host_page_ids = node.host_page_ids[pages:]
+        parent.children[self._child_key(node.key, 0)] = upper
+        node.key = node.key[at:]
+        node.parent = upper
+        upper.children[self._child_key(node.key, 0)] = node
+        return upper
+
+    def _aligned_len(self, ids: Sequence[int]) -> int:
+        return len(ids) - len(ids) % self.page_size
+
+    # ----------------------------------------------------------------- verbs
+
+    def match_prefix(self, ids: Sequence[int]) -> MatchResult:
+        """Longest cached page-aligned prefix of `ids`; marks the path as recently used.
+
+        Splits a node where the match ends inside it, so `last_node` ends exactly at the match.
+        Counts a hit on every matched node (for write_through_selective).
+        """
+        if not isinstance(ids, list):
+            ids = list(ids)
+        end = self._aligned_len(ids)
+        clock = self._tick()
+        node, pos = self.root, 0
+        device_pages: list[PageId] = []
+        host_pages: list[HostPageId] = []
+        last_device = self.root
+        device_len = 0
+        while pos < end:
+            child = node.children.get(self._child_key(ids, pos))
+            if child is None:
+                break
+            klen = len(child.key)
+            if pos + klen <= end and ids[pos : pos + klen] == child.key:
+                matched = klen
+            else:
+                matched = self._common_len(child.key, ids, pos, end)
+                child = self._split(child, matched)
+            child.last_access = clock
+            child.hit_count += 1
+            if child.device_page_ids is not None:
+                device_pages += child.device_page_ids
+                last_device = child
+                device_len = pos + matched
+            else:
+                assert child.host_page_ids is not None
+                host_pages += child.host_page_ids
+            node, pos = child, pos + matched
+            if matched < klen:
+                break
+        return MatchResult(
+            device_len, pos - device_len, device_pages, host_pages, last_device, node
+        )
+
+    def insert(self, ids: Sequence[int], page_ids: Sequence[int]) -> InsertResult:
+        """Insert a page-aligned prefix of `ids` whose KV is in device pages `page_ids`.
+
+        Returns `dup_len` and the path's last node: the tree already held device pages for tokens `[0, dup_len)`, so the
+        caller's pages for that range are not taken (the caller frees those it allocated
+        itself). Every page past `dup_len` now belongs to the tree: host-only nodes on the
+        path take the caller's pages as their device copy, new nodes are created for the rest.
+        """
+        if not isinstance(ids, list):
+            ids = list(ids)
+        ps = self.page_size
+        end = self._aligned_len(ids)
+        if len(page_ids) < end // ps:
+            raise ValueError(
+                f"insert needs {end // ps} pages for {end} tokens, got {len(page_ids)}"
+            )
+        clock = self._tick()
+        node, pos, dup_len = self.root, 0, 0
+        while pos < end:
+            child = node.children.get(self._child_key(ids, pos))
+            if child is None:
+                new = self._new_node(node, ids[pos:end])
+                new.device_page_ids = [PageId(p) for p in page_ids[pos // ps : end // ps]]
+                new.last_access = clock
+                node.children[self._child_key(ids, pos)] = new
+                self.num_device_pages += len(new.device_page_ids)
+                node = new
+                break
+            matched = self._common_len(child.key, ids, pos, end)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            child.last_access = clock
+            if child.device_page_ids is None:  # host-only: the caller's pages revive it
+                child.device_page_ids = [
+                    PageId(p) for p in page_ids[pos // ps : (pos + matched) // ps]
+                ]
+                self._add_device_pages(child, len(child.device_page_ids))
+            else:
+                dup_len = pos + matched
+            node, pos = child, pos + matched
+        return InsertResult(dup_len, node)
+
+    def _add_device_pages(self, node: TreeNode, n: int) -> None:
+        self.num_device_pages += n
+        if node.lock_ref > 0:
+            self.num_locked_device_pages += n
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin the device pages of `node` and its ancestors (a running request reads them)."""
+        while node is not self.root:
+            if node.lock_ref == 0 and node.device_page_ids is not None:
+                self.num_locked_device_pages += len(node.device_page_ids)
+            node.lock_ref += 1
+            assert node.parent is not None
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"unlock of an unlocked node {node!r}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0 and node.device_page_ids is not None:
+                self.num_locked_device_pages -= len(node.device_page_ids)
+            assert node.parent is not None
+            node = node.parent
+
+    def ref_host(self, node: TreeNode) -> None:
+        """Pin the host pages of `node` and its ancestors (a load or backup reads them)."""
+        while node is not self.root:
+            node.host_ref += 1
+            assert node.parent is not None
+            node = node.parent
+
+    def unref_host(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.host_ref <= 0:
+                raise RuntimeError(f"unref_host of an unpinned node {node!r}")
+            node.host_ref -= 1
+            assert node.parent is not None
+            node = node.parent
+
+    # ----------------------------------------------------------------- paths
+
+    def path(self, node: TreeNode) -> list[tuple[int, TreeNode]]:
+        """`(start_token, node)` for every node from the root's child down to `node`."""
+        chain: list[TreeNode] = []
+        while node is not self.root:
+            chain.append(node)
+            assert node.parent is not None
+            node = node.parent
+        chain.reverse()
+        out, pos = [], 0
+        for n in chain:
+            out.append((pos, n))
+            pos += len(n.key)
+        return out
+
+    def path_len(self, node: TreeNode) -> int:
+        total = 0
+        while node is not self.root:
+            total += len(node.key)
+            assert node.parent is not None
+            node = node.parent
+        return total
+
+    def path_device_page_ids(self, node: TreeNode) -> list[PageId]:
+        """Device pages of the path to `node`; every node on it must be on the device."""
+        pages: list[PageId] = []
+        for _, n in self.path(node):
+            if n.device_page_ids is None:
+                raise RuntimeError(f"{n!r} on the path is not on the device")
+            pages += n.device_page_ids
+        return pages
+
+    def path_range(self, last_node: TreeNode, start_len: int) -> list[tuple[int, TreeNode]]:
+        """Nodes of the path to `last_node` that start at or after token `start_len`."""
+        return [(p, n) for p, n in self.path(last_node) if p >= start_len]
+
+    # ----------------------------------------------------------------- tier moves
+
+    def host_covered_len(self, node: TreeNode) -> int:
+        """Tokens of the path to `node` that are on the host or have a backup in flight."""
+        covered = 0
+        for pos, n in self.path(node):
+            if n.host_page_ids is None and not n.backup_pending:
+                break
+            covered = pos + len(n.key)
+        return covered
+
+    def mark_backup_pending(self, last_node: TreeNode, start_len: int) -> int:
+        """Mark the nodes from `start_len` to `last_node` as having a backup in flight.
+
+        Returns the number of pages they hold. The caller issues the copy and keeps the
+        nodes device-locked until `commit_backup`.
+        """
+        pages = 0
+        for _, n in self.path_range(last_node, start_len):
+            assert n.device_page_ids is not None and n.host_page_ids is None
+            n.backup_pending = True
+            pages += len(n.device_page_ids)
+        return pages
+
+    def commit_backup(
+        self, last_node: TreeNode, start_len: int, host_page_ids: Sequence[HostPageId]
+    ) -> None:
+        """A backup's ACK was consumed: the nodes from `start_len` get their host pages."""
+        ps = self.page_size
+        for pos, n in self.path_range(last_node, start_len):
+            assert n.backup_pending and n.host_page_ids is None
+            lo = (pos - start_len) // ps
+            n.host_page_ids = list(host_page_ids[lo : lo + len(n.key) // ps])
+            n.backup_pending = False
+            self.num_host_pages += len(n.host_page_ids)
+
+    def commit_load(
+        self, last_node: TreeNode, start_len: int, page_ids: Sequence[PageId]
+    ) -> list[PageId]:
+        """A load-back's ACK was consumed: host-only nodes from `start_len` get device pages.
+
+        Returns the loaded pages the tree did not take (a node that became device-resident
+        in the meantime, through `insert`, keeps its own pages): the caller frees them.
+        """
+        ps = self.page_size
+        unused: list[PageId] = []
+        for pos, n in self.path_range(last_node, start_len):
+            lo = (pos - start_len) // ps
+            pages = list(page_ids[lo : lo + len(n.key) // ps])
+            if n.device_page_ids is None:
+                n.device_page_ids = pages
+                self._add_device_pages(n, len(pages))
+            else:
+                unused += pages
+        return unused
+
+    # ----------------------------------------------------------------- eviction
+
+    def _lru_heap(self, eligible: Callable[[TreeNode], bool]) -> list[tuple[int, int, TreeNode]]:
+        heap = [(n.last_access, n.id, n) for n in self.iter_nodes() if eligible(n)]
+        heapq.heapify(heap)
+        return heap
+
+    def _device_leaf(self, n: TreeNode) -> bool:
+        return (
+            n is not self.root
+            and n.device_page_ids is not None
+            and n.lock_ref == 0
+            and not any(c.device_page_ids is not None for c in n.children.values())
+        )
+
+    def evict_device(self, num_pages: int, delete_unbacked: bool = True) -> EvictResult:
+        """Free at least `num_pages` device pages, least recently used unlocked leaves first.
+
+        A leaf with a host copy drops to HOST. A leaf without one is deleted, or, with
+        `delete_unbacked=False` (write-back), kept and listed in `unbacked` for the caller to
+        back up first.
+        """
+        result = EvictResult()
+        heap = self._lru_heap(self._device_leaf)
+        while heap and len(result.freed_page_ids) < num_pages:
+            _, _, node = heapq.heappop(heap)
+            assert node.device_page_ids is not None
+            if node.host_page_ids is None and not delete_unbacked:
+                result.unbacked.append(node)
+                continue
+            result.freed_page_ids += node.device_page_ids
+            self.num_device_pages -= len(node.device_page_ids)
+            node.device_page_ids = None
+            parent = node.parent
+            assert parent is not None
+            if node.host_page_ids is None:
+                assert not node.children and node.host_ref == 0
+                del parent.children[self._child_key(node.key, 0)]
+            if self._device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return result
+
+    def _host_leaf(self, n: TreeNode) -> bool:
+        return (
+            n.host_page_ids is not None
+            and n.host_ref == 0
+            and not n.backup_pending
+            and not any(
+                c.host_page_ids is not None or c.backup_pending for c in n.children.values()
+            )
+        )
+
+    def evict_host(self, num_pages: int) -> list[HostPageId]:
+        """Free at least `num_pages` host pages from least recently used unpinned host leaves.
+
+        A node that is also on the device keeps its device copy; a host-only node is deleted.
+        """
+        freed: list[HostPageId] = []
+        heap = self._lru_heap(self._host_leaf)
+        while heap and len(freed) < num_pages:
+            _, _, node = heapq.heappop(heap)
+            assert node.host_page_ids is not None
+            freed += node.host_page_ids
+            self.num_host_pages -= len(node.host_page_ids)
+            node.host_page_ids = None
+            parent = node.parent
+            assert parent is not None
+            if node.device_page_ids is None:
+                assert not node.children and node.lock_ref == 0
+                del parent.children[self._child_key(node.key, 0)]
+            if parent is not self.root and self._host_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    # ----------------------------------------------------------------- inspection
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    @property
+    def num_evictable_device_pages(self) -> int:
+        return self.num_device_pages - self.num_locked_device_pages
+
+    def reset(self) -> tuple[list[PageId], list[HostPageId]]:
+        """Drop every node; returns their device and host pages. Nothing may be pinned."""
+        device: list[PageId] = []
+        host: list[HostPageId] = []
+        for n in self.iter_nodes():
+            if n.lock_ref or n.host_ref or n.backup_pending:
+                raise RuntimeError(f"reset with a pinned node {n!r}")
+            device += n.device_page_ids or []
+            host += n.host_page_ids or []
+        self.root.children.clear()
+        self.num_device_pages = self.num_locked_device_pages = self.num_host_pages = 0
+        return device, host
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any invariant of the tree is broken."""
+        ps = self.page_size
+        device_seen: set[int] = set()
+        host_seen: set[int] = set()
+        num_device = num_locked = num_host = 0
+        for n in self.iter_nodes():
+            parent = n.parent
+            assert parent is not None
+            assert n.key and len(n.key) % ps == 0, f"{n!r}: key not whole pages"
+            assert parent.children.get(self._child_key(n.key, 0)) is n, f"{n!r}: bad child link"
+            assert n.on_device or n.on_host, f"{n!r}: holds no KV"
+            child_locks = sum(c.lock_ref for c in n.children.values())
+            assert n.lock_ref >= child_locks, f"{n!r}: lock_ref below its children's"
+            child_refs = sum(c.host_ref for c in n.children.values())
+            assert n.host_ref >= child_refs, f"{n!r}: host_ref below its children's"
+            top = parent is self.root
+            if n.on_device:
+                assert top or parent.on_device, f"{n!r}: on device, parent is not"
+                assert n.device_page_ids is not None and len(n.device_page_ids) == len(n.key) // ps
+                assert device_seen.isdisjoint(n.device_page_ids), f"{n!r}: device page twice"
+                device_seen.update(n.device_page_ids)
+                num_device += len(n.device_page_ids)
+                num_locked += len(n.device_page_ids) if n.lock_ref else 0
+            else:
+                assert n.lock_ref == 0, f"{n!r}: locked but not on device"
+            if n.on_host:
+                assert not n.backup_pending, f"{n!r}: on host and pending"
+                assert top or parent.on_host, f"{n!r}: on host, parent is not (prefix-closed)"
+                assert n.host_page_ids is not None and len(n.host_page_ids) == len(n.key) // ps
+                assert host_seen.isdisjoint(n.host_page_ids), f"{n!r}: host page twice"
+                host_seen.update(n.host_page_ids)
+                num_host += len(n.host_page_ids)
+            if n.backup_pending:
+                assert n.on_device and n.lock_ref > 0, f"{n!r}: pending backup not locked"
+                assert top or parent.on_host or parent.backup_pending, f"{n!r}: backup gap"
+        assert (num_device, num_locked, num_host) == (
+            self.num_device_pages,
+            self.num_locked_device_pages,
+            self.num_host_pages,
+        ), "page counters drifted"
+
+    def device_page_set(self) -> set[int]:
+        return {p for n in self.iter_nodes() for p in (n.device_page_ids or [])}
+
+    def host_page_set(self) -> set[int]:
+        return {p for n in self.iter_nodes() for p in (n.host_page_ids or [])}

@@ -1,0 +1,189 @@
+"""The transfer engine: asynchronous page copies and their ordered queue of ACKs.
+
+Every copy between tiers (device -> host backup, host -> device load) is submitted here and
+runs off the scheduler thread: on a CUDA stream on GPU, on worker threads on CPU. Each
+submission appends an immutable `TransferAck` to one FIFO. Copies may *finish* in any order
+(several workers, injected delays), but the scheduler consumes ACKs strictly from the front:
+`num_ready()` counts the finished prefix, `pop(n)` takes exactly `n` from the front, waiting
+on any that has not finished (a later PP stage told to consume `n` by PP0 does that). Cache
+bookkeeping changes only when an ACK is popped.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from gpu_worker.kernels.page_transfer import PageView, transfer_pages
+
+
+class TransferKind(enum.Enum):
+    BACKUP = "backup"  # device -> host
+    LOAD = "load"  # host -> device
+
+
+class Completion(Protocol):
+    def done(self) -> bool: ...
+
+    def wait(self) -> None:
+        """Block until the copy finished; re-raise its error if it failed."""
+        ...
+
+
+class _FutureCompletion:
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[None]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+class _CudaCompletion:
+    __slots__ = ("_event",)
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return bool(self._event.query())
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+
+@dataclass(frozen=True, slots=True)
+class TransferAck:
+    """One submitted copy. `op` is what the submitter commits when the ACK is consumed."""
+
+    seq: int
+    kind: TransferKind
+    num_pages: int
+    op: object
+    completion: Completion
+
+
+@dataclass(frozen=True, slots=True)
+class DelayInjection:
+    """Test hook: sleep a random `[0, max_ms]` before each copy (seeded, reproducible)."""
+
+    max_ms: float
+    seed: int = 0
+
+
+class TransferEngine:
+    """Runs page copies asynchronously and queues their ACKs in submission order."""
+
+    def __init__(
+        self, device: torch.device, num_workers: int = 1, delay: DelayInjection | None = None
+    ) -> None:
+        self.device = device
+        self._queue: collections.deque[TransferAck] = collections.deque()
+        self._seq = 0
+        self._delay = delay
+        self._rng = random.Random(delay.seed if delay else 0)
+        self._lock = threading.Lock()
+        self._stream: torch.cuda.Stream | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=device)
+        else:
+            self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="kv-xfer")
+
+    def submit(
+        self,
+        kind: TransferKind,
+        src: PageView,
+        dst: PageView,
+        src_page_ids: list[int],
+        dst_page_ids: list[int],
+        op: object,
+    ) -> TransferAck:
+        """Start copying pages `src_page_ids` of `src` to `dst_page_ids` of `dst`.
+
+        The caller must keep both page sets alive and unwritten until the ACK is consumed.
+        """
+        if len(src_page_ids) != len(dst_page_ids):
+            raise ValueError("source and destination page lists differ in length")
+        delay_s = self._rng.uniform(0, self._delay.max_ms) / 1e3 if self._delay else 0.0
+        src_ids = torch.tensor(src_page_ids, dtype=torch.int64)
+        dst_ids = torch.tensor(dst_page_ids, dtype=torch.int64)
+        completion: Completion
+        if self._stream is not None:
+            completion = self._submit_cuda(src, dst, src_ids, dst_ids, delay_s)
+        else:
+            assert self._pool is not None
+            completion = _FutureCompletion(
+                self._pool.submit(self._copy, src, dst, src_ids, dst_ids, delay_s)
+            )
+        ack = TransferAck(self._seq, kind, len(src_page_ids), op, completion)
+        self._seq += 1
+        self._queue.append(ack)
+        return ack
+
+    @staticmethod
+    def _copy(
+        src: PageView, dst: PageView, src_ids: torch.Tensor, dst_ids: torch.Tensor, delay_s: float
+    ) -> None:
+        if delay_s:
+            time.sleep(delay_s)
+        transfer_pages(src, dst, src_ids, dst_ids)
+
+    def _submit_cuda(
+        self,
+        src: PageView,
+        dst: PageView,
+        src_ids: torch.Tensor,
+        dst_ids: torch.Tensor,
+        delay_s: float,
+    ) -> Completion:
+        assert self._stream is not None
+        # The copy must see every kernel already queued on the compute stream (the KV it backs
+        # up was written there), and must not block it.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            if delay_s:
+                torch.cuda._sleep(int(delay_s * 1e9))  # ~1 cycle per ns: a rough delay
+            transfer_pages(src, dst, src_ids, dst_ids)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return _CudaCompletion(event)
+
+    # -- the ordered ACK queue
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def num_ready(self) -> int:
+        """How many ACKs at the front of the queue have finished (the consumable prefix)."""
+        n = 0
+        for ack in self._queue:
+            if not ack.completion.done():
+                break
+            n += 1
+        return n
+
+    def pop(self, n: int) -> list[TransferAck]:
+        """Take exactly the first `n` ACKs, waiting for any whose copy is still running."""
+        if n > len(self._queue):
+            raise ValueError(f"asked to consume {n} ACKs, only {len(self._queue)} queued")
+        taken = [self._queue.popleft() for _ in range(n)]
+        for ack in taken:
+            ack.completion.wait()
+        return taken
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,172 @@
+"""The in-process engine API: generate, flush_cache, cache statistics.
+
+An engine is one model replica in one `torch.distributed` world. Rank 0 takes new requests
+(`submit`), broadcasts them at the start of each step, and every rank runs the same
+scheduler step. Only world size 1 exists so far; the broadcast path is already the real one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpu_worker.cache.hicache import CacheConfig, PrefixCache
+from gpu_worker.engine.world import broadcast_work, init_single_rank_world
+from gpu_worker.memory.kv_spec import KVSpec
+from gpu_worker.model.config import parse_dtype
+from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.model.tokenizer import load_tokenizer
+from gpu_worker.model.weights import build_model
+from gpu_worker.scheduler.request import GenerateOutput, Req
+from gpu_worker.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before it touches any state."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "tiny"  # a preset name or a Hugging Face checkpoint directory
+    dtype: str = "float64"
+    device: str = "cpu"
+    seed: int = 0  # random weights of a preset
+    context_len: int | None = None  # defaults to the model's
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        init_single_rank_world()
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model_config, self.model = build_model(
+            config.model, self.device, parse_dtype(config.dtype), seed=config.seed
+        )
+        self.tokenizer = load_tokenizer(config.model)
+        mc = self.model_config
+        self.context_len = min(config.context_len or mc.context_len, mc.context_len)
+        self.kv_spec = KVSpec(
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            config.cache.page_size,
+            parse_dtype(config.dtype),
+        )
+        self.cache = PrefixCache(config.cache, self.kv_spec, self.device)
+        self.scheduler = Scheduler(
+            config.scheduler, self.model, self.cache, mc.eos_token_ids, self.device
+        )
+        self._inbox: list[Req] = []
+        self._next_rid = 0
+
+    # ----------------------------------------------------------------- requests
+
+    def validate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
+        """Check a request; raises InvalidRequestError with a clear message, changes nothing."""
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError("sampling must be a SamplingParams")
+        ids = list(prompt_ids)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(
+                    f"prompt token {i} is {t!r}: token ids must be integers in [0, {vocab})"
+                )
+        total = len(ids) + sampling.max_new_tokens
+        if total > self.context_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                f"exceeds the context length {self.context_len}"
+            )
+        pages = self.kv_spec.pages_for(total)
+        if pages > self.cache.device_pool.num_pages:
+            raise InvalidRequestError(
+                f"the request needs {pages} KV pages, the device pool has "
+                f"{self.cache.device_pool.num_pages}"
+            )
+        return ids
+
+    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> Req:
+        sampling = sampling or SamplingParams()
+        ids = self.validate(prompt_ids, sampling)
+        req = Req(self._next_rid, ids, sampling)
+        self._next_rid += 1
+        self._inbox.append(req)
+        return req
+
+    def step(self) -> list[Req]:
+        """One scheduler step on every rank; returns the requests that finished."""
+        for req in broadcast_work(self._inbox):
+            self.scheduler.add(req)
+        self._inbox = []
+        return self.scheduler.step()
+
+    def run(self, reqs: list[Req]) -> list[GenerateOutput]:
+        """Step until every request in `reqs` has finished."""
+        while any(r.finish_reason is None for r in reqs):
+            self.step()
+        return [r.output() for r in reqs]
+
+    def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None
+    ) -> GenerateOutput:
+        return self.run([self.submit(prompt_ids, sampling)])[0]
+
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None
+    ) -> list[GenerateOutput]:
+        """All prompts together, batched by the scheduler (they may share prefixes)."""
+        for p in prompts:  # validate all first: a bad one rejects the batch, nothing queued
+            self.validate(p, sampling or SamplingParams())
+        return self.run([self.submit(p, sampling) for p in prompts])
+
+    # ----------------------------------------------------------------- cache
+
+    def flush_cache(self) -> bool:
+        """Drop all cached KV; refused (False) while requests are running."""
+        if not self.scheduler.idle or self._inbox:
+            return False
+        self.cache.flush()
+        return True
+
+    def cache_stats(self) -> dict[str, Any]:
+        c = self.cache
+        stats: dict[str, Any] = {
+            "page_size": c.page_size,
+            "device_pages": c.device_pool.num_pages,
+            "device_pages_free": c.num_free_device_pages,
+            "device_pages_cached": c.tree.num_device_pages,
+            "host_pages": c.host_pool.num_pages if c.host_pool else 0,
+            "host_pages_cached": c.tree.num_host_pages,
+            "cached_tokens_device": c.stats.device_hit_tokens,
+            "cached_tokens_host": c.stats.host_hit_tokens,
+            "backups": c.stats.num_backups,
+            "loads": c.stats.num_loads,
+        }
+        return stats
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def sampling_from(
+    max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None
+) -> SamplingParams:
+    """SamplingParams with a clear error for non-numbers (e.g. from a CLI or JSON)."""
+    if not isinstance(temperature, int | float) or not math.isfinite(float(temperature)):
+        raise InvalidRequestError(f"temperature must be a finite number, got {temperature!r}")
+    try:
+        return SamplingParams(max_new_tokens, float(temperature), float(top_p), seed)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None

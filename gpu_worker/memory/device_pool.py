@@ -1,0 +1,63 @@
+"""The device KV pool: per-layer K and V rows addressed by token slot."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.kernels.page_transfer import PageView
+from gpu_worker.memory.allocator import PageAllocator, PageId
+from gpu_worker.memory.kv_spec import KVSpec
+
+
+class DeviceKVPool:
+    """KV of `num_pages` pages on `device`, with the page allocator that owns them.
+
+    Storage is `kv` of shape (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim);
+    page `p` is slots `[p * page_size, (p + 1) * page_size)` of every layer.
+
+    With `check_reads`, pages written by an in-flight load are marked pending and `get_kv`
+    raises if attention would read one before its completion was consumed (invariant 3).
+    """
+
+    def __init__(
+        self, spec: KVSpec, num_pages: int, device: torch.device, check_reads: bool = False
+    ) -> None:
+        self.spec = spec
+        self.device = device
+        self.num_pages = num_pages
+        self.allocator = PageAllocator(num_pages, "device")
+        num_slots = num_pages * spec.page_size
+        self.kv = torch.zeros(
+            (spec.num_layers, 2, num_slots, spec.num_kv_heads, spec.head_dim),
+            dtype=spec.dtype,
+            device=device,
+        )
+        self.check_reads = check_reads
+        self._pending = torch.zeros(num_pages, dtype=torch.bool, device=device)
+
+    # -- KVCache protocol (the model's view)
+
+    def set_kv(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv[layer, 0, slot_ids] = k
+        self.kv[layer, 1, slot_ids] = v
+
+    def get_kv(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.check_reads and bool(self._pending[slot_ids // self.spec.page_size].any()):
+            raise RuntimeError("attention read a page whose load has not completed")
+        return self.kv[layer, 0, slot_ids], self.kv[layer, 1, slot_ids]
+
+    # -- pages
+
+    def page_view(self) -> PageView:
+        return PageView.layer_first(self.kv, self.spec.page_size)
+
+    def slot_ids(self, page_ids: list[PageId], num_tokens: int) -> torch.Tensor:
+        """Slots of token positions `[0, num_tokens)` laid over `page_ids`: (num_tokens,) int64."""
+        ps = self.spec.page_size
+        pages = torch.tensor(page_ids, dtype=torch.int64, device=self.device)
+        offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
+        return (pages[:, None] * ps + offsets).flatten()[:num_tokens]  # (num_tokens,)
+
+    def mark_pending(self, page_ids: list[PageId], pending: bool) -> None:
+        if self.check_reads and page_ids:
+            self._pending[torch.tensor(page_ids, dtype=torch.int64, device=self.device)] = pending

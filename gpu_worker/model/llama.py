@@ -1,0 +1,260 @@
+"""A Llama/Qwen2-style decoder that reads and writes KV through a `KVCache`.
+
+All linear layers run once over the concatenated new tokens of the batch (T, hidden);
+attention runs per request, its new queries over the request's whole cached sequence.
+Module names follow Hugging Face (`layers.{i}.self_attn.q_proj`, ...) so that a checkpoint
+maps onto this model by dropping the `model.` prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.model.config import ModelConfig
+from gpu_worker.model.forward_batch import ForwardBatch, KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., dim) -> (..., dim); the mean square is taken in at least float32."""
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (max_len, head_dim) float64, halves repeated (rotate-half layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # (max_len, D/2)
+    angles = torch.cat([freqs, freqs], dim=-1)  # (max_len, head_dim)
+    return angles.cos(), angles.sin()
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables up to the context length, cast with the model's dtype."""
+
+    cos: torch.Tensor  # (max_len, head_dim)
+    sin: torch.Tensor  # (max_len, head_dim)
+
+    def __init__(self, head_dim: int, max_len: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.max_len, self.theta = head_dim, max_len, theta
+        self.register_buffer("cos", torch.empty(max_len, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_len, head_dim), persistent=False)
+        self.reset_tables()
+
+    def reset_tables(self) -> None:
+        """Recompute the tables (needed after `to_empty`), keeping their device and dtype."""
+        cos, sin = rope_tables(self.head_dim, self.max_len, self.theta)
+        self.cos = cos.to(device=self.cos.device, dtype=self.cos.dtype)
+        self.sin = sin.to(device=self.sin.device, dtype=self.sin.dtype)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) int64 -> cos, sin each (T, 1, head_dim), broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (T, n_heads, head_dim) by cos/sin (T, 1, head_dim), HF rotate-half layout."""
+    x1, x2 = x.chunk(2, dim=-1)  # each (T, n_heads, head_dim / 2)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpan:
+    """Where one request's new tokens sit in the batch, and what its attention reads."""
+
+    start: int  # first row of its new tokens in the (T, ...) batch tensors
+    end: int  # one past its last row
+    slot_ids: torch.Tensor  # (seq_len,) int64: slots of its positions 0..seq_len-1
+    mask: torch.Tensor  # (extend_len, seq_len) bool: True where a query may see a key
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """Built once per forward pass, reused by every layer."""
+
+    spans: list[RequestSpan]
+    new_slot_ids: torch.Tensor  # (T,) int64: the slots the new tokens' K/V go to
+    last_rows: torch.Tensor  # (batch_size,) int64: row of each request's last new token
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, context_len: int) -> AttentionPlan:
+        spans: list[RequestSpan] = []
+        new_slots: list[torch.Tensor] = []
+        start, device = 0, batch.input_ids.device
+        for seq_len, extend_len, slot_ids in zip(
+            batch.seq_lens, batch.extend_lens, batch.slot_ids, strict=True
+        ):
+            if not 0 < extend_len <= seq_len <= context_len:
+                raise ValueError(
+                    f"need 0 < extend_len ({extend_len}) <= seq_len ({seq_len})"
+                    f" <= context_len ({context_len})"
+                )
+            if slot_ids.shape != (seq_len,):
+                raise ValueError(f"slot_ids shape {tuple(slot_ids.shape)} != ({seq_len},)")
+            prefix_len = seq_len - extend_len
+            query_pos = torch.arange(prefix_len, seq_len, device=device)  # (extend_len,)
+            key_pos = torch.arange(seq_len, device=device)  # (seq_len,)
+            mask = key_pos[None, :] <= query_pos[:, None]  # (extend_len, seq_len)
+            spans.append(RequestSpan(start, start + extend_len, slot_ids, mask))
+            new_slots.append(slot_ids[prefix_len:])
+            start += extend_len
+        if not spans:
+            raise ValueError("empty batch")
+        if start != batch.input_ids.shape[0]:
+            raise ValueError(f"sum(extend_lens) = {start} != {batch.input_ids.shape[0]} tokens")
+        last_rows = torch.tensor([s.end - 1 for s in spans], device=device)
+        return cls(spans, torch.cat(new_slots), last_rows)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """One request: q (n, n_heads, D), k/v (S, n_kv_heads, D), mask (n, S) -> (n, n_heads, D)."""
+    group_size = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group_size, dim=1)  # (S, n_heads, D)
+    v = v.repeat_interleave(group_size, dim=1)  # (S, n_heads, D)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+    )  # (n_heads, n, D)
+    return out.transpose(0, 1)  # (n, n_heads, D)
+
+
+class Attention(nn.Module):
+    """GQA self-attention. Head counts are this module's own (local), so a tensor-parallel
+    shard only needs to construct it with fewer heads and slice the weights."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        plan: AttentionPlan,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden); writes this layer's new K/V into `kv_cache` first."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, n_heads, head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        kv_cache.set_kv(self.layer_id, plan.new_slot_ids, k, v)
+        out = torch.empty_like(q)  # (T, n_heads, head_dim)
+        for span in plan.spans:
+            k_seq, v_seq = kv_cache.get_kv(self.layer_id, span.slot_ids)  # (S, n_kv_heads, D)
+            out[span.start : span.end] = causal_attention(
+                q[span.start : span.end], k_seq, v_seq, span.mask
+            )
+        return self.o_proj(out.view(T, self.num_heads * self.head_dim))  # (T, hidden)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        plan: AttentionPlan,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """h (T, hidden) -> (T, hidden)."""
+        h = h + self.self_attn(self.input_layernorm(h), rope, plan, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, `num_layers` decoder layers, final norm and lm_head (maybe tied)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Tied: the logits reuse `embed_tokens.weight`, so there is no second parameter
+        # whose sharing a device move or `to_empty` could silently break.
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.context_len, config.rope_theta)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this model instance stores per layer (what the KV pool must hold)."""
+        return self.config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Run the batch's new tokens; return logits (batch_size, vocab_size) of each
+        request's last new token, in the model dtype. Writes K/V of every new token."""
+        plan = AttentionPlan.build(batch, self.config.context_len)
+        rope = self.rotary(batch.positions)  # cos, sin: (T, 1, head_dim)
+        h = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        for layer in self.layers:
+            h = layer(h, rope, plan, kv_cache)
+        h = self.norm(h[plan.last_rows])  # (batch_size, hidden)
+        return self.compute_logits(h)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states (n, hidden) -> logits (n, vocab_size)."""
+        if self.lm_head is None:
+            return F.linear(h, self.embed_tokens.weight)
+        return self.lm_head(h)
+
+
+def create_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> LlamaModel:
+    """An inference-only model on `device` in `dtype` whose parameters are NOT initialised:
+    the caller must fill every parameter (see `weights.py`). Nothing is allocated twice."""
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.rotary.reset_tables()
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,78 @@
+"""A request inside the engine, and what the engine hands back for it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker.cache.hicache import LoadTicket
+from gpu_worker.cache.radix import TreeNode
+from gpu_worker.memory.allocator import PageId
+from gpu_worker.model.sampling import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"  # queued, nothing reserved
+    LOADING = "loading"  # admitted; its host hit is being loaded back
+    PREFILL = "prefill"  # computing its prompt, chunk by chunk
+    DECODE = "decode"  # generating
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class CachedTokens:
+    """Prompt tokens served from each tier instead of being computed."""
+
+    device: int = 0
+    host: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateOutput:
+    rid: int
+    prompt_len: int
+    output_ids: list[int]
+    cached: CachedTokens
+    finish_reason: str  # "stop" (a stop/eos token) or "length" (max_new_tokens)
+
+
+@dataclass(eq=False, slots=True)
+class Req:
+    rid: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    state: ReqState = ReqState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    page_ids: list[PageId] = field(default_factory=list)  # position x -> page_ids[x // page_size]
+    cached_len: int = 0  # tokens at the front whose pages belong to the tree (pinned by last_node)
+    last_node: TreeNode | None = None  # the tree node this request holds locked
+    computed_len: int = 0  # tokens whose KV is in the pool (cached prefix + computed chunks)
+    load: LoadTicket | None = None
+    cached: CachedTokens = CachedTokens()
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_seq_len(self) -> int:
+        """Slots this request may ever write: prompt + all but the last generated token."""
+        return self.prompt_len + max(self.sampling.max_new_tokens - 1, 0)
+
+    def output(self) -> GenerateOutput:
+        assert self.finish_reason is not None
+        return GenerateOutput(
+            self.rid, self.prompt_len, list(self.output_ids), self.cached, self.finish_reason
+        )

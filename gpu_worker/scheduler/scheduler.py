@@ -1,0 +1,216 @@
+"""The synchronous scheduler loop of one rank: admit, load, prefill in chunks, decode.
+
+One `step()`:
+1. consume the transfer ACKs that are ready (in order) and move requests whose load-back
+   completed on to prefill;
+2. admit waiting requests first-come-first-served while the page budget allows: the
+   matched prefix is locked, pages for the host part to load and for every token the request
+   may still write are reserved up front (so nothing is ever preempted);
+3. run one forward over a ragged batch: every decoding request plus prefill chunks up to
+   `chunked_prefill_size` tokens;
+4. sample, finish requests, and insert their KV into the tree.
+
+Every rank runs the same steps on the same inputs; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.cache.hicache import PrefixCache
+from gpu_worker.model.forward_batch import ForwardBatch
+from gpu_worker.model.llama import LlamaModel
+from gpu_worker.model.sampling import sample
+from gpu_worker.scheduler.request import CachedTokens, Req, ReqState
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    chunked_prefill_size: int = 512  # prompt tokens computed per step, all requests together
+    max_running_requests: int = 64
+    check_integrity_when_idle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size <= 0 or self.max_running_requests <= 0:
+            raise ValueError("chunked_prefill_size and max_running_requests must be positive")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        model: LlamaModel,
+        cache: PrefixCache,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.cache = cache
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.device = device
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admitted, in admission order
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, req: Req) -> None:
+        if req.sampling.max_new_tokens == 0:
+            req.state, req.finish_reason = ReqState.FINISHED, "length"
+            return
+        if req.sampling.seed is not None:
+            req.generator = torch.Generator().manual_seed(req.sampling.seed)
+        self.waiting.append(req)
+
+    # ----------------------------------------------------------------- step
+
+    def step(self) -> list[Req]:
+        """Run one scheduling step; returns the requests that finished in it."""
+        self.cache.consume(self.cache.num_ready_acks())
+        self._finish_loads()
+        self._admit()
+        finished = self._forward()
+        if self.idle and self.config.check_integrity_when_idle:
+            self.cache.drain()
+            self.check_integrity()
+        return finished
+
+    def _finish_loads(self) -> None:
+        for req in self.running:
+            if req.state is ReqState.LOADING and req.load is not None and req.load.done:
+                ticket, old = req.load, req.last_node
+                assert old is not None
+                self.cache.lock(ticket.last_node)
+                self.cache.unlock(old)
+                req.last_node, req.load = ticket.last_node, None
+                prefix = self.cache.tree.path_device_page_ids(ticket.last_node)
+                req.page_ids[: len(prefix)] = prefix
+                req.cached_len = len(prefix) * self.cache.page_size
+                req.state = ReqState.PREFILL
+
+    def _admit(self) -> None:
+        cache, ps = self.cache, self.cache.page_size
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            match = cache.match(req.prompt_ids)
+            cache.lock(match.last_device_node)
+            load_pages = len(match.host_page_ids)
+            own_pages = -(-req.max_seq_len // ps) - match.total_len // ps
+            if load_pages + own_pages > cache.num_available_device_pages:
+                cache.unlock(match.last_device_node)
+                if not self.running:  # nothing will ever free more: the engine checks sizes
+                    raise RuntimeError(f"request {req.rid} does not fit the device pool")
+                return
+            self.waiting.popleft()
+            ticket = cache.start_load(match)
+            if ticket is None and match.host_len:  # no room to load: compute it instead
+                own_pages += load_pages
+            pages = cache.alloc(own_pages)
+            assert pages is not None, "the budget check guaranteed these pages"
+            req.last_node = match.last_device_node
+            req.cached_len = match.device_len
+            host_len = match.host_len if ticket is not None else 0
+            req.computed_len = match.device_len + host_len
+            req.cached = CachedTokens(device=match.device_len, host=host_len)
+            req.page_ids = list(match.device_page_ids) + (ticket.page_ids if ticket else []) + pages
+            req.load = ticket
+            req.state = ReqState.LOADING if ticket else ReqState.PREFILL
+            cache.stats.device_hit_tokens += match.device_len
+            cache.stats.host_hit_tokens += host_len
+            self.running.append(req)
+
+    # ----------------------------------------------------------------- forward
+
+    def _plan(self) -> list[tuple[Req, list[int]]]:
+        """Which requests run this step, with the new tokens each feeds."""
+        plan = [(r, [r.output_ids[-1]]) for r in self.running if r.state is ReqState.DECODE]
+        budget = self.config.chunked_prefill_size
+        for req in self.running:
+            if req.state is not ReqState.PREFILL or budget == 0:
+                continue
+            chunk = req.prompt_ids[req.computed_len : req.computed_len + budget]
+            budget -= len(chunk)
+            plan.append((req, chunk))
+        return plan
+
+    def _forward(self) -> list[Req]:
+        plan = self._plan()
+        if not plan:
+            return []
+        pool = self.cache.device_pool
+        seqs = []
+        for req, new_ids in plan:
+            prefix_len = req.computed_len if req.state is ReqState.PREFILL else req.seq_len - 1
+            slots = pool.slot_ids(req.page_ids, prefix_len + len(new_ids))
+            seqs.append((new_ids, prefix_len, slots))
+        batch = ForwardBatch.build(seqs, self.device)
+        with torch.inference_mode():
+            logits = self.model(batch, pool)  # (batch_size, vocab)
+        finished = []
+        for i, (req, new_ids) in enumerate(plan):
+            if req.state is ReqState.PREFILL:
+                req.computed_len += len(new_ids)
+                if req.computed_len < req.prompt_len:
+                    continue  # more chunks to go: no token yet
+                req.state = ReqState.DECODE
+                self._cache_prompt(req)
+            token = sample(logits[i], req.sampling, req.generator)
+            req.output_ids.append(token)
+            if self._is_finished(req, token):
+                self._finish(req)
+                finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.state is not ReqState.FINISHED]
+        return finished
+
+    def _is_finished(self, req: Req, token: int) -> bool:
+        sp = req.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
+            req.finish_reason = "stop"
+        elif len(req.output_ids) >= sp.max_new_tokens:
+            req.finish_reason = "length"
+        return req.finish_reason is not None
+
+    # ----------------------------------------------------------------- cache hand-off
+
+    def _cache_prompt(self, req: Req) -> None:
+        """After prefill, share the prompt's KV through the tree for requests behind it."""
+        if not self.cache.config.enable_radix_cache:
+            return
+        self._insert(req, req.prompt_ids)
+
+    def _insert(self, req: Req, ids: list[int]) -> None:
+        prefix, node = self.cache.insert(ids, req.page_ids, req.cached_len)
+        self.cache.lock(node)
+        assert req.last_node is not None
+        self.cache.unlock(req.last_node)
+        req.last_node = node
+        req.page_ids[: len(prefix)] = prefix
+        req.cached_len = len(prefix) * self.cache.page_size
+
+    def _finish(self, req: Req) -> None:
+        """Insert the finished sequence's KV (all but the last token) and release the rest."""
+        req.state = ReqState.FINISHED
+        if self.cache.config.enable_radix_cache:
+            self._insert(req, (req.prompt_ids + req.output_ids)[: req.seq_len - 1])
+        assert req.last_node is not None
+        self.cache.unlock(req.last_node)
+        self.cache.free(req.page_ids[req.cached_len // self.cache.page_size :])
+        req.page_ids, req.last_node = [], None
+
+    # ----------------------------------------------------------------- checks
+
+    def held_page_ids(self) -> set[int]:
+        """Device pages owned by running requests (their own pages, not the tree's)."""
+        held: set[int] = set()
+        for req in self.running:
+            held.update(req.page_ids[req.cached_len // self.cache.page_size :])
+        return held
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity(self.held_page_ids())

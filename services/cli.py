@@ -1,0 +1,82 @@
+"""`hicache-mesh`: the command line of the mesh.
+
+Subcommands:
+- `generate`: run the engine offline on one prompt and print the output and the cached-token
+  counts per tier (with `--repeat N` the same prompt runs N times, so the cache shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gpu_worker.engine.args import add_engine_args, engine_config_from_args
+from gpu_worker.engine.engine import Engine, InvalidRequestError, sampling_from
+
+
+def _generate(args: argparse.Namespace) -> int:
+    engine = Engine(engine_config_from_args(args))
+    try:
+        if args.input_ids is not None:
+            ids = [int(t) for t in args.input_ids.split(",") if t.strip()]
+        else:
+            ids = engine.tokenizer.encode(args.prompt)
+        sampling = sampling_from(args.max_tokens, args.temperature, args.top_p, args.seed)
+        for turn in range(args.repeat):
+            if turn and args.flush_device:
+                engine.cache.drain()  # backups done: evicted pages stay on the host
+                engine.cache.evict_device(engine.cache.tree.num_device_pages)
+            out = engine.generate(ids, sampling)
+            text = engine.tokenizer.decode(out.output_ids)
+            print(
+                f"[run {turn + 1}] prompt_tokens={out.prompt_len} "
+                f"cached_tokens={out.cached.total} (device={out.cached.device}, "
+                f"host={out.cached.host}) finish={out.finish_reason}"
+            )
+            print(f"  output_ids={out.output_ids}")
+            print(f"  text={text!r}")
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        engine.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hicache-mesh",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="run the engine offline on one prompt")
+    add_engine_args(gen)
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog.")
+    src.add_argument("--input-ids", default=None, help="comma-separated token ids")
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--repeat", type=int, default=1, help="run the same prompt N times")
+    gen.add_argument(
+        "--flush-device",
+        action="store_true",
+        help="between repeats, evict the device cache so hits come from the host",
+    )
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The decoder against a no-cache reference: chunked prefill, decode, ragged batches, slots."""
+
+from __future__ import annotations
+
+import math
+from typing import cast
+
+import pytest
+import torch
+
+from gpu_worker.model import (
+    PRESETS,
+    ByteTokenizer,
+    ForwardBatch,
+    LlamaModel,
+    build_model,
+    load_tokenizer,
+)
+from gpu_worker.model.llama import DecoderLayer
+
+DEVICE = torch.device("cpu")
+DTYPE = torch.float64
+ATOL = 1e-10
+
+
+class DenseKVCache:
+    """The simplest `KVCache`: one (num_layers, 2, num_slots, n_kv_heads, head_dim) tensor."""
+
+    def __init__(self, model: LlamaModel, num_slots: int) -> None:
+        shape = (model.num_layers, 2, num_slots, model.num_kv_heads, model.head_dim)
+        self.kv = torch.zeros(shape, dtype=DTYPE, device=DEVICE)
+
+    def set_kv(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv[layer, 0, slot_ids] = k
+        self.kv[layer, 1, slot_ids] = v
+
+    def get_kv(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[layer, 0, slot_ids], self.kv[layer, 1, slot_ids]
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    return build_model("tiny", DEVICE, DTYPE, seed=0)[1]
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=gen).tolist()
+
+
+def run_chunks(
+    model: LlamaModel,
+    cache: DenseKVCache,
+    tokens: list[int],
+    chunks: list[int],
+    slots: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Feed `tokens` as consecutive chunks of the given sizes; logits (vocab,) after each."""
+    out, done = [], 0
+    for size in chunks:
+        seq_slots = slots[: done + size]
+        batch = ForwardBatch.build([(tokens[done : done + size], done, seq_slots)], DEVICE)
+        out.append(model(batch, cache)[0])
+        done += size
+    assert done == len(tokens)
+    return out
+
+
+def layers(model: LlamaModel) -> list[DecoderLayer]:
+    return cast(list[DecoderLayer], list(model.layers))
+
+
+@torch.no_grad()
+def reference_logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+    """Logits (T, vocab) of the whole sequence with no cache: plain-math attention over a
+    triangular mask, reusing only the model's weights and its RoPE tables."""
+    cfg = model.config
+    T = len(tokens)
+    h = model.embed_tokens(torch.tensor(tokens))  # (T, hidden)
+    cos, sin = model.rotary.cos[:T, None, :], model.rotary.sin[:T, None, :]  # (T, 1, D)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)  # (T, T)
+    for layer in layers(model):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = rope(attn.q_proj(x).view(T, cfg.num_heads, cfg.head_dim))  # (T, H, D)
+        k = rope(attn.k_proj(x).view(T, cfg.num_kv_heads, cfg.head_dim))  # (T, KV, D)
+        v = attn.v_proj(x).view(T, cfg.num_kv_heads, cfg.head_dim)  # (T, KV, D)
+        k = k.repeat_interleave(cfg.group_size, dim=1)  # (T, H, D)
+        v = v.repeat_interleave(cfg.group_size, dim=1)  # (T, H, D)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(cfg.head_dim)  # (H, T, T)
+        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        o = torch.einsum("hqk,khd->qhd", probs, v).reshape(T, -1)  # (T, H * D)
+        h = h + attn.o_proj(o)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.compute_logits(model.norm(h))
+
+
+@torch.no_grad()
+def test_chunked_prefill_and_decode_match_reference(model: LlamaModel) -> None:
+    tokens = prompt(20)
+    slots = torch.arange(len(tokens))
+    ref = reference_logits(model, tokens)
+    whole = run_chunks(model, DenseKVCache(model, 32), tokens, [20], slots)
+    chunked = run_chunks(model, DenseKVCache(model, 32), tokens, [7, 5, 8], slots)
+    decoded = run_chunks(model, DenseKVCache(model, 32), tokens, [12] + [1] * 8, slots)
+    torch.testing.assert_close(whole[0], ref[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(chunked[-1], ref[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(chunked[0], ref[6], atol=ATOL, rtol=0)
+    torch.testing.assert_close(chunked[1], ref[11], atol=ATOL, rtol=0)
+    for step, logits in enumerate(decoded):
+        torch.testing.assert_close(logits, ref[11 + step], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_ragged_batch_equals_each_request_alone(model: LlamaModel) -> None:
+    # (tokens, prefix already cached): a fresh prefill, a chunk on a prefix, a decode step.
+    requests = [(prompt(9, seed=2), 0), (prompt(11, seed=3), 6), (prompt(13, seed=4), 12)]
+    slots = [torch.arange(0, 9), torch.arange(16, 27), torch.arange(32, 45)]
+    cache = DenseKVCache(model, 48)
+    for (tokens, prefix_len), seq_slots in zip(requests, slots, strict=True):
+        if prefix_len:
+            run_chunks(model, cache, tokens[:prefix_len], [prefix_len], seq_slots)
+    alone = []
+    for (tokens, prefix_len), seq_slots in zip(requests, slots, strict=True):
+        own = DenseKVCache(model, 48)
+        own.kv.copy_(cache.kv)
+        new = tokens[prefix_len:]
+        batch = ForwardBatch.build([(new, prefix_len, seq_slots)], DEVICE)
+        alone.append(model(batch, own)[0])
+    seqs = [(t[p:], p, s) for (t, p), s in zip(requests, slots, strict=True)]
+    batched = model(ForwardBatch.build(seqs, DEVICE), cache)
+    assert batched.shape == (3, PRESETS["tiny"].vocab_size)
+    torch.testing.assert_close(batched, torch.stack(alone), atol=ATOL, rtol=0)
+    for (tokens, _), row in zip(requests, batched, strict=True):
+        torch.testing.assert_close(row, reference_logits(model, tokens)[-1], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_slots_need_not_be_contiguous(model: LlamaModel) -> None:
+    tokens = prompt(15, seed=5)
+    contiguous = run_chunks(model, DenseKVCache(model, 64), tokens, [10, 1, 4], torch.arange(15))
+    scattered = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:15]
+    permuted = run_chunks(model, DenseKVCache(model, 64), tokens, [10, 1, 4], scattered)
+    for a, b in zip(contiguous, permuted, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+@torch.no_grad()
+def test_random_init_is_seeded() -> None:
+    _, a = build_model("tiny", DEVICE, DTYPE, seed=7)
+    _, b = build_model("tiny", DEVICE, DTYPE, seed=7)
+    _, c = build_model("tiny", DEVICE, DTYPE, seed=8)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.embed_tokens.weight, c.embed_tokens.weight)
+    q_a, q_c = layers(a)[0].self_attn.q_proj.weight, layers(c)[0].self_attn.q_proj.weight
+    assert not torch.equal(q_a, q_c)
+
+
+@torch.no_grad()
+def test_greedy_generation_is_not_degenerate() -> None:
+    _, model = build_model("tiny", DEVICE, torch.float32, seed=0)
+    cache = DenseKVCache(model, 64)
+    cache.kv = cache.kv.float()
+    tokens = ByteTokenizer().encode("The quick brown fox ")
+    slots = torch.arange(64)
+    batch = ForwardBatch.build([(tokens, 0, slots[: len(tokens)])], DEVICE)
+    logits = model(batch, cache)
+    generated = []
+    for _ in range(32):
+        next_id = int(logits[0].argmax())
+        generated.append(next_id)
+        tokens.append(next_id)
+        n = len(tokens)
+        batch = ForwardBatch.build([([next_id], n - 1, slots[:n])], DEVICE)
+        logits = model(batch, cache)
+    assert len(set(generated)) >= 6, generated
+
+
+def test_byte_tokenizer_round_trips_utf8() -> None:
+    tok = load_tokenizer("tiny")
+    assert isinstance(tok, ByteTokenizer)
+    text = "héllo, wörld — 你好 🙂"
+    ids = tok.encode(text)
+    assert all(0 <= i < 256 for i in ids)
+    assert len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    assert tok.decode([tok.bos_token_id, *ids, *tok.eos_token_ids]) == text
+    assert tok.decode(ids[:-1]).endswith("\ufffd")  # a cut multi-byte character
+    assert tok.vocab_size == PRESETS["tiny"].vocab_size
