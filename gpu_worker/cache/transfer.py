@@ -95,6 +95,7 @@ class TransferEngine:
         self._delay = delay
         self._rng = random.Random(delay.seed if delay else 0)
         self._lock = threading.Lock()
+        self.completion_log: list[int] = []  # ACK seqs in the order their copies finished
         self._stream: torch.cuda.Stream | None = None
         self._pool: ThreadPoolExecutor | None = None
         if device.type == "cuda":
@@ -126,20 +127,27 @@ class TransferEngine:
         else:
             assert self._pool is not None
             completion = _FutureCompletion(
-                self._pool.submit(self._copy, src, dst, src_ids, dst_ids, delay_s)
+                self._pool.submit(self._copy, self._seq, src, dst, src_ids, dst_ids, delay_s)
             )
         ack = TransferAck(self._seq, kind, len(src_page_ids), op, completion)
         self._seq += 1
         self._queue.append(ack)
         return ack
 
-    @staticmethod
     def _copy(
-        src: PageView, dst: PageView, src_ids: torch.Tensor, dst_ids: torch.Tensor, delay_s: float
+        self,
+        seq: int,
+        src: PageView,
+        dst: PageView,
+        src_ids: torch.Tensor,
+        dst_ids: torch.Tensor,
+        delay_s: float,
     ) -> None:
         if delay_s:
             time.sleep(delay_s)
         transfer_pages(src, dst, src_ids, dst_ids)
+        with self._lock:
+            self.completion_log.append(seq)
 
     def _submit_cuda(
         self,

@@ -1,0 +1,165 @@
+"""The oracle: a cache hit never changes an output (DESIGN.md invariant 1).
+
+Greedy generation on the float64 tiny model, cold with the radix cache off, must give the
+same tokens with device hits and with hits forced into the host tier, for every write policy
+and host layout. Cached-token counts are checked against an independent brute-force model
+of what each tier holds, not against the tree itself.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.scheduler.scheduler import SchedulerConfig
+
+PAGE = 4
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+def make_prompts(seed: int = 7) -> list[list[int]]:
+    """3 groups x 3 prompts; each group shares an unaligned prefix, suffixes differ."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(3):
+        shared = [rng.randrange(256) for _ in range(rng.randint(17, 30))]
+        for _ in range(3):
+            prompts.append(shared + [rng.randrange(256) for _ in range(rng.randint(3, 14))])
+    return prompts
+
+
+def aligned_lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n - n % PAGE
+
+
+def kv_tokens(prompt: list[int], output: list[int]) -> list[int]:
+    """Tokens whose KV a finished request leaves behind: all but the last generated."""
+    return (prompt + output)[:-1]
+
+
+def expected_hit(prompt: list[int], held: list[list[int]]) -> int:
+    """Longest page-aligned prefix of prompt[:-1] found in any of the held sequences."""
+    return max((aligned_lcp(prompt[:-1], seq) for seq in held), default=0)
+
+
+def engine(cache: CacheConfig, chunk: int = 512) -> Engine:
+    return Engine(EngineConfig(cache=cache, scheduler=SchedulerConfig(chunked_prefill_size=chunk)))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return make_prompts()
+
+
+@pytest.fixture(scope="module")
+def cold(prompts: list[list[int]]) -> list[list[int]]:
+    eng = engine(CacheConfig(page_size=PAGE, num_device_pages=256, enable_radix_cache=False))
+    outs = [eng.generate(p, GREEDY) for p in prompts]
+    assert all(o.cached.total == 0 for o in outs)
+    assert eng.cache.num_free_device_pages == 256
+    return [o.output_ids for o in outs]
+
+
+def test_device_hits_match_cold(prompts: list[list[int]], cold: list[list[int]]) -> None:
+    eng = engine(CacheConfig(page_size=PAGE, num_device_pages=256), chunk=8)
+    held: list[list[int]] = []
+    for turn in range(2):
+        for p, want in zip(prompts, cold, strict=True):
+            out = eng.generate(p, GREEDY)
+            assert out.output_ids == want
+            assert out.cached.host == 0
+            assert out.cached.device == expected_hit(p, held), f"turn {turn}"
+            held.append(kv_tokens(p, out.output_ids))
+        eng.check_integrity()
+    # the second turn hit every prompt's whole aligned prefix (prompt[:-1])
+    assert eng.cache_stats()["cached_tokens_device"] > 0
+
+
+def test_batched_requests_match_cold(prompts: list[list[int]], cold: list[list[int]]) -> None:
+    eng = engine(CacheConfig(page_size=PAGE, num_device_pages=256), chunk=16)
+    outs = eng.generate_batch(prompts, GREEDY)
+    assert [o.output_ids for o in outs] == cold
+    outs = eng.generate_batch(prompts, GREEDY)  # everything now cached
+    assert [o.output_ids for o in outs] == cold
+    assert [o.cached.device for o in outs] == [(len(p) - 1) // PAGE * PAGE for p in prompts]
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_host_hits_match_cold(
+    prompts: list[list[int]], cold: list[list[int]], policy: str, layout: str
+) -> None:
+    cfg = CacheConfig(
+        page_size=PAGE,
+        num_device_pages=256,
+        enable_hierarchical_cache=True,
+        hicache_ratio=2.0,
+        hicache_write_policy=policy,
+        hicache_mem_layout=layout,
+        write_through_threshold=1,  # type: ignore[arg-type]
+    )
+    eng = engine(cfg, chunk=8)
+    # Pass 1 fills the device cache; pass 2 hits it (the hit makes write_through_selective
+    # back the matched paths up). Then the device cache is emptied: what was backed up stays
+    # on the host.
+    for _ in range(2):
+        assert [eng.generate(p, GREEDY).output_ids for p in prompts] == cold
+    eng.cache.drain()
+    eng.cache.evict_device(eng.cache.tree.num_device_pages)
+    assert eng.cache.tree.num_device_pages == 0
+    assert eng.cache.tree.num_host_pages > 0
+    eng.check_integrity()
+
+    on_device: list[list[int]] = []  # what pass 3 puts back on the device, request by request
+    for p, want in zip(prompts, cold, strict=True):
+        out = eng.generate(p, GREEDY)
+        assert out.output_ids == want
+        device = expected_hit(p, on_device)
+        total = (len(p) - 1) // PAGE * PAGE  # every prompt's prefix was backed up in pass 2
+        assert (out.cached.device, out.cached.host) == (device, total - device)
+        on_device.append(kv_tokens(p, out.output_ids))
+    assert eng.cache.stats.host_hit_tokens > 0
+    eng.cache.drain()
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_small_device_pool_spills_to_host(
+    prompts: list[list[int]], cold: list[list[int]], policy: str
+) -> None:
+    """A device pool of a few requests: LRU eviction pushes prefixes to the host, reused later."""
+    cfg = CacheConfig(
+        page_size=PAGE,
+        num_device_pages=24,
+        enable_hierarchical_cache=True,
+        hicache_ratio=8.0,
+        hicache_write_policy=policy,  # type: ignore[arg-type]
+    )
+    eng = engine(cfg, chunk=8)
+    for _ in range(2):
+        assert [eng.generate(p, GREEDY).output_ids for p in prompts] == cold
+    assert eng.cache.stats.host_hit_tokens > 0
+    eng.cache.drain()
+    eng.check_integrity()
+
+
+def test_flush_cache_returns_every_page(prompts: list[list[int]]) -> None:
+    cfg = CacheConfig(page_size=PAGE, num_device_pages=64, enable_hierarchical_cache=True)
+    eng = engine(cfg)
+    eng.generate_batch(prompts[:3], GREEDY)
+    assert eng.cache.num_free_device_pages < 64
+    assert eng.flush_cache()
+    assert eng.cache.num_free_device_pages == 64
+    assert eng.cache.host_pool is not None
+    assert eng.cache.host_pool.allocator.num_free == eng.cache.host_pool.num_pages
+    assert eng.generate(prompts[0], GREEDY).cached.total == 0

@@ -1,0 +1,158 @@
+"""Ordered ACKs (DESIGN.md section 3, invariant 3).
+
+Copies may finish in any order; bookkeeping changes only when ACKs are consumed, strictly in
+submission order; and no attention reads a page whose load ACK was not consumed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from gpu_worker.cache.hicache import CacheConfig, PrefixCache
+from gpu_worker.cache.transfer import DelayInjection, TransferEngine, TransferKind
+from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.kernels.page_transfer import PageView
+from gpu_worker.memory.kv_spec import KVSpec
+from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.scheduler.scheduler import Scheduler
+
+CPU = torch.device("cpu")
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype=torch.float64)
+
+
+def pools(num_pages: int = 16) -> tuple[PageView, PageView, torch.Tensor, torch.Tensor]:
+    src = torch.randn(2, 2, num_pages * 4, 2, 4, dtype=torch.float64)
+    dst = torch.zeros(num_pages, 2, 2, 4, 2, 4, dtype=torch.float64)
+    return PageView.layer_first(src, 4), PageView.page_first(dst), src, dst
+
+
+def test_out_of_order_completion_is_consumed_in_order() -> None:
+    engine = TransferEngine(CPU, num_workers=4, delay=DelayInjection(max_ms=30, seed=3))
+    src, dst, _, _ = pools()
+    for i in range(12):
+        engine.submit(TransferKind.BACKUP, src, dst, [i], [i], op=i)
+    consumed: list[int] = []
+    deadline = time.monotonic() + 10
+    while len(consumed) < 12 and time.monotonic() < deadline:
+        ready = engine.num_ready()
+        with engine._lock:
+            finished = set(engine.completion_log)
+        # num_ready is exactly the finished prefix of what is still queued
+        prefix = 0
+        while len(consumed) + prefix < 12 and len(consumed) + prefix in finished:
+            prefix += 1
+        assert ready <= prefix
+        consumed += [ack.op for ack in engine.pop(ready)]  # type: ignore[misc]
+        time.sleep(0.002)
+    assert consumed == list(range(12))
+    assert sorted(engine.completion_log) == list(range(12))
+    assert engine.completion_log != list(range(12)), "delays should reorder completions"
+    engine.close()
+
+
+def test_pop_waits_for_unfinished_copies() -> None:
+    engine = TransferEngine(CPU, num_workers=1, delay=DelayInjection(max_ms=50, seed=0))
+    src, dst, src_t, dst_t = pools()
+    engine.submit(TransferKind.BACKUP, src, dst, [1, 2], [5, 6], op=None)
+    (ack,) = engine.pop(1)  # a later PP stage told by PP0 to consume 1 ACK does this
+    assert ack.completion.done()
+    assert torch.equal(dst_t[5, :, 0], src_t[:, 0, 4:8])
+    with pytest.raises(ValueError):
+        engine.pop(1)
+    engine.close()
+
+
+def test_backup_bookkeeping_changes_only_on_consume() -> None:
+    cfg = CacheConfig(
+        page_size=4,
+        num_device_pages=32,
+        enable_hierarchical_cache=True,
+        transfer_workers=3,
+        transfer_delay=DelayInjection(max_ms=20, seed=1),
+    )
+    cache = PrefixCache(cfg, SPEC, CPU)
+    nodes = []
+    for i in range(4):  # four disjoint sequences: four backups in flight (write_through)
+        pages = cache.alloc(2)
+        assert pages is not None
+        _, node = cache.insert([i] * 8, pages, cached_len=0)
+        nodes.append(node)
+    assert cache.num_queued_acks == 4
+    time.sleep(0.2)  # every copy has finished by now...
+    assert cache.num_ready_acks() == 4
+    # ...but nothing is on the host until its ACK is consumed
+    assert [n.on_host for n in nodes] == [False] * 4
+    assert all(n.backup_pending and n.lock_ref == 1 for n in nodes)
+    assert cache.tree.num_host_pages == 0
+    for k in range(1, 5):
+        cache.consume(1)
+        assert [n.on_host for n in nodes] == [True] * k + [False] * (4 - k)
+        assert cache.tree.num_host_pages == 2 * k
+    assert cache.stats.consumed_acks == [0, 1, 2, 3]
+    assert all(n.lock_ref == 0 for n in nodes)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_read_guard_rejects_pending_pages() -> None:
+    cfg = CacheConfig(page_size=4, num_device_pages=8, check_reads=True)
+    cache = PrefixCache(cfg, SPEC, CPU)
+    pool = cache.device_pool
+    pool.mark_pending([3], True)
+    pool.get_kv(0, torch.arange(0, 12))  # pages 0-2: fine
+    with pytest.raises(RuntimeError, match="load has not completed"):
+        pool.get_kv(0, torch.arange(8, 16))
+    pool.mark_pending([3], False)
+    pool.get_kv(0, torch.arange(8, 16))
+
+
+def host_hit_engine(max_ms: float) -> Engine:
+    cfg = CacheConfig(
+        page_size=4,
+        num_device_pages=64,
+        enable_hierarchical_cache=True,
+        transfer_workers=3,
+        transfer_delay=DelayInjection(max_ms=max_ms, seed=5),
+        check_reads=True,
+    )
+    return Engine(EngineConfig(cache=cfg))
+
+
+def test_loads_with_delays_keep_outputs_and_order() -> None:
+    prompt = list(range(40, 90))
+    sampling = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    eng = host_hit_engine(max_ms=40)
+    first = eng.generate(prompt, sampling)
+    eng.cache.drain()
+    eng.cache.evict_device(eng.cache.tree.num_device_pages)
+    again = eng.generate(prompt, sampling)  # waits for its load ACK before prefill
+    assert again.output_ids == first.output_ids
+    assert again.cached.host == 48 and again.cached.device == 0
+    acks = eng.cache.stats.consumed_acks
+    assert acks == sorted(acks) and acks == list(range(acks[0], acks[0] + len(acks)))
+    eng.close()
+
+
+def test_prefill_before_load_consumed_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard can fail: a scheduler that skipped waiting for the load would read early."""
+    prompt = list(range(40, 90))
+    sampling = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    eng = host_hit_engine(max_ms=300)
+    eng.generate(prompt, sampling)
+    eng.cache.drain()
+    eng.cache.evict_device(eng.cache.tree.num_device_pages)
+
+    def eager(self: Scheduler) -> None:  # a broken scheduler: prefill without the ACK
+        from gpu_worker.scheduler.request import ReqState
+
+        for req in self.running:
+            if req.state is ReqState.LOADING:
+                req.state = ReqState.PREFILL
+
+    monkeypatch.setattr(Scheduler, "_finish_loads", eager)
+    with pytest.raises(RuntimeError, match="load has not completed"):
+        eng.generate(prompt, sampling)
+    eng.close()
