@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from gpu_worker.model import (
@@ -21,8 +22,6 @@ from gpu_worker.model import (
     load_tokenizer,
 )
 from gpu_worker.model.llama import DecoderLayer
-
-transformers = pytest.importorskip("transformers")
 
 DEVICE = torch.device("cpu")
 TOKENS = [3, 17, 99, 42, 5, 127, 64, 8, 0, 77, 31, 12]
