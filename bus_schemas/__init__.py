@@ -1,0 +1,37 @@
+"""Every NATS subject, bus message and Redis key of hicache-mesh, typed and versioned."""
+
+from bus_schemas.codec import Message, SchemaError
+from bus_schemas.messages import (
+    ErrorReply,
+    FlushReply,
+    FlushRequest,
+    GenerateRequest,
+    Heartbeat,
+    KVEvent,
+    KVEventBatch,
+    Sampling,
+    SnapshotRequest,
+    StatsReply,
+    StatsRequest,
+    TokenChunk,
+)
+from bus_schemas.page_hash import make_namespace, page_hashes
+
+__all__ = [
+    "ErrorReply",
+    "FlushReply",
+    "FlushRequest",
+    "GenerateRequest",
+    "Heartbeat",
+    "KVEvent",
+    "KVEventBatch",
+    "Message",
+    "Sampling",
+    "SchemaError",
+    "SnapshotRequest",
+    "StatsReply",
+    "StatsRequest",
+    "TokenChunk",
+    "make_namespace",
+    "page_hashes",
+]

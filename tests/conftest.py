@@ -14,3 +14,36 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------- real servers
+
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+from services.launch.servers import ServerProcess, start_nats, start_redis  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[ServerProcess]:
+    """A real nats-server on a free loopback port, for the whole session."""
+    server = start_nats()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[ServerProcess]:
+    """A real redis-server (or valkey-server) on a free loopback port, for the whole session."""
+    server = start_redis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_redis() -> Iterator[ServerProcess]:
+    """A Redis of its own, for tests that stop it or need it empty."""
+    server = start_redis()
+    yield server
+    server.stop()

@@ -1,0 +1,41 @@
+"""Every NATS subject of the mesh. Nothing else in the code spells a subject."""
+
+from __future__ import annotations
+
+PREFIX = "hicache"
+
+HEARTBEAT = f"{PREFIX}.heartbeat"  # Heartbeat, published by every engine
+KV_EVENTS = f"{PREFIX}.kv_events"  # KVEventBatch, engines -> index
+FLUSH_ALL = f"{PREFIX}.flush"  # FlushRequest to every engine (request/reply, many replies)
+
+
+def engine_generate(engine_id: str) -> str:
+    """GenerateRequest to one engine (the router's cache-aware choice)."""
+    return f"{PREFIX}.engine.{engine_id}.generate"
+
+
+def bucket_generate(bucket: str) -> str:
+    """GenerateRequest to any engine of a bucket (queue group `bucket_queue(bucket)`)."""
+    return f"{PREFIX}.bucket.{bucket}.generate"
+
+
+def bucket_queue(bucket: str) -> str:
+    return f"engines-{bucket}"
+
+
+def engine_flush(engine_id: str) -> str:
+    return f"{PREFIX}.engine.{engine_id}.flush"
+
+
+def engine_stats(engine_id: str) -> str:
+    return f"{PREFIX}.engine.{engine_id}.stats"
+
+
+def engine_snapshot(engine_id: str) -> str:
+    """SnapshotRequest from the index."""
+    return f"{PREFIX}.engine.{engine_id}.snapshot"
+
+
+def valid_token(name: str) -> bool:
+    """An id usable inside a subject: letters, digits, '-' and '_' only."""
+    return bool(name) and all(c.isalnum() or c in "-_" for c in name)
