@@ -2,6 +2,7 @@
 
 from bus_schemas.codec import Message, SchemaError
 from bus_schemas.messages import (
+    AbortRequest,
     ErrorReply,
     FlushReply,
     FlushRequest,
@@ -18,6 +19,7 @@ from bus_schemas.messages import (
 from bus_schemas.page_hash import make_namespace, page_hashes
 
 __all__ = [
+    "AbortRequest",
     "ErrorReply",
     "FlushReply",
     "FlushRequest",

@@ -67,9 +67,12 @@ class Heartbeat(Message):
     engine_id: str
     bucket: str
     epoch: str
+    model: str
     namespace: str
     page_size: int
     context_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
     running: int
     waiting: int
     inflight_tokens: int
@@ -121,6 +124,15 @@ class SnapshotRequest(Message):
 
     engine_id: str
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest(Message):
+    """Router -> engine: stop generating for `request_id` (client gone, stop string hit)."""
+
+    TYPE: ClassVar[str] = "abort"
+
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True)

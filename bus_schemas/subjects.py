@@ -23,6 +23,11 @@ def bucket_queue(bucket: str) -> str:
     return f"engines-{bucket}"
 
 
+def engine_abort(engine_id: str) -> str:
+    """AbortRequest to one engine (fire and forget)."""
+    return f"{PREFIX}.engine.{engine_id}.abort"
+
+
 def engine_flush(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.flush"
 
