@@ -3,6 +3,7 @@
 Subcommands:
 - `generate`: run the engine offline on one prompt and print the output and the cached-token
   counts per tier (with `--repeat N` the same prompt runs N times, so the cache shows).
+- `up`: the whole mesh on loopback (nats, redis, index, engines, router); prints the URL.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 
 from gpu_worker.engine.args import add_engine_args, engine_config_from_args
 from gpu_worker.engine.engine import Engine, InvalidRequestError, sampling_from
+from services.launch.up import add_up_args, run_up
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -66,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="between repeats, evict the device cache so hits come from the host",
     )
     gen.set_defaults(func=_generate)
+    up = sub.add_parser("up", help="run the mesh on loopback: nats, redis, index, engines, router")
+    add_up_args(up)
+    up.set_defaults(func=run_up)
     return parser
 
 

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from gpu_worker.cache.radix import MatchResult, RadixTree, TreeNode
+from gpu_worker.cache.radix import KVEventRecord, MatchResult, RadixTree, TreeNode
 from gpu_worker.cache.transfer import DelayInjection, TransferAck, TransferEngine, TransferKind
 from gpu_worker.memory.allocator import HostPageId, PageId
 from gpu_worker.memory.device_pool import DeviceKVPool
@@ -102,11 +102,14 @@ class CacheStats:
 class PrefixCache:
     """One rank's cache. See the module docstring."""
 
-    def __init__(self, config: CacheConfig, spec: KVSpec, device: torch.device) -> None:
+    def __init__(
+        self, config: CacheConfig, spec: KVSpec, device: torch.device, namespace: str | None = None
+    ) -> None:
+        """With a `namespace`, the tree hashes its pages and records KV events."""
         self.config = config
         self.spec = spec
         self.device_pool = DeviceKVPool(spec, config.num_device_pages, device, config.check_reads)
-        self.tree = RadixTree(config.page_size)
+        self.tree = RadixTree(config.page_size, namespace)
         self.host_pool: HostKVPool | None = None
         self.transfers: TransferEngine | None = None
         if config.enable_hierarchical_cache and config.enable_radix_cache:
@@ -131,7 +134,7 @@ class PrefixCache:
 
     # ----------------------------------------------------------------- match / lock
 
-    def match(self, ids: list[int]) -> MatchResult:
+    def match(self, ids: list[int], salt: str = "") -> MatchResult:
         """The cached prefix of `ids` (nothing when the radix cache is off).
 
         The last page-aligned token is never matched in full: a request must compute at least
@@ -140,10 +143,10 @@ class PrefixCache:
         if not self.config.enable_radix_cache:
             return MatchResult(0, 0, [], [], self.tree.root, self.tree.root)
         limit = len(ids) - 1
-        result = self.tree.match_prefix(ids[:limit])
+        result = self.tree.match_prefix(ids[:limit], salt)
         if self.config.hicache_write_policy == "write_through_selective" and self.host_pool:
             node = result.last_device_node
-            if node is not self.tree.root and node.hit_count >= self.config.write_through_threshold:
+            if node.parent is not None and node.hit_count >= self.config.write_through_threshold:
                 self._backup(node)
         return result
 
@@ -184,7 +187,7 @@ class PrefixCache:
     # ----------------------------------------------------------------- insert
 
     def insert(
-        self, ids: list[int], page_ids: list[PageId], cached_len: int
+        self, ids: list[int], page_ids: list[PageId], cached_len: int, salt: str = ""
     ) -> tuple[list[PageId], TreeNode]:
         """Put the page-aligned prefix of `ids` (KV in `page_ids`) into the tree.
 
@@ -195,7 +198,7 @@ class PrefixCache:
         """
         ps = self.page_size
         aligned = len(ids) - len(ids) % ps
-        result = self.tree.insert(ids[:aligned], page_ids[: aligned // ps])
+        result = self.tree.insert(ids[:aligned], page_ids[: aligned // ps], salt)
         self.free(page_ids[cached_len // ps : result.dup_len // ps])
         if self.host_pool is not None and self.config.hicache_write_policy == "write_through":
             self._backup(result.last_node)
@@ -309,6 +312,12 @@ class PrefixCache:
         if self.host_pool is not None:
             self.host_pool.allocator.free(list(host))
         self.stats = CacheStats()
+
+    def drain_events(self) -> list[KVEventRecord]:
+        return self.tree.drain_events()
+
+    def snapshot_events(self) -> list[KVEventRecord]:
+        return self.tree.snapshot_events()
 
     def check_integrity(self, request_page_ids: set[int] | None = None) -> None:
         """Tree invariants, plus: every device page is free, in the tree, or held by a request."""

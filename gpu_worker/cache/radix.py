@@ -23,7 +23,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bus_schemas.page_hash import chain_hashes, root_hash
 from gpu_worker.memory.allocator import HostPageId, PageId
+
+KVEventRecord = tuple[str, str, list[str]]  # (stored | removed, device | host, page hashes)
 
 
 class Tier(enum.Enum):
@@ -46,6 +49,7 @@ class TreeNode:
         "key",  # token ids, len % page_size == 0
         "last_access",  # logical clock of the last match/insert through this node
         "lock_ref",  # device pins: running requests (and backups) reading the device pages
+        "page_hashes",  # chained page hashes of `key` (when the tree tracks them)
         "parent",
     )
 
@@ -61,6 +65,7 @@ class TreeNode:
         self.last_access = 0
         self.hit_count = 0
         self.backup_pending = False
+        self.page_hashes: list[bytes] | None = None
 
     @property
     def tier(self) -> Tier | None:
@@ -120,14 +125,18 @@ class EvictResult:
 class RadixTree:
     """Page-aligned radix tree. See the module docstring for the invariants."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, namespace: str | None = None) -> None:
+        """With a `namespace`, nodes carry chained page hashes (bus_schemas.page_hash) and
+        every tier change is recorded in `events` for the KV-event stream."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
+        self.namespace = namespace
+        self.events: list[KVEventRecord] = []
         self._next_id = 0
         self._clock = 0
-        self.root = self._new_node(None, [])
-        self.root.lock_ref = 1  # the root is never evicted
+        self.roots: dict[str, TreeNode] = {}  # one root per cache_salt: salts never share KV
+        self.root = self._root_for("")
         self.num_device_pages = 0  # device pages held by the tree
         self.num_locked_device_pages = 0  # of those, pinned by lock_ref > 0
         self.num_host_pages = 0
@@ -138,6 +147,26 @@ class RadixTree:
         node = TreeNode(self._next_id, parent, key)
         self._next_id += 1
         return node
+
+    def _root_for(self, salt: str) -> TreeNode:
+        root = self.roots.get(salt)
+        if root is None:
+            root = self._new_node(None, [])
+            root.lock_ref = 1  # a root is never evicted
+            if self.namespace is not None:
+                root.page_hashes = [root_hash(self.namespace, salt)]
+            self.roots[salt] = root
+        return root
+
+    def _record(self, kind: str, tier: str, node: TreeNode) -> None:
+        if self.namespace is not None:
+            assert node.page_hashes is not None
+            self.events.append((kind, tier, [h.hex() for h in node.page_hashes]))
+
+    def _hash_new(self, node: TreeNode) -> None:
+        if self.namespace is not None:
+            assert node.parent is not None and node.parent.page_hashes is not None
+            node.page_hashes = chain_hashes(node.parent.page_hashes[-1], node.key, self.page_size)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -184,6 +213,9 @@ class RadixTree:
         if node.host_page_ids is not None:
             upper.host_page_ids = node.host_page_ids[:pages]
             node.host_page_ids = node.host_page_ids[pages:]
+        if node.page_hashes is not None:
+            upper.page_hashes = node.page_hashes[:pages]
+            node.page_hashes = node.page_hashes[pages:]
         parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[at:]
         node.parent = upper
@@ -195,7 +227,7 @@ class RadixTree:
 
     # ----------------------------------------------------------------- verbs
 
-    def match_prefix(self, ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, ids: Sequence[int], salt: str = "") -> MatchResult:
         """Longest cached page-aligned prefix of `ids`; marks the path as recently used.
 
         Splits a node where the match ends inside it, so `last_node` ends exactly at the match.
@@ -205,10 +237,10 @@ class RadixTree:
             ids = list(ids)
         end = self._aligned_len(ids)
         clock = self._tick()
-        node, pos = self.root, 0
+        node = last_device = self._root_for(salt)
+        pos = 0
         device_pages: list[PageId] = []
         host_pages: list[HostPageId] = []
-        last_device = self.root
         device_len = 0
         while pos < end:
             child = node.children.get(self._child_key(ids, pos))
@@ -236,7 +268,7 @@ class RadixTree:
             device_len, pos - device_len, device_pages, host_pages, last_device, node
         )
 
-    def insert(self, ids: Sequence[int], page_ids: Sequence[int]) -> InsertResult:
+    def insert(self, ids: Sequence[int], page_ids: Sequence[int], salt: str = "") -> InsertResult:
         """Insert a page-aligned prefix of `ids` whose KV is in device pages `page_ids`.
 
         Returns `dup_len` and the path's last node: the tree already held device pages for tokens `[0, dup_len)`, so the
@@ -253,7 +285,7 @@ class RadixTree:
                 f"insert needs {end // ps} pages for {end} tokens, got {len(page_ids)}"
             )
         clock = self._tick()
-        node, pos, dup_len = self.root, 0, 0
+        node, pos, dup_len = self._root_for(salt), 0, 0
         while pos < end:
             child = node.children.get(self._child_key(ids, pos))
             if child is None:
@@ -262,6 +294,8 @@ class RadixTree:
                 new.last_access = clock
                 node.children[self._child_key(ids, pos)] = new
                 self.num_device_pages += len(new.device_page_ids)
+                self._hash_new(new)
+                self._record("stored", "device", new)
                 node = new
                 break
             matched = self._common_len(child.key, ids, pos, end)
@@ -273,6 +307,7 @@ class RadixTree:
                     PageId(p) for p in page_ids[pos // ps : (pos + matched) // ps]
                 ]
                 self._add_device_pages(child, len(child.device_page_ids))
+                self._record("stored", "device", child)
             else:
                 dup_len = pos + matched
             node, pos = child, pos + matched
@@ -285,7 +320,7 @@ class RadixTree:
 
     def lock(self, node: TreeNode) -> None:
         """Pin the device pages of `node` and its ancestors (a running request reads them)."""
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0 and node.device_page_ids is not None:
                 self.num_locked_device_pages += len(node.device_page_ids)
             node.lock_ref += 1
@@ -293,7 +328,7 @@ class RadixTree:
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"unlock of an unlocked node {node!r}")
             node.lock_ref -= 1
@@ -304,13 +339,13 @@ class RadixTree:
 
     def ref_host(self, node: TreeNode) -> None:
         """Pin the host pages of `node` and its ancestors (a load or backup reads them)."""
-        while node is not self.root:
+        while node.parent is not None:
             node.host_ref += 1
             assert node.parent is not None
             node = node.parent
 
     def unref_host(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.host_ref <= 0:
                 raise RuntimeError(f"unref_host of an unpinned node {node!r}")
             node.host_ref -= 1
@@ -322,7 +357,7 @@ class RadixTree:
     def path(self, node: TreeNode) -> list[tuple[int, TreeNode]]:
         """`(start_token, node)` for every node from the root's child down to `node`."""
         chain: list[TreeNode] = []
-        while node is not self.root:
+        while node.parent is not None:
             chain.append(node)
             assert node.parent is not None
             node = node.parent
@@ -335,7 +370,7 @@ class RadixTree:
 
     def path_len(self, node: TreeNode) -> int:
         total = 0
-        while node is not self.root:
+        while node.parent is not None:
             total += len(node.key)
             assert node.parent is not None
             node = node.parent
@@ -389,6 +424,7 @@ class RadixTree:
             n.host_page_ids = list(host_page_ids[lo : lo + len(n.key) // ps])
             n.backup_pending = False
             self.num_host_pages += len(n.host_page_ids)
+            self._record("stored", "host", n)
 
     def commit_load(
         self, last_node: TreeNode, start_len: int, page_ids: Sequence[PageId]
@@ -406,6 +442,7 @@ class RadixTree:
             if n.device_page_ids is None:
                 n.device_page_ids = pages
                 self._add_device_pages(n, len(pages))
+                self._record("stored", "device", n)
             else:
                 unused += pages
         return unused
@@ -419,7 +456,7 @@ class RadixTree:
 
     def _device_leaf(self, n: TreeNode) -> bool:
         return (
-            n is not self.root
+            n.parent is not None
             and n.device_page_ids is not None
             and n.lock_ref == 0
             and not any(c.device_page_ids is not None for c in n.children.values())
@@ -442,6 +479,7 @@ class RadixTree:
                 continue
             result.freed_page_ids += node.device_page_ids
             self.num_device_pages -= len(node.device_page_ids)
+            self._record("removed", "device", node)
             node.device_page_ids = None
             parent = node.parent
             assert parent is not None
@@ -474,13 +512,14 @@ class RadixTree:
             assert node.host_page_ids is not None
             freed += node.host_page_ids
             self.num_host_pages -= len(node.host_page_ids)
+            self._record("removed", "host", node)
             node.host_page_ids = None
             parent = node.parent
             assert parent is not None
             if node.device_page_ids is None:
                 assert not node.children and node.lock_ref == 0
                 del parent.children[self._child_key(node.key, 0)]
-            if parent is not self.root and self._host_leaf(parent):
+            if parent.parent is not None and self._host_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
@@ -488,11 +527,30 @@ class RadixTree:
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
+        stack = [c for root in self.roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def drain_events(self) -> list[KVEventRecord]:
+        """The tier changes recorded since the last drain, in order."""
+        events, self.events = self.events, []
+        return events
+
+    def snapshot_events(self) -> list[KVEventRecord]:
+        """`stored` records for everything the tree holds now, per tier."""
+        out: list[KVEventRecord] = []
+        if self.namespace is None:
+            return out
+        for n in self.iter_nodes():
+            assert n.page_hashes is not None
+            hashes = [h.hex() for h in n.page_hashes]
+            if n.device_page_ids is not None:
+                out.append(("stored", "device", hashes))
+            if n.host_page_ids is not None:
+                out.append(("stored", "host", hashes))
+        return out
 
     @property
     def num_evictable_device_pages(self) -> int:
@@ -507,7 +565,12 @@ class RadixTree:
                 raise RuntimeError(f"reset with a pinned node {n!r}")
             device += n.device_page_ids or []
             host += n.host_page_ids or []
-        self.root.children.clear()
+            if n.device_page_ids is not None:
+                self._record("removed", "device", n)
+            if n.host_page_ids is not None:
+                self._record("removed", "host", n)
+        for root in self.roots.values():
+            root.children.clear()
         self.num_device_pages = self.num_locked_device_pages = self.num_host_pages = 0
         return device, host
 
@@ -527,7 +590,7 @@ class RadixTree:
             assert n.lock_ref >= child_locks, f"{n!r}: lock_ref below its children's"
             child_refs = sum(c.host_ref for c in n.children.values())
             assert n.host_ref >= child_refs, f"{n!r}: host_ref below its children's"
-            top = parent is self.root
+            top = parent.parent is None
             if n.on_device:
                 assert top or parent.on_device, f"{n!r}: on device, parent is not"
                 assert n.device_page_ids is not None and len(n.device_page_ids) == len(n.key) // ps

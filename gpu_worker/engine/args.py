@@ -89,3 +89,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=cache,
         scheduler=sched,
     )
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `args` as a command line (only those not at their default).
+
+    `hicache-mesh up` passes its engine flags on to each engine process with this, so the
+    flags an engine gets are exactly the ones `add_engine_args` defines.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    argv: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv

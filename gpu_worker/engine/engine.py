@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from bus_schemas.page_hash import make_namespace
 from gpu_worker.cache.hicache import CacheConfig, PrefixCache
 from gpu_worker.engine.world import broadcast_work, init_single_rank_world
 from gpu_worker.memory.kv_spec import KVSpec
@@ -21,7 +22,7 @@ from gpu_worker.model.config import parse_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.tokenizer import load_tokenizer
 from gpu_worker.model.weights import build_model
-from gpu_worker.scheduler.request import GenerateOutput, Req
+from gpu_worker.scheduler.request import GenerateOutput, Req, ReqState
 from gpu_worker.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
@@ -58,7 +59,8 @@ class Engine:
             config.cache.page_size,
             parse_dtype(config.dtype),
         )
-        self.cache = PrefixCache(config.cache, self.kv_spec, self.device)
+        self.namespace = make_namespace(config.model, config.dtype, config.cache.page_size)
+        self.cache = PrefixCache(config.cache, self.kv_spec, self.device, self.namespace)
         self.scheduler = Scheduler(
             config.scheduler, self.model, self.cache, mc.eos_token_ids, self.device
         )
@@ -94,13 +96,34 @@ class Engine:
             )
         return ids
 
-    def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> Req:
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        cache_salt: str = "",
+    ) -> Req:
         sampling = sampling or SamplingParams()
         ids = self.validate(prompt_ids, sampling)
-        req = Req(self._next_rid, ids, sampling)
+        if not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string")
+        req = Req(self._next_rid, ids, sampling, cache_salt)
         self._next_rid += 1
         self._inbox.append(req)
         return req
+
+    def abort(self, rid: int) -> None:
+        """Stop request `rid`; it finishes with reason "abort" and keeps what it computed."""
+        for req in self._inbox:
+            if req.rid == rid:
+                self._inbox.remove(req)
+                req.state, req.finish_reason = ReqState.FINISHED, "abort"
+                return
+        self.scheduler.abort(rid)
+
+    @property
+    def has_pending(self) -> bool:
+        """Submitted requests not yet handed to the scheduler."""
+        return bool(self._inbox)
 
     def step(self) -> list[Req]:
         """One scheduler step on every rank; returns the requests that finished."""

@@ -39,7 +39,7 @@ class GenerateOutput:
     prompt_len: int
     output_ids: list[int]
     cached: CachedTokens
-    finish_reason: str  # "stop" (a stop/eos token) or "length" (max_new_tokens)
+    finish_reason: str  # "stop" (a stop/eos token), "length" (max_new_tokens) or "abort"
 
 
 @dataclass(eq=False, slots=True)
@@ -47,6 +47,7 @@ class Req:
     rid: int
     prompt_ids: list[int]
     sampling: SamplingParams
+    cache_salt: str = ""  # requests share cached KV only with the same salt
     state: ReqState = ReqState.WAITING
     output_ids: list[int] = field(default_factory=list)
     page_ids: list[PageId] = field(default_factory=list)  # position x -> page_ids[x // page_size]
@@ -57,6 +58,7 @@ class Req:
     cached: CachedTokens = CachedTokens()
     generator: torch.Generator | None = None
     finish_reason: str | None = None
+    aborted: bool = False  # finish at the next safe point (after any load completes)
 
     @property
     def prompt_len(self) -> int:
@@ -65,6 +67,13 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is in the pool: the computed prompt, then all but the last output."""
+        if self.state is ReqState.DECODE:
+            return self.seq_len - 1
+        return self.computed_len
 
     @property
     def max_seq_len(self) -> int:

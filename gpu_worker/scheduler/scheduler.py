@@ -59,6 +59,17 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    def abort(self, rid: int) -> None:
+        """Stop a request: a waiting one leaves at once, a running one at the next step."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.state, req.finish_reason = ReqState.FINISHED, "abort"
+                return
+        for req in self.running:
+            if req.rid == rid:
+                req.aborted = True
+
     def add(self, req: Req) -> None:
         if req.sampling.max_new_tokens == 0:
             req.state, req.finish_reason = ReqState.FINISHED, "length"
@@ -73,8 +84,9 @@ class Scheduler:
         """Run one scheduling step; returns the requests that finished in it."""
         self.cache.consume(self.cache.num_ready_acks())
         self._finish_loads()
+        finished = self._finish_aborted()
         self._admit()
-        finished = self._forward()
+        finished += self._forward()
         if self.idle and self.config.check_integrity_when_idle:
             self.cache.drain()
             self.check_integrity()
@@ -93,11 +105,20 @@ class Scheduler:
                 req.cached_len = len(prefix) * self.cache.page_size
                 req.state = ReqState.PREFILL
 
+    def _finish_aborted(self) -> list[Req]:
+        aborted = [r for r in self.running if r.aborted and r.state is not ReqState.LOADING]
+        for req in aborted:
+            req.finish_reason = "abort"
+            self._finish(req)
+        if aborted:
+            self.running = [r for r in self.running if r.state is not ReqState.FINISHED]
+        return aborted
+
     def _admit(self) -> None:
         cache, ps = self.cache, self.cache.page_size
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            match = cache.match(req.prompt_ids)
+            match = cache.match(req.prompt_ids, req.cache_salt)
             cache.lock(match.last_device_node)
             load_pages = len(match.host_page_ids)
             own_pages = -(-req.max_seq_len // ps) - match.total_len // ps
@@ -185,7 +206,7 @@ class Scheduler:
         self._insert(req, req.prompt_ids)
 
     def _insert(self, req: Req, ids: list[int]) -> None:
-        prefix, node = self.cache.insert(ids, req.page_ids, req.cached_len)
+        prefix, node = self.cache.insert(ids, req.page_ids, req.cached_len, req.cache_salt)
         self.cache.lock(node)
         assert req.last_node is not None
         self.cache.unlock(req.last_node)
@@ -194,10 +215,11 @@ class Scheduler:
         req.cached_len = len(prefix) * self.cache.page_size
 
     def _finish(self, req: Req) -> None:
-        """Insert the finished sequence's KV (all but the last token) and release the rest."""
+        """Insert the KV the request computed into the tree and release the rest."""
+        kv_len = req.kv_len
         req.state = ReqState.FINISHED
         if self.cache.config.enable_radix_cache:
-            self._insert(req, (req.prompt_ids + req.output_ids)[: req.seq_len - 1])
+            self._insert(req, (req.prompt_ids + req.output_ids)[:kv_len])
         assert req.last_node is not None
         self.cache.unlock(req.last_node)
         self.cache.free(req.page_ids[req.cached_len // self.cache.page_size :])

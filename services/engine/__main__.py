@@ -1,0 +1,67 @@
+"""`python -m services.engine`: one engine service (role colocated) on NATS."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from gpu_worker.engine.args import add_engine_args, engine_config_from_args
+from services.engine.service import EngineService, EngineServiceConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.engine", description=__doc__)
+    parser.add_argument("--engine-id", required=True, help="unique id: letters, digits, - and _")
+    parser.add_argument("--bucket", default="default")
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        help="seconds running requests get to finish on SIGTERM",
+    )
+    parser.add_argument("--log-level", default="INFO")
+    add_engine_args(parser)
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = EngineServiceConfig(
+        engine_id=args.engine_id,
+        nats_url=args.nats_url,
+        bucket=args.bucket,
+        heartbeat_interval_s=args.heartbeat_interval,
+        shutdown_grace_s=args.shutdown_grace,
+    )
+    service = EngineService(config, engine_config_from_args(args))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    print(f"engine {args.engine_id} ready", flush=True)
+    await stop.wait()
+    await service.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        import uvloop
+
+        uvloop.run(serve(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The engine's own thread: runs the synchronous scheduler loop, fed by commands.
+
+The asyncio service never touches the engine directly. It sends commands through a
+thread-safe queue (`submit`, `abort`, `call`), and the runner reports back through
+`Outbox` callbacks that it schedules onto the service's event loop: new tokens per request,
+KV events, and answers to calls. One thread owns the engine, so the scheduler stays the one
+writer of the tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.scheduler.request import Req
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenUpdate:
+    """New tokens of one request since the last update; `finished` on its last one."""
+
+    request_id: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_device: int
+    cached_host: int
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadInfo:
+    running: int
+    waiting: int
+    inflight_tokens: int
+
+
+class Outbox(Protocol):
+    """Where the runner reports; called on the service's event loop, in order."""
+
+    def tokens(self, updates: list[TokenUpdate]) -> None: ...
+
+    def kv_events(self, events: list[tuple[str, str, list[str]]]) -> None: ...
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request_id: str
+    req: Req
+    sent: int = 0
+
+
+class EngineRunner:
+    """Owns an Engine on a dedicated thread."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loop: asyncio.AbstractEventLoop,
+        outbox: Outbox,
+        idle_wait_s: float = 0.02,
+    ) -> None:
+        self._config = config
+        self._loop = loop
+        self._outbox = outbox
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stop = threading.Event()
+        self._tracked: dict[int, _Tracked] = {}
+        self._by_request: dict[str, int] = {}
+        self.load = LoadInfo(0, 0, 0)
+        self.engine: Engine | None = None
+        self._ready: Future[None] = Future()
+        self._thread = threading.Thread(target=self._main, name="engine-runner", daemon=True)
+
+    # ----------------------------------------------------------------- service side
+
+    def start(self) -> Future[None]:
+        """Build the engine on the runner thread; the future resolves when it is ready."""
+        self._thread.start()
+        return self._ready
+
+    def submit(
+        self, request_id: str, input_ids: list[int], sampling: SamplingParams, cache_salt: str
+    ) -> Future[None]:
+        """Queue a request; the future fails with InvalidRequestError for bad input."""
+        done: Future[None] = Future()
+
+        def command() -> None:
+            assert self.engine is not None
+            try:
+                req = self.engine.submit(input_ids, sampling, cache_salt=cache_salt)
+            except ValueError as e:
+                done.set_exception(e)
+                return
+            self._tracked[req.rid] = _Tracked(request_id, req)
+            self._by_request[request_id] = req.rid
+            done.set_result(None)
+
+        self._commands.put(command)
+        return done
+
+    def abort(self, request_id: str) -> None:
+        def command() -> None:
+            rid = self._by_request.get(request_id)
+            if rid is not None and self.engine is not None:
+                self.engine.abort(rid)
+
+        self._commands.put(command)
+
+    def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
+        """Run `fn(engine)` on the runner thread between steps (flush, stats, snapshot)."""
+        done: Future[Any] = Future()
+
+        def command() -> None:
+            assert self.engine is not None
+            try:
+                done.set_result(fn(self.engine))
+            except Exception as e:  # the caller gets the error through the future
+                done.set_exception(e)
+
+        self._commands.put(command)
+        return done
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._tracked)
+
+    # ----------------------------------------------------------------- runner thread
+
+    def _main(self) -> None:
+        try:
+            self.engine = Engine(self._config)
+        except Exception as e:
+            self._ready.set_exception(e)
+            return
+        self._ready.set_result(None)
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._run_commands(block=engine.scheduler.idle)
+                if engine.scheduler.idle and not engine.has_pending:
+                    self._publish_events()
+                    continue
+                engine.step()
+                self._publish_tokens()
+                self._publish_events()
+        except Exception:
+            log.exception("engine runner crashed")
+            self._fail_all("engine failure")
+            raise
+        finally:
+            engine.close()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self._idle_wait_s if block else 0)
+        except queue.Empty:
+            return
+        command()
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _publish_tokens(self) -> None:
+        updates = []
+        for rid, t in list(self._tracked.items()):
+            req = t.req
+            new = req.output_ids[t.sent :]
+            finished = req.finish_reason is not None
+            if not new and not finished:
+                continue
+            t.sent += len(new)
+            updates.append(
+                TokenUpdate(
+                    t.request_id,
+                    list(new),
+                    req.prompt_len,
+                    req.cached.device,
+                    req.cached.host,
+                    finished,
+                    req.finish_reason,
+                )
+            )
+            if finished:
+                del self._tracked[rid]
+                self._by_request.pop(t.request_id, None)
+        sched = self.engine.scheduler if self.engine else None
+        if sched is not None:
+            inflight = sum(r.prompt_len + r.sampling.max_new_tokens for r in sched.running)
+            self.load = LoadInfo(len(sched.running), len(sched.waiting), inflight)
+        if updates:
+            self._loop.call_soon_threadsafe(self._outbox.tokens, updates)
+
+    def _publish_events(self) -> None:
+        assert self.engine is not None
+        events = self.engine.cache.drain_events()
+        if events:
+            self._loop.call_soon_threadsafe(self._outbox.kv_events, events)
+
+    def _fail_all(self, reason: str) -> None:
+        updates = [
+            TokenUpdate(t.request_id, [], t.req.prompt_len, 0, 0, True, f"error: {reason}")
+            for t in self._tracked.values()
+        ]
+        self._tracked.clear()
+        if updates:
+            self._loop.call_soon_threadsafe(self._outbox.tokens, updates)

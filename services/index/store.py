@@ -1,0 +1,209 @@
+"""The index's writes to Redis, in the layout of `bus_schemas.redis_keys`.
+
+Every change to one engine's entries is one server-side script call, so a batch costs one
+round trip whatever its size, and Redis never shows half a batch: the router's lookup sees
+the engine's entries before or after the batch, never in between.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from bus_schemas import redis_keys
+from bus_schemas.messages import KVEvent
+
+PAGE_PREFIX = redis_keys.page("")
+HASH_LEN = 32  # 16-byte blake2b digests as hex (bus_schemas/page_hash.py)
+_HEX = frozenset(string.hexdigits.lower())
+
+# Apply one engine's ops in order, optionally after dropping all its entries.
+# KEYS: engine pages set, engine meta, engine alive, engines set.
+# ARGV: engine_id, page key prefix, clear ('1'|'0'), alive ttl ms (set only if absent; '0'
+#       leaves it), epoch, seq, bucket, namespace, then (page_hash, signed tier bit) pairs:
+#       +bit sets the tier bit, -bit clears it.
+# Returns the number of pages the engine holds afterwards.
+APPLY_LUA = """
+local pages, meta, alive, engines = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local eid, prefix = ARGV[1], ARGV[2]
+if ARGV[3] == '1' then
+  for _, h in ipairs(redis.call('SMEMBERS', pages)) do
+    redis.call('HDEL', prefix .. h, eid)
+  end
+  redis.call('DEL', pages)
+end
+for i = 9, #ARGV, 2 do
+  local h = ARGV[i]
+  local delta = tonumber(ARGV[i + 1])
+  local bit = math.abs(delta)
+  local key = prefix .. h
+  local old = tonumber(redis.call('HGET', key, eid) or '0')
+  local has = math.floor(old / bit) % 2 == 1
+  local new = old
+  if delta > 0 and not has then new = old + bit end
+  if delta < 0 and has then new = old - bit end
+  if new ~= old then
+    if new == 0 then
+      redis.call('HDEL', key, eid)
+      redis.call('SREM', pages, h)
+    else
+      redis.call('HSET', key, eid, new)
+      if old == 0 then redis.call('SADD', pages, h) end
+    end
+  end
+end
+redis.call('HSET', meta, 'epoch', ARGV[5], 'seq', ARGV[6], 'bucket', ARGV[7],
+           'namespace', ARGV[8])
+redis.call('SADD', engines, eid)
+if tonumber(ARGV[4]) > 0 then
+  redis.call('SET', alive, ARGV[5], 'PX', ARGV[4], 'NX')
+end
+return redis.call('SCARD', pages)
+"""
+
+# Drop every entry of an engine whose alive key is gone, atomically with the liveness check.
+# KEYS: engine pages set, engine meta, engine alive, engines set. ARGV: engine_id, page prefix.
+# Returns the number of pages dropped, or -1 when the engine is alive.
+EXPIRE_LUA = """
+local pages, meta, alive, engines = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local eid, prefix = ARGV[1], ARGV[2]
+if redis.call('EXISTS', alive) == 1 then return -1 end
+local held = redis.call('SMEMBERS', pages)
+for _, h in ipairs(held) do
+  redis.call('HDEL', prefix .. h, eid)
+end
+redis.call('DEL', pages, meta)
+redis.call('SREM', engines, eid)
+return #held
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMeta:
+    """`hc:engine:{id}:meta`. `seq` -1: not in sync (nothing applied yet, or resyncing)."""
+
+    epoch: int
+    seq: int
+    bucket: str
+    namespace: str
+
+
+def valid_page_hash(page_hash: str) -> bool:
+    return len(page_hash) == HASH_LEN and all(c in _HEX for c in page_hash)
+
+
+def event_ops(events: Sequence[KVEvent]) -> list[tuple[str, int]]:
+    """(page_hash, signed tier bit) per page, in event order: +bit stored, -bit removed."""
+    ops: list[tuple[str, int]] = []
+    for event in events:
+        bit = redis_keys.TIER_BITS[event.tier]
+        signed = bit if event.kind == "stored" else -bit
+        ops.extend((h, signed) for h in event.page_hashes)
+    return ops
+
+
+def _engine_keys(engine_id: str) -> list[str]:
+    return [
+        redis_keys.engine_pages(engine_id),
+        redis_keys.engine_meta(engine_id),
+        redis_keys.engine_alive(engine_id),
+        redis_keys.ENGINES,
+    ]
+
+
+def connect(url: str, timeout_s: float) -> aioredis.Redis:
+    """A client that fails fast: one immediate retry (a stale pooled connection), then error."""
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+class IndexStore:
+    """The index's Redis writes. Every method raises `redis.RedisError` when Redis fails."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self._apply = client.register_script(APPLY_LUA)
+        self._expire = client.register_script(EXPIRE_LUA)
+
+    async def load_meta(self, engine_id: str) -> EngineMeta | None:
+        """The stored meta of an engine, or None when it has none (or it is unreadable)."""
+        raw = await self.client.hgetall(redis_keys.engine_meta(engine_id))
+        try:
+            return EngineMeta(
+                int(raw["epoch"]), int(raw.get("seq", -1)), raw["bucket"], raw["namespace"]
+            )
+        except (KeyError, ValueError):
+            return None
+
+    async def apply(
+        self,
+        engine_id: str,
+        meta: EngineMeta,
+        ops: Sequence[tuple[str, int]] = (),
+        clear: bool = False,
+        alive_ttl_ms: int = 0,
+    ) -> int:
+        """Apply `ops` (see `event_ops`) after dropping every entry when `clear`; write meta.
+
+        With `alive_ttl_ms` > 0 the alive key is created if absent, so an engine whose events
+        arrive before its first heartbeat is not expired at once. Returns the pages held.
+        """
+        argv: list[str | int] = [
+            engine_id,
+            PAGE_PREFIX,
+            "1" if clear else "0",
+            alive_ttl_ms,
+            str(meta.epoch),
+            meta.seq,
+            meta.bucket,
+            meta.namespace,
+        ]
+        for page_hash, signed_bit in ops:
+            argv += [page_hash, signed_bit]
+        return int(await self._apply(keys=_engine_keys(engine_id), args=argv))
+
+    async def heartbeat(self, engine_id: str, meta: EngineMeta, ttl_ms: int) -> None:
+        """Refresh liveness (alive key = epoch, TTL `ttl_ms`) and the engine's meta."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(redis_keys.engine_alive(engine_id), str(meta.epoch), px=ttl_ms)
+            pipe.sadd(redis_keys.ENGINES, engine_id)
+            pipe.hset(
+                redis_keys.engine_meta(engine_id),
+                mapping={
+                    "epoch": str(meta.epoch),
+                    "bucket": meta.bucket,
+                    "namespace": meta.namespace,
+                },
+            )
+            await pipe.execute()
+
+    async def dead_engines(self) -> list[str]:
+        """Engines in `hc:engines` whose alive key is gone."""
+        engine_ids = sorted(await self.client.smembers(redis_keys.ENGINES))
+        if not engine_ids:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for engine_id in engine_ids:
+                pipe.exists(redis_keys.engine_alive(engine_id))
+            alive = await pipe.execute()
+        return [e for e, n in zip(engine_ids, alive, strict=True) if not n]
+
+    async def expire(self, engine_id: str) -> int | None:
+        """Drop all of a dead engine's keys; the number of pages dropped, None if it is alive."""
+        dropped = int(await self._expire(keys=_engine_keys(engine_id), args=[engine_id, PAGE_PREFIX]))
+        return None if dropped < 0 else dropped
+
+    async def run_id(self) -> str:
+        """The Redis server's run id: it changes when the server restarts (and lost its data)."""
+        info = await self.client.info("server")
+        return str(info.get("run_id", ""))
