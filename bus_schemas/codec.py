@@ -52,9 +52,10 @@ class Message:
             raise SchemaError(f"{cls.TYPE}: expected a JSON object")
         if body.get("type") != cls.TYPE:
             raise SchemaError(f"expected message type {cls.TYPE!r}, got {body.get('type')!r}")
-        if body.get("v") != cls.VERSION:
+        version = body.get("v")
+        if type(version) is not int or version != cls.VERSION:  # true and 1.0 are not 1
             raise SchemaError(
-                f"{cls.TYPE}: unsupported schema version {body.get('v')!r} "
+                f"{cls.TYPE}: unsupported schema version {version!r} "
                 f"(this build speaks {cls.VERSION})"
             )
         fields = {k: v for k, v in body.items() if k not in ("type", "v")}

@@ -65,9 +65,7 @@ def decide_batch(fence: Fence | None, epoch: int, seq: int, snapshot: bool) -> D
     order = epoch_order(fence, epoch)
     if order < 0:
         assert fence is not None
-        return Decision(
-            Action.REJECT, False, fence, f"epoch {epoch} is older than {fence.epoch}"
-        )
+        return Decision(Action.REJECT, False, fence, f"epoch {epoch} is older than {fence.epoch}")
     if order > 0:
         if snapshot or seq == 0:
             return Decision(Action.APPLY, True, Fence(epoch, seq), "new epoch")

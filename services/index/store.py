@@ -140,7 +140,10 @@ class IndexStore:
         raw = await self.client.hgetall(redis_keys.engine_meta(engine_id))
         try:
             return EngineMeta(
-                int(raw["epoch"]), int(raw.get("seq", -1)), raw["bucket"], raw["namespace"]
+                int(raw["epoch"]),
+                int(raw.get("seq", -1)),
+                str(raw["bucket"]),
+                str(raw["namespace"]),
             )
         except (KeyError, ValueError):
             return None
@@ -189,7 +192,7 @@ class IndexStore:
 
     async def dead_engines(self) -> list[str]:
         """Engines in `hc:engines` whose alive key is gone."""
-        engine_ids = sorted(await self.client.smembers(redis_keys.ENGINES))
+        engine_ids = sorted(str(e) for e in await self.client.smembers(redis_keys.ENGINES))
         if not engine_ids:
             return []
         async with self.client.pipeline(transaction=False) as pipe:
@@ -200,7 +203,9 @@ class IndexStore:
 
     async def expire(self, engine_id: str) -> int | None:
         """Drop all of a dead engine's keys; the number of pages dropped, None if it is alive."""
-        dropped = int(await self._expire(keys=_engine_keys(engine_id), args=[engine_id, PAGE_PREFIX]))
+        dropped = int(
+            await self._expire(keys=_engine_keys(engine_id), args=[engine_id, PAGE_PREFIX])
+        )
         return None if dropped < 0 else dropped
 
     async def run_id(self) -> str:

@@ -1,0 +1,424 @@
+"""bus_schemas: pinned page hashes, strict message decoding, and the router's Redis lookup script.
+
+The page-hash vectors are pinned twice: as literal hex strings, and recomputed here from the
+documented definition with hashlib, so changing either the implementation or the definition
+fails a test. The lookup script runs on a real Redis against a brute-force Python oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import random
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bus_schemas import messages, redis_keys, subjects
+from bus_schemas.codec import Message, SchemaError
+from bus_schemas.messages import (
+    AbortRequest,
+    ErrorReply,
+    FlushReply,
+    FlushRequest,
+    GenerateRequest,
+    Heartbeat,
+    KVEvent,
+    KVEventBatch,
+    Sampling,
+    SnapshotRequest,
+    StatsReply,
+    StatsRequest,
+    TokenChunk,
+)
+from bus_schemas.page_hash import make_namespace, page_hashes
+from services.launch.servers import ServerProcess
+
+NS = "tiny|float64|p4"
+
+# ----------------------------------------------------------------- page hashes
+
+# page_hashes(range(8), page_size=4, namespace=NS, cache_salt=...)
+PINNED = {
+    "": ["54680cf4a30779426082be130750f51a", "5e8d848532d0bbd94c84b6e8be698a6e"],
+    "s": ["f693dccf564cd58cedf5db875d9abb22", "af827dd17be7a7a19da9127306520a1b"],
+}
+
+
+def reference_hashes(tokens: list[int], page_size: int, namespace: str, salt: str) -> list[str]:
+    """The documented definition, written out independently of bus_schemas.page_hash."""
+    parent = hashlib.blake2b(
+        b"hicache-root" + namespace.encode() + b"\x00" + salt.encode(), digest_size=16
+    ).digest()
+    out = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        page = b"".join(struct.pack("<I", t) for t in tokens[start : start + page_size])
+        parent = hashlib.blake2b(parent + page, digest_size=16).digest()
+        out.append(parent.hex())
+    return out
+
+
+@pytest.mark.parametrize("salt", ["", "s"])
+def test_page_hashes_pinned_vectors(salt: str) -> None:
+    assert page_hashes(range(8), 4, NS, salt) == PINNED[salt]
+    assert reference_hashes(list(range(8)), 4, NS, salt) == PINNED[salt]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_page_hashes_match_the_definition(seed: int) -> None:
+    rng = random.Random(seed)
+    page_size = rng.choice([1, 2, 4, 16])
+    tokens = [rng.randrange(2**32) for _ in range(rng.randrange(0, 70))]
+    salt = rng.choice(["", "user-7", "ü"])
+    ns = make_namespace("m", "bfloat16", page_size)
+    assert page_hashes(tokens, page_size, ns, salt) == reference_hashes(tokens, page_size, ns, salt)
+
+
+def test_page_hash_properties() -> None:
+    tokens = list(range(40))
+    full = page_hashes(tokens, 4, NS)
+    assert len(full) == 10 and len(set(full)) == 10
+    assert all(len(h) == 32 and int(h, 16) >= 0 for h in full)
+    # partial pages are not hashed
+    assert page_hashes(tokens[:11], 4, NS) == full[:2]
+    assert page_hashes(tokens[:3], 4, NS) == []
+    # a prefix's hashes are a prefix of the hashes
+    for n in range(0, 41):
+        assert page_hashes(tokens[:n], 4, NS) == full[: n // 4]
+    # salts and namespaces never share a page
+    other_salt = page_hashes(tokens, 4, NS, "s")
+    other_ns = page_hashes(tokens, 4, make_namespace("tiny", "float32", 4))
+    assert not set(full) & set(other_salt)
+    assert not set(full) & set(other_ns)
+    assert not set(other_salt) & set(other_ns)
+    # the same page after a different prefix is a different page
+    assert page_hashes([9, 9, 9, 9, *tokens[4:8]], 4, NS)[1] != full[1]
+    assert make_namespace("tiny", "float64", 4) == NS
+    with pytest.raises(ValueError):
+        page_hashes(tokens, 0, NS)
+
+
+# ----------------------------------------------------------------- codec
+
+SAMPLES: dict[type[Message], Message] = {
+    Sampling: Sampling(8, 0.7, 0.9, 42, [2, 3], True),
+    GenerateRequest: GenerateRequest("r1", [1, 2, 3], Sampling(seed=None), "inbox.1", "salt"),
+    TokenChunk: TokenChunk("r1", 3, [5, 6], "e1", 3, 4, 0, True, "stop", None, 0),
+    Heartbeat: Heartbeat(
+        "e1", "b0", "1700000000000000000", "tiny", NS, 4, 64, 260, [0], 1, 2, 30, 0.2, "decode"
+    ),
+    KVEvent: KVEvent("removed", "host", ["ab" * 16]),
+    KVEventBatch: KVEventBatch(
+        "e1",
+        "b0",
+        "17",
+        5,
+        NS,
+        [KVEvent("stored", "device", ["ab" * 16, "cd" * 16]), KVEvent("removed", "host", [])],
+        True,
+    ),
+    SnapshotRequest: SnapshotRequest("e1", "gap"),
+    AbortRequest: AbortRequest("r1"),
+    FlushRequest: FlushRequest(),
+    FlushReply: FlushReply("e1", False, "busy"),
+    StatsRequest: StatsRequest(),
+    StatsReply: StatsReply("e1", "b0", "17", {"hits": 3, "misses": 0}),
+    ErrorReply: ErrorReply("bad", 422),
+}
+
+
+def all_message_classes() -> set[type[Message]]:
+    return {
+        cls
+        for _, cls in inspect.getmembers(messages, inspect.isclass)
+        if issubclass(cls, Message) and cls is not Message and cls.__module__ == messages.__name__
+    }
+
+
+def body_of(msg: Message) -> dict[str, Any]:
+    return dict(orjson.loads(msg.encode()))
+
+
+def test_samples_cover_every_message_class() -> None:
+    assert set(SAMPLES) == all_message_classes()
+    assert len({cls.TYPE for cls in SAMPLES}) == len(SAMPLES)
+
+
+@pytest.mark.parametrize("cls", list(SAMPLES), ids=lambda c: c.__name__)
+def test_round_trip(cls: type[Message]) -> None:
+    msg = SAMPLES[cls]
+    data = msg.encode()
+    assert cls.decode(data) == msg
+    assert cls.decode(data.decode()) == msg  # str works as well as bytes
+    body = orjson.loads(data)
+    assert (body["type"], body["v"]) == (cls.TYPE, cls.VERSION)
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(cls)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    }
+    minimal = {k: v for k, v in body.items() if k not in defaults}
+    decoded = cls.decode(orjson.dumps(minimal))
+    for name, value in defaults.items():
+        assert getattr(decoded, name) == value
+
+
+def test_ints_are_accepted_for_floats() -> None:
+    body = body_of(SAMPLES[Heartbeat]) | {"interval_s": 2}
+    hb = Heartbeat.decode(orjson.dumps(body))
+    assert hb.interval_s == 2.0 and isinstance(hb.interval_s, float)
+
+
+def _bad(cls: type[Message], **changes: Any) -> tuple[type[Message], bytes]:
+    body = body_of(SAMPLES[cls])
+    for key, value in changes.items():
+        if value is dataclasses.MISSING:
+            del body[key]
+        else:
+            body[key] = value
+    return cls, orjson.dumps(body)
+
+
+GEN = GenerateRequest
+BATCH = KVEventBatch
+EVENT = {"kind": "stored", "tier": "device", "page_hashes": []}
+REJECTED: dict[str, tuple[type[Message], bytes]] = {
+    "not json": (GEN, b"{"),
+    "empty": (GEN, b""),
+    "invalid utf-8": (GEN, b"\xff\xfe"),
+    "array": (GEN, b"[]"),
+    "number": (GEN, b"1"),
+    "string": (GEN, b'"generate"'),
+    "null": (GEN, b"null"),
+    "other type": (GEN, SAMPLES[Heartbeat].encode()),
+    "no type": _bad(GEN, type=dataclasses.MISSING),
+    "type not a string": _bad(GEN, type=1),
+    "unknown version": _bad(GEN, v=2),
+    "version as string": _bad(GEN, v="1"),
+    "no version": _bad(GEN, v=dataclasses.MISSING),
+    "missing field": _bad(GEN, input_ids=dataclasses.MISSING),
+    "missing nested message": _bad(GEN, sampling=dataclasses.MISSING),
+    "unknown field": _bad(GEN, priority=1),
+    "str for int": _bad(BATCH, seq="5"),
+    "bool for int": _bad(BATCH, seq=True),
+    "float for int": _bad(BATCH, seq=5.0),
+    "null for int": _bad(BATCH, seq=None),
+    "null for str": _bad(BATCH, engine_id=None),
+    "int for str": _bad(BATCH, epoch=17),
+    "bool for float": _bad(Heartbeat, interval_s=True),
+    "str for float": _bad(Heartbeat, interval_s="0.2"),
+    "int for bool": _bad(BATCH, snapshot=1),
+    "object for list": _bad(BATCH, events={}),
+    "str in list[int]": _bad(GEN, input_ids=[1, "2"]),
+    "bool in list[int]": _bad(GEN, input_ids=[1, False]),
+    "float in list[int]": _bad(GEN, input_ids=[1.5]),
+    "null list": _bad(GEN, input_ids=None),
+    "nested wrong type": _bad(GEN, sampling={"max_new_tokens": "8"}),
+    "nested unknown field": _bad(GEN, sampling={"beam": 2}),
+    "nested not an object": _bad(GEN, sampling=[1]),
+    "optional wrong type": _bad(Sampling, seed="42"),
+    "str in dict[str, int]": _bad(StatsReply, stats={"hits": "3"}),
+    "list for dict": _bad(StatsReply, stats=[1]),
+    "event not an object": _bad(BATCH, events=["stored"]),
+    "event missing field": _bad(BATCH, events=[{"kind": "stored", "tier": "device"}]),
+    "event hash not a string": _bad(BATCH, events=[EVENT | {"page_hashes": [1]}]),
+    "event kind": _bad(BATCH, events=[EVENT | {"kind": "moved"}]),
+    "event kind null": _bad(BATCH, events=[EVENT | {"kind": None}]),
+    "event tier": _bad(BATCH, events=[EVENT | {"tier": "disk"}]),
+    "standalone event tier": _bad(KVEvent, tier="l3"),
+    "standalone event kind": _bad(KVEvent, kind="STORED"),
+}
+
+
+@pytest.mark.parametrize("case", list(REJECTED))
+def test_decode_rejects(case: str) -> None:
+    cls, data = REJECTED[case]
+    with pytest.raises(SchemaError):
+        cls.decode(data)
+
+
+@pytest.mark.parametrize("version", [True, 1.0])
+def test_decode_rejects_non_integer_version(version: Any) -> None:
+    with pytest.raises(SchemaError):
+        FlushRequest.decode(orjson.dumps({"type": "flush", "v": version}))
+
+
+def test_kv_event_constructor_validates() -> None:
+    with pytest.raises(ValueError):
+        KVEvent("stored", "disk", [])
+    with pytest.raises(ValueError):
+        KVEvent("evicted", "device", [])
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@st.composite
+def mutated_bodies(draw: st.DrawFn, cls: type[Message]) -> bytes:
+    """A valid body of `cls` with a few fields replaced, removed or added at random."""
+    body = body_of(SAMPLES[cls])
+    for _ in range(draw(st.integers(1, 3))):
+        key = draw(st.sampled_from([*body, "extra"]))
+        if draw(st.booleans()) and key in body:
+            del body[key]
+        else:
+            body[key] = draw(json_values)
+    return orjson.dumps(body)
+
+
+def any_bytes(cls: type[Message]) -> st.SearchStrategy[bytes | str]:
+    return (
+        st.binary(max_size=64)
+        | st.text(max_size=64)
+        | json_values.map(orjson.dumps)
+        | mutated_bodies(cls)
+    )
+
+
+FUZZ = settings(
+    max_examples=400,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def _decode_or_schema_error(cls: type[Message], data: bytes | str) -> None:
+    try:
+        msg = cls.decode(data)
+    except SchemaError:
+        return
+    assert cls.decode(msg.encode()) == msg  # what decodes also round-trips
+
+
+@FUZZ
+@given(any_bytes(GenerateRequest))
+def test_fuzz_generate_request_only_raises_schema_error(data: bytes | str) -> None:
+    _decode_or_schema_error(GenerateRequest, data)
+
+
+@FUZZ
+@given(any_bytes(KVEventBatch))
+def test_fuzz_kv_event_batch_only_raises_schema_error(data: bytes | str) -> None:
+    _decode_or_schema_error(KVEventBatch, data)
+
+
+# ----------------------------------------------------------------- subjects and keys
+
+
+def test_subjects_and_keys() -> None:
+    assert subjects.engine_snapshot("e1") == "hicache.engine.e1.snapshot"
+    assert subjects.valid_token("engine-1_a")
+    for bad in ("", "a.b", "a b", "a*", "a>"):
+        assert not subjects.valid_token(bad)
+    assert redis_keys.page("ab") == "hc:page:ab"
+    assert redis_keys.engine_pages("e1") == "hc:engine:e1:pages"
+    assert redis_keys.engine_meta("e1") == "hc:engine:e1:meta"
+    assert redis_keys.engine_alive("e1") == "hc:engine:e1:alive"
+    assert redis_keys.TIER_BITS == {"device": 1, "host": 2}
+
+
+# ----------------------------------------------------------------- the lookup script
+
+
+def brute_force_lookup(
+    hashes: list[str], table: dict[str, dict[str, int]]
+) -> dict[str, tuple[int, int]]:
+    """For every engine holding the first page: (leading pages in any tier, leading on device)."""
+    out: dict[str, tuple[int, int]] = {}
+    for engine in table.get(hashes[0], {}):
+        held = [table.get(h, {}).get(engine, 0) for h in hashes]
+        total = next((i for i, bits in enumerate(held) if not bits), len(held))
+        device = next(
+            (i for i, bits in enumerate(held) if not bits & redis_keys.DEVICE_BIT), len(held)
+        )
+        out[engine] = (total, device)
+    return out
+
+
+async def write_table(r: aioredis.Redis, table: dict[str, dict[str, int]]) -> None:
+    async with r.pipeline(transaction=False) as pipe:
+        for h, holders in table.items():
+            if holders:
+                pipe.hset(redis_keys.page(h), mapping=holders)
+        await pipe.execute()
+
+
+def parse_lookup(flat: list[Any]) -> dict[str, tuple[int, int]]:
+    assert len(flat) % 3 == 0
+    return {str(flat[i]): (int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)}
+
+
+@pytest.fixture
+async def r(fresh_redis: ServerProcess) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(fresh_redis.url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+async def test_lookup_script_fixed_cases(r: aioredis.Redis) -> None:
+    h = page_hashes(list(range(32)), 4, NS)  # 8 pages
+    dev, host, both = redis_keys.DEVICE_BIT, redis_keys.HOST_BIT, 3
+    table: dict[str, dict[str, int]] = {p: {} for p in h}
+    for i in range(6):  # e1: 6 pages, device for the first 3
+        table[h[i]]["e1"] = both if i < 3 else host
+    for i in range(2):  # e2: host only
+        table[h[i]]["e2"] = host
+    for i in (0, 1, 3, 4):  # e3: a hole at page 2, device everywhere it holds
+        table[h[i]]["e3"] = dev
+    for i in range(1, 8):  # e4: never the first page
+        table[h[i]]["e4"] = both
+    await write_table(r, table)
+    keys = [redis_keys.page(p) for p in h]
+    expected = {"e1": (6, 3), "e2": (2, 0), "e3": (2, 2)}
+    assert brute_force_lookup(h, table) == expected
+
+    assert parse_lookup(await r.eval(redis_keys.PREFIX_LOOKUP_LUA, len(keys), *keys)) == expected
+    sha = await r.script_load(redis_keys.PREFIX_LOOKUP_LUA)
+    assert parse_lookup(await r.evalsha(sha, len(keys), *keys)) == expected
+    one = await r.evalsha(sha, 1, keys[0])
+    assert parse_lookup(one) == {"e1": (1, 1), "e2": (1, 0), "e3": (1, 1)}
+    missing = [redis_keys.page("0" * 32), *keys]
+    assert parse_lookup(await r.evalsha(sha, len(missing), *missing)) == {}
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_lookup_script_matches_brute_force(r: aioredis.Redis, seed: int) -> None:
+    rng = random.Random(seed)
+    num_pages = 12
+    h = page_hashes(list(range(4 * num_pages)), 4, NS, cache_salt=str(seed))
+    table: dict[str, dict[str, int]] = {p: {} for p in h}
+    for engine in ("e0", "e1", "e2"):
+        prefix_len = rng.randrange(0, num_pages + 1)
+        for i in range(prefix_len):
+            if rng.random() < 0.1:
+                continue  # a hole: the script must stop counting there
+            table[h[i]][engine] = rng.choice([1, 2, 3])
+    for i in range(1, num_pages):  # an engine that lacks the first page counts for nothing
+        if rng.random() < 0.5:
+            table[h[i]]["late"] = 3
+    await r.flushdb()
+    await write_table(r, table)
+    sha = await r.script_load(redis_keys.PREFIX_LOOKUP_LUA)
+    for _ in range(6):
+        query = h[: rng.randrange(1, num_pages + 1)]
+        keys = [redis_keys.page(p) for p in query]
+        got = parse_lookup(await r.evalsha(sha, len(keys), *keys))
+        assert got == brute_force_lookup(query, table), (seed, len(query))
