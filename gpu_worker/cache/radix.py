@@ -21,12 +21,17 @@ import enum
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from bus_schemas.page_hash import chain_hashes, root_hash
 from gpu_worker.memory.allocator import HostPageId, PageId
 
 KVEventRecord = tuple[str, str, list[str]]  # (stored | removed, device | host, page hashes)
+
+
+def _page_list(page_ids: Sequence[int]) -> list[PageId]:
+    """`[PageId(p) for p in page_ids]` without a call per page (NewType is the identity)."""
+    return cast("list[PageId]", list(page_ids))
 
 
 class Tier(enum.Enum):
@@ -180,7 +185,7 @@ class RadixTree:
     def _common_len(self, key: list[int], ids: Sequence[int], pos: int, end: int) -> int:
         """Page-aligned length of the common prefix of `key` and `ids[pos:end]`."""
         limit = min(len(key), end - pos)
-        if ids[pos : pos + limit] == key[:limit]:
+        if ids[pos : pos + limit] == (key if limit == len(key) else key[:limit]):
             return limit
         ps = self.page_size
         lo, hi = 0, limit // ps  # pages: [0, lo) equal; the first differing page is < hi
@@ -235,15 +240,17 @@ class RadixTree:
         """
         if not isinstance(ids, list):
             ids = list(ids)
-        end = self._aligned_len(ids)
-        clock = self._tick()
+        ps = self.page_size
+        end = len(ids) - len(ids) % ps
+        self._clock += 1
+        clock = self._clock
         node = last_device = self._root_for(salt)
-        pos = 0
+        pos = device_len = 0
         device_pages: list[PageId] = []
         host_pages: list[HostPageId] = []
-        device_len = 0
         while pos < end:
-            child = node.children.get(self._child_key(ids, pos))
+            # `_child_key` inlined: this loop runs for every request.
+            child = node.children.get(ids[pos] if ps == 1 else tuple(ids[pos : pos + ps]))
             if child is None:
                 break
             klen = len(child.key)
@@ -290,7 +297,7 @@ class RadixTree:
             child = node.children.get(self._child_key(ids, pos))
             if child is None:
                 new = self._new_node(node, ids[pos:end])
-                new.device_page_ids = [PageId(p) for p in page_ids[pos // ps : end // ps]]
+                new.device_page_ids = _page_list(page_ids[pos // ps : end // ps])
                 new.last_access = clock
                 node.children[self._child_key(ids, pos)] = new
                 self.num_device_pages += len(new.device_page_ids)
@@ -303,9 +310,7 @@ class RadixTree:
                 child = self._split(child, matched)
             child.last_access = clock
             if child.device_page_ids is None:  # host-only: the caller's pages revive it
-                child.device_page_ids = [
-                    PageId(p) for p in page_ids[pos // ps : (pos + matched) // ps]
-                ]
+                child.device_page_ids = _page_list(page_ids[pos // ps : (pos + matched) // ps])
                 self._add_device_pages(child, len(child.device_page_ids))
                 self._record("stored", "device", child)
             else:
