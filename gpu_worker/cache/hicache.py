@@ -214,7 +214,11 @@ class PrefixCache:
         if not nodes:
             return False
         device_ids = [p for _, n in nodes for p in (n.device_page_ids or [])]
+        # Pin the covered prefix while making room: evicting it would leave a gap above the
+        # pages about to be backed up (the host set must stay prefix-closed).
+        self.tree.ref_host(node)
         host_ids = self._alloc_host(len(device_ids))
+        self.tree.unref_host(node)
         if host_ids is None:
             return False
         self.tree.mark_backup_pending(node, start)
