@@ -1,0 +1,17 @@
+"""The HTTP front of the mesh: OpenAI-compatible and SGLang-style APIs over NATS engines.
+
+One request, hop by hop:
+1. `handlers` (aiohttp; `app.init(config)` builds the app) reads the body; `protocol`
+   validates it into a `GenerationSpec` (the prompt tokenized by `tokenizer`, chat
+   messages rendered by `chat`); every error is an OpenAI-style 4xx from `errors`.
+2. `engines` (the live-engine table from heartbeats) gives the bucket's live engines;
+   `protocol.check_limits` checks the ids and lengths against them.
+3. `routing` hashes the prompt's pages, asks Redis once (`PREFIX_LOOKUP_LUA`), and picks
+   the engine with the best cached prefix minus load.
+4. `generation` sends the request through `stream` (NATS inbox, chunks in `seq` order,
+   timeouts, liveness), applies stop strings (`detokenize`), retries once elsewhere when
+   the engine failed before its first chunk.
+5. `responses` shapes whole bodies or SSE chunks; `metrics` counts; `record` logs.
+
+Nothing here imports torch, triton, gpu_worker or services (DESIGN.md section 1).
+"""

@@ -2,6 +2,9 @@
 
 import sys
 
-from services.index.service import main
+from services.index.service import build_parser, main
 
-sys.exit(main())
+__all__ = ["build_parser", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

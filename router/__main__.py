@@ -1,0 +1,95 @@
+"""`python -m router`: the HTTP front of the mesh.
+
+    python -m router --port 8000 --nats-url nats://127.0.0.1:4222 \\
+        --redis-url redis://127.0.0.1:6379/0 [--api-key KEY] [--record FILE] \\
+        [--tokenizer PATH] [--request-timeout S] [--bucket NAME]
+
+SIGINT/SIGTERM stop it gracefully: it stops accepting, lets in-flight requests finish (for
+at most --shutdown-timeout seconds), drains NATS and closes Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from aiohttp import web
+
+from router.app import init
+from router.config import RouterConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m router",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("HICACHE_ROUTER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $HICACHE_ROUTER_API_KEY)",
+    )
+    p.add_argument("--record", metavar="FILE", default=None, help="JSON lines per request")
+    p.add_argument("--tokenizer", metavar="PATH", default=None, help="a tokenizer.json (dir)")
+    p.add_argument("--request-timeout", metavar="S", type=float, default=30.0)
+    p.add_argument("--bucket", default="default")
+    p.add_argument("--shutdown-timeout", metavar="S", type=float, default=30.0)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        nats_url=args.nats_url,
+        redis_url=args.redis_url,
+        api_key=args.api_key or None,
+        record_path=args.record,
+        tokenizer_path=args.tokenizer,
+        bucket=args.bucket,
+        request_timeout_s=args.request_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+
+async def serve(config: RouterConfig, host: str, port: int) -> None:
+    """Run until SIGINT/SIGTERM, then shut down gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(init(config), shutdown_timeout=config.shutdown_timeout_s)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        logging.getLogger("router").info("listening on http://%s:%d", host, port)
+        await stop.wait()
+        logging.getLogger("router").info("stopping")
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config, args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

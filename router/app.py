@@ -1,0 +1,134 @@
+"""The router app: `init(config)` builds it; its cleanup_ctx owns every connection and task.
+
+Startup order (teardown is the reverse): NATS, the engine table (heartbeat subscription and
+sweeper task), Redis (the prefix index), the recorder. At shutdown the runner first stops
+accepting and lets in-flight requests finish (bounded by its shutdown timeout), then the
+contexts unwind: the recorder closes, Redis closes, the table unsubscribes, NATS drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import nats
+import redis.asyncio as aioredis
+from aiohttp import web
+from nats.aio.msg import Msg
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from bus_schemas import subjects
+from router import keys
+from router.config import RouterConfig
+from router.engines import EngineTable
+from router.handlers import add_routes, auth_middleware, errors_middleware
+from router.metrics import RouterMetrics
+from router.record import Recorder
+from router.routing import PrefixIndex, Router
+from router.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def init(config: RouterConfig) -> web.Application:
+    """The router application for `config` (connections open when the app starts)."""
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[errors_middleware, auth_middleware],
+    )
+    app[keys.CONFIG] = config
+    app[keys.METRICS] = RouterMetrics()
+    app[keys.TOKENIZER] = load_tokenizer(config.tokenizer_path)
+    app.cleanup_ctx.extend([nats_ctx, engines_ctx, redis_ctx, recorder_ctx])
+    add_routes(app)
+    return app
+
+
+async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
+    stopping = False
+
+    async def on_error(e: Exception) -> None:
+        log.warning("NATS error: %r", e)
+
+    async def on_disconnect() -> None:
+        if not stopping:
+            log.warning("NATS disconnected; reconnecting")
+
+    async def on_reconnect() -> None:
+        log.info("NATS reconnected")
+
+    nc = await nats.connect(
+        app[keys.CONFIG].nats_url,
+        name="hicache-router",
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=1,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+    )
+    app[keys.NATS] = nc
+    try:
+        yield
+    finally:
+        stopping = True
+        if not nc.is_closed:
+            try:
+                await nc.drain()
+            except (nats.errors.Error, TimeoutError) as e:
+                log.warning("NATS drain failed: %r", e)
+            await nc.close()
+
+
+async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
+    loop = asyncio.get_running_loop()
+    table = EngineTable(app[keys.CONFIG], app[keys.METRICS], loop.time)
+    app[keys.TABLE] = table
+
+    async def on_heartbeat(msg: Msg) -> None:
+        table.on_heartbeat_data(msg.data)
+
+    sub = await app[keys.NATS].subscribe(subjects.HEARTBEAT, cb=on_heartbeat)
+    sweeper = asyncio.create_task(table.run_sweeper(), name="engine-table-sweeper")
+    try:
+        yield
+    finally:
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+
+
+async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[keys.CONFIG]
+    client = aioredis.Redis.from_url(
+        config.redis_url,
+        decode_responses=True,
+        socket_connect_timeout=0.5,
+        socket_timeout=1.0,
+        retry=Retry(NoBackoff(), 0),  # lookups have a 50 ms budget: no retries inside it
+    )
+    app[keys.REDIS] = client
+    index = PrefixIndex(client, config, app[keys.METRICS], asyncio.get_running_loop().time)
+    await index.load_script()
+    app[keys.ROUTER] = Router(index, config, app[keys.METRICS])
+    try:
+        yield
+    finally:
+        await client.aclose()
+
+
+async def recorder_ctx(app: web.Application) -> AsyncIterator[None]:
+    path = app[keys.CONFIG].record_path
+    if path is None:
+        yield
+        return
+    recorder = Recorder(path)
+    app[keys.RECORDER] = recorder
+    try:
+        yield
+    finally:
+        recorder.close()

@@ -1,0 +1,61 @@
+"""The router's one frozen configuration, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    api_key: str | None = None  # when set, every endpoint but /health and /metrics needs it
+    record_path: str | None = None  # JSON lines, one per finished request
+    tokenizer_path: str | None = None  # a directory with tokenizer.json; else bytes
+    bucket: str = "default"  # the engine bucket requests go to
+    request_timeout_s: float = 30.0  # longest wait for the first chunk and between chunks
+    liveness_poll_s: float = 0.5  # how often a waiting request checks its engine's heartbeats
+    heartbeat_misses: int = 3  # an engine is dead after this many heartbeat intervals
+    failed_quarantine_s: float = 30.0  # an engine that failed a request sits out this long
+    redis_timeout_s: float = 0.05  # per-request budget of the prefix lookup
+    redis_retry_s: float = 1.0  # after a Redis error, route by load alone this long
+    flush_timeout_s: float = 10.0  # per-engine wait in /flush_cache and /stats
+    device_weight: float = 1.0  # score per cached prefix token on the device
+    host_weight: float = 0.5  # score per cached prefix token on the host (needs a load-back)
+    load_weight: float = 0.5  # score penalty per in-flight token of the engine
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_stop_strings: int = 16
+    shutdown_timeout_s: float = 30.0  # in-flight requests get this long at shutdown
+
+    def __post_init__(self) -> None:
+        positive = {
+            "request_timeout_s": self.request_timeout_s,
+            "liveness_poll_s": self.liveness_poll_s,
+            "redis_timeout_s": self.redis_timeout_s,
+            "flush_timeout_s": self.flush_timeout_s,
+            "shutdown_timeout_s": self.shutdown_timeout_s,
+        }
+        for name, value in positive.items():
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value}")
+        non_negative = {
+            "failed_quarantine_s": self.failed_quarantine_s,
+            "redis_retry_s": self.redis_retry_s,
+            "device_weight": self.device_weight,
+            "host_weight": self.host_weight,
+            "load_weight": self.load_weight,
+        }
+        for name, value in non_negative.items():
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value}")
+        if self.heartbeat_misses < 1:
+            raise ValueError("heartbeat_misses must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+        if self.max_stop_strings < 1:
+            raise ValueError("max_stop_strings must be >= 1")
+        if not self.bucket:
+            raise ValueError("bucket must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty when given")

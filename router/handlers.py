@@ -1,0 +1,351 @@
+"""HTTP handlers and middlewares. Request state lives in the app (see app.py for the keys)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+from nats.errors import Error as NatsError
+
+from bus_schemas import (
+    ErrorReply,
+    FlushReply,
+    FlushRequest,
+    SchemaError,
+    StatsReply,
+    StatsRequest,
+    subjects,
+)
+from router import keys
+from router.errors import ApiError, json_response
+from router.generation import Generation, Outcome, no_engine_error
+from router.protocol import (
+    GenerationSpec,
+    check_limits,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    read_json,
+)
+from router.responses import DONE, SSE_HEADERS, OpenAIShape, generate_body, sse
+from router.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Parser = Callable[[Mapping[str, Any], Tokenizer, int], GenerationSpec]
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+ENGINE_HEADER = "X-Hicache-Engine"  # the engine that served a generation request
+
+
+# ------------------------------------------------------------------ middlewares
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as an OpenAI-style JSON body; every response is counted."""
+    try:
+        resp = await handler(request)
+    except ApiError as e:
+        resp = e.response()
+    except web.HTTPException as e:
+        resp = _http_error(e)
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        resp = ApiError(500, "internal error", code="internal_error").response()
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "unmatched"
+    request.app[keys.METRICS].requests.labels(endpoint, str(resp.status)).inc()
+    return resp
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With an API key configured, everything but /health and /metrics needs it."""
+    api_key = request.app[keys.CONFIG].api_key
+    if api_key is not None and request.path not in OPEN_PATHS:
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise ApiError(401, "missing or incorrect API key", code="invalid_api_key")
+    return await handler(request)
+
+
+def _http_error(e: web.HTTPException) -> web.Response:
+    codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+    err = ApiError(e.status, e.reason if e.status != 413 else e.text or e.reason)
+    err.code = codes.get(e.status, "http_error")
+    resp = err.response()
+    if "Allow" in e.headers:
+        resp.headers["Allow"] = e.headers["Allow"]
+    return resp
+
+
+# ------------------------------------------------------------------ generation
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, parse_completion)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, parse_chat)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, parse_generate)
+
+
+async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
+    app = request.app
+    config, metrics = app[keys.CONFIG], app[keys.METRICS]
+    started_at, time_s = asyncio.get_running_loop().time(), time.time()
+    body = await read_json(request)
+    spec = parse(body, app[keys.TOKENIZER], config.max_stop_strings)
+    gen = _generation(app, spec, started_at)
+    recorder = app.get(keys.RECORDER)
+    metrics.inflight.inc()
+    try:
+        if spec.stream:
+            resp = await _stream(request, gen)
+        else:
+            resp = await _whole(request, gen)
+    except ApiError as e:
+        if recorder is not None:
+            recorder.write(
+                time_s=time_s,
+                endpoint=request.path,
+                status=e.status,
+                body=body,
+                input_ids=spec.input_ids,
+                outcome=gen.outcome,
+                error=e.message,
+            )
+        raise
+    finally:
+        metrics.inflight.dec()
+    _account(app, spec, gen.outcome)
+    if recorder is not None:
+        recorder.write(
+            time_s=time_s,
+            endpoint=request.path,
+            status=resp.status,
+            body=body,
+            input_ids=spec.input_ids,
+            outcome=gen.outcome,
+        )
+    return resp
+
+
+def _generation(app: web.Application, spec: GenerationSpec, started_at: float) -> Generation:
+    """Route-independent checks (live engines, model, limits), then a Generation."""
+    table, router = app[keys.TABLE], app[keys.ROUTER]
+    bucket = router.select_bucket(len(spec.input_ids), spec.max_tokens or 0)
+    engines = table.live(bucket)
+    if not engines:
+        raise no_engine_error(bucket)
+    if spec.model is not None and all(e.model != spec.model for e in engines):
+        served = sorted({e.model for e in engines})
+        raise ApiError(
+            404,
+            f"model {spec.model!r} is not served here (served: {served})",
+            param="model",
+            code="model_not_found",
+        )
+    vocab_size = min(e.vocab_size for e in engines)
+    context_len = min(e.context_len for e in engines)
+    max_new_tokens = check_limits(spec, vocab_size, context_len)
+    return Generation(
+        nc=app[keys.NATS],
+        table=table,
+        router=router,
+        config=app[keys.CONFIG],
+        metrics=app[keys.METRICS],
+        tokenizer=app[keys.TOKENIZER],
+        spec=spec,
+        max_new_tokens=max_new_tokens,
+        bucket=bucket,
+        started_at=started_at,
+    )
+
+
+def _shape(gen: Generation) -> OpenAIShape:
+    model = gen.spec.model or next(
+        (e.model for e in gen.table.live(gen.bucket) if e.engine_id == gen.outcome.engine_id),
+        "",
+    )
+    return OpenAIShape(gen.spec.endpoint == "chat", gen.outcome.request_id, model, int(time.time()))
+
+
+async def _whole(request: web.Request, gen: Generation) -> web.Response:
+    async with aclosing(gen.run()) as deltas:
+        async for _ in deltas:
+            if request.transport is None or request.transport.is_closing():
+                break  # the client left: closing the iterator aborts the engine
+    headers = {ENGINE_HEADER: gen.outcome.engine_id}
+    if gen.spec.endpoint == "generate":
+        return json_response(generate_body(gen.outcome), headers=headers)
+    return json_response(_shape(gen).whole(gen.outcome), headers=headers)
+
+
+async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
+    """SSE. Headers go out with the first engine chunk, so an engine that fails before it
+    can still be retried or answered with a plain error status."""
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    shape: OpenAIShape | None = None
+    released = ""
+    async with aclosing(gen.run()) as deltas:
+        try:
+            async for delta in deltas:
+                out = gen.outcome
+                if not resp.prepared:
+                    resp.headers[ENGINE_HEADER] = out.engine_id
+                    await resp.prepare(request)
+                    if gen.spec.endpoint != "generate":
+                        shape = _shape(gen)
+                    if shape is not None and shape.chat:
+                        await resp.write(sse(shape.chunk("", [], first=True)))
+                released += delta.text
+                final = out.finish_reason is not None
+                if not (delta.text or delta.token_ids or final):
+                    continue
+                if shape is None:
+                    event = generate_body(out, released)
+                else:
+                    reason = out.finish_reason
+                    event = shape.chunk(delta.text, delta.token_ids, reason, out if final else None)
+                await resp.write(sse(event))
+        except ApiError as e:
+            if not resp.prepared:
+                raise
+            await resp.write(sse(e.body()))
+        except ConnectionResetError:
+            return resp  # the client left; closing the iterator aborts the engine
+    await resp.write(DONE)
+    await resp.write_eof()
+    return resp
+
+
+def _account(app: web.Application, spec: GenerationSpec, out: Outcome) -> None:
+    metrics = app[keys.METRICS]
+    metrics.prompt_tokens.inc(out.prompt_tokens)
+    metrics.completion_tokens.inc(len(out.output_ids))
+    metrics.cached_tokens.labels("device").inc(out.cached_device)
+    metrics.cached_tokens.labels("host").inc(out.cached_host)
+    if out.ttft_s is not None:
+        metrics.ttft.labels(spec.endpoint).observe(out.ttft_s)
+
+
+# ------------------------------------------------------------------ the rest
+
+
+async def models(request: web.Request) -> web.Response:
+    seen: dict[str, int] = {}
+    for e in request.app[keys.TABLE].live():
+        seen[e.model] = max(seen.get(e.model, 0), e.context_len)
+    data = [
+        {"id": m, "object": "model", "created": 0, "owned_by": "hicache-mesh", "max_model_len": n}
+        for m, n in sorted(seen.items())
+    ]
+    return json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    nc = request.app[keys.NATS]
+    engines = [e.engine_id for e in request.app[keys.TABLE].live()]
+    state = {"nats_connected": nc.is_connected, "live_engines": engines}
+    if nc.is_connected and engines:
+        return json_response({"status": "ok"} | state)
+    why = "NATS is not connected" if not nc.is_connected else "no live engine"
+    return ApiError(503, why, code="unhealthy", retry_after_s=1).response(state)
+
+
+async def prometheus(request: web.Request) -> web.Response:
+    m = request.app[keys.METRICS]
+    request.app[keys.TABLE].sweep()
+    return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """Flush every live engine's cache. 200 when all did; 409 when one refused; 503 when
+    none is live or one did not answer. The body lists each engine's result."""
+    engines = [e.engine_id for e in request.app[keys.TABLE].live()]
+    if not engines:
+        raise no_engine_error("any")
+    replies = await asyncio.gather(*(_flush_one(request.app, e) for e in engines))
+    results = {e: r for e, r in zip(engines, replies, strict=True)}
+    if all(r["success"] for r in results.values()):
+        return json_response({"success": True, "results": results})
+    if any(r["answered"] for r in results.values() if not r["success"]):
+        err = ApiError(409, "an engine refused to flush", code="flush_refused")
+    else:
+        err = ApiError(503, "an engine did not answer the flush", code="flush_unanswered")
+    return err.response({"results": results})
+
+
+async def _flush_one(app: web.Application, engine_id: str) -> dict[str, Any]:
+    data = await _ask(app, subjects.engine_flush(engine_id), FlushRequest().encode())
+    if isinstance(data, str):
+        return {"success": False, "answered": False, "message": data}
+    try:
+        reply = FlushReply.decode(data)
+        return {"success": reply.success, "answered": True, "message": reply.message}
+    except SchemaError as e:
+        return {"success": False, "answered": True, "message": _error_text(data, e)}
+
+
+async def stats(request: web.Request) -> web.Response:
+    """Every live engine's cache statistics (extension)."""
+    engines = [e.engine_id for e in request.app[keys.TABLE].live()]
+    replies = await asyncio.gather(
+        *(_ask(request.app, subjects.engine_stats(e), StatsRequest().encode()) for e in engines)
+    )
+    out: dict[str, Any] = {}
+    for engine_id, data in zip(engines, replies, strict=True):
+        if isinstance(data, str):
+            out[engine_id] = {"error": data}
+            continue
+        try:
+            reply = StatsReply.decode(data)
+            out[engine_id] = {"bucket": reply.bucket, "epoch": reply.epoch, "stats": reply.stats}
+        except SchemaError as e:
+            out[engine_id] = {"error": _error_text(data, e)}
+    return json_response({"engines": out})
+
+
+async def _ask(app: web.Application, subject: str, payload: bytes) -> bytes | str:
+    """The reply's bytes, or a string saying why there is none."""
+    try:
+        msg = await app[keys.NATS].request(
+            subject, payload, timeout=app[keys.CONFIG].flush_timeout_s
+        )
+    except NatsError as e:
+        app[keys.METRICS].bus_errors.labels("no_reply").inc()
+        return f"no reply: {type(e).__name__}"
+    return bytes(msg.data)
+
+
+def _error_text(data: bytes, e: SchemaError) -> str:
+    try:
+        return ErrorReply.decode(data).message
+    except SchemaError:
+        return f"malformed reply: {e}"
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", prometheus)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get("/stats", stats)

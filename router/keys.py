@@ -1,0 +1,23 @@
+"""Typed app state: one key per resource the app owns (set by `init` and its cleanup_ctx)."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from aiohttp import web
+from nats.aio.client import Client as NatsClient
+
+from router.config import RouterConfig
+from router.engines import EngineTable
+from router.metrics import RouterMetrics
+from router.record import Recorder
+from router.routing import Router
+from router.tokenizer import Tokenizer
+
+CONFIG = web.AppKey("config", RouterConfig)
+METRICS = web.AppKey("metrics", RouterMetrics)
+TOKENIZER = web.AppKey[Tokenizer]("tokenizer")
+NATS = web.AppKey("nats", NatsClient)
+REDIS = web.AppKey("redis", aioredis.Redis)
+TABLE = web.AppKey("engines", EngineTable)
+ROUTER = web.AppKey("router", Router)
+RECORDER = web.AppKey("recorder", Recorder)  # only set with --record

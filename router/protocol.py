@@ -1,0 +1,361 @@
+"""Request bodies -> one validated `GenerationSpec`, or an `ApiError` (status rule: errors.py).
+
+Validation happens in two steps, both before anything is sent to an engine:
+1. `parse_completion` / `parse_chat` / `parse_generate`: types, ranges, enum values, the
+   prompt (tokenized here). JSON `null` counts as "not given" for optional fields.
+2. `check_limits`: token ids against the engine's vocabulary, prompt + max_tokens against
+   its context length. When `max_tokens` is not given it defaults to 16, cut to what the
+   context leaves; a given `max_tokens` is never cut.
+
+OpenAI endpoints ignore unknown top-level fields (clients send many) but reject a set value
+of a feature the router does not implement (`n > 1`, `best_of > 1`, `echo`, `logprobs`,
+`suffix`). `/generate` rejects unknown fields at the top level and in `sampling_params`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from bus_schemas import Sampling
+from router.chat import ROLES, ChatMessage, render
+from router.errors import ApiError, bad_request
+from router.tokenizer import Tokenizer
+
+DEFAULT_MAX_TOKENS = 16
+MAX_SEED = 2**63  # seeds are in [0, 2**63): they seed a 64-bit generator
+MAX_SALT_LEN = 1024
+MAX_STOP_LEN = 1024
+
+GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "cache_salt"})
+SAMPLING_FIELDS = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSpec:
+    """One validated request. Token ids are checked against an engine by `check_limits`."""
+
+    endpoint: str  # "completions" | "chat" | "generate"
+    input_ids: list[int]
+    max_tokens: int | None  # None: not given (DEFAULT_MAX_TOKENS, cut to the context)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings, matched by the router on decoded text
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    cache_salt: str = ""
+    model: str | None = None  # the model the client asked for, if any
+
+    def sampling(self, max_new_tokens: int) -> Sampling:
+        return Sampling(
+            max_new_tokens=max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; 413 over the size limit, 400 when not a JSON object."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise ApiError(413, f"request body too large: {e.text}", code="body_too_large") from None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object", code="invalid_json")
+    return body
+
+
+# ------------------------------------------------------------------ endpoints
+
+
+def parse_completion(body: Mapping[str, Any], tok: Tokenizer, max_stop: int) -> GenerationSpec:
+    _reject_unsupported(body)
+    return _openai_spec("completions", body, _prompt_ids(body.get("prompt"), tok), max_stop)
+
+
+def parse_chat(body: Mapping[str, Any], tok: Tokenizer, max_stop: int) -> GenerationSpec:
+    _reject_unsupported(body)
+    ids = tok.encode(render(_messages(body.get("messages"))))
+    return _openai_spec("chat", body, ids, max_stop)
+
+
+def parse_generate(body: Mapping[str, Any], tok: Tokenizer, max_stop: int) -> GenerationSpec:
+    unknown = sorted(set(body) - GENERATE_FIELDS)
+    if unknown:
+        raise bad_request(f"unknown field(s) {unknown}", unknown[0], "unknown_field")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise bad_request("give exactly one of 'text' and 'input_ids'", "text", "missing_prompt")
+    if text is not None:
+        if not isinstance(text, str):
+            raise bad_request("'text' must be a string", "text", "invalid_type")
+        input_ids = _nonempty(tok.encode(text), "text")
+    else:
+        input_ids = _token_ids(ids, "input_ids")
+    sp = body.get("sampling_params")
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise bad_request("'sampling_params' must be an object", "sampling_params", "invalid_type")
+    unknown = sorted(set(sp) - SAMPLING_FIELDS)
+    if unknown:
+        param = f"sampling_params.{unknown[0]}"
+        raise bad_request(f"unknown sampling parameter(s) {unknown}", param, "unknown_field")
+    f = _Fields(sp, "sampling_params.")
+    stop_token_ids = sp.get("stop_token_ids")
+    return GenerationSpec(
+        endpoint="generate",
+        input_ids=input_ids,
+        max_tokens=f.int_("max_new_tokens", 0, None),
+        temperature=f.temperature(),
+        top_p=f.top_p(),
+        seed=f.int_("seed", 0, MAX_SEED - 1),
+        stop=f.stop(max_stop),
+        stop_token_ids=()
+        if stop_token_ids is None
+        else tuple(_token_ids(stop_token_ids, "sampling_params.stop_token_ids", empty_ok=True)),
+        ignore_eos=f.bool_("ignore_eos", False),
+        stream=_Fields(body).bool_("stream", False),
+        cache_salt=_Fields(body).salt("cache_salt"),
+    )
+
+
+def check_limits(spec: GenerationSpec, vocab_size: int, context_len: int) -> int:
+    """The max_new_tokens to send; raises 400 for ids outside the vocabulary or a request
+    that does not fit the context."""
+    native = spec.endpoint == "generate"
+    stop_param = "sampling_params.stop_token_ids" if native else "stop_token_ids"
+    for param, ids in (("prompt", spec.input_ids), (stop_param, spec.stop_token_ids)):
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab_size:
+                raise bad_request(
+                    f"{param} token {i} is {t}: token ids must be integers in [0, {vocab_size})",
+                    param,
+                    "invalid_token_id",
+                )
+    prompt_len = len(spec.input_ids)
+    if spec.max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, context_len - prompt_len)
+        if max_tokens >= 1:
+            return max_tokens
+        max_tokens = DEFAULT_MAX_TOKENS
+    else:
+        max_tokens = spec.max_tokens
+    if prompt_len + max_tokens > context_len:
+        raise bad_request(
+            f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
+            f"context length {context_len}",
+            ("sampling_params.max_new_tokens" if native else "max_tokens")
+            if spec.max_tokens is not None
+            else "prompt",
+            "context_length_exceeded",
+        )
+    return max_tokens
+
+
+# ------------------------------------------------------------------ pieces
+
+
+def _openai_spec(
+    endpoint: str, body: Mapping[str, Any], ids: list[int], max_stop: int
+) -> GenerationSpec:
+    f = _Fields(body)
+    max_tokens = f.int_("max_tokens", 0, None)
+    if endpoint == "chat":
+        alias = f.int_("max_completion_tokens", 0, None)
+        max_tokens = max_tokens if alias is None else alias
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model", "invalid_type")
+    # OpenAI's `user` isolates the cache when no explicit cache_salt is given.
+    cache_salt = f.salt("cache_salt") or f.salt("user")
+    return GenerationSpec(
+        endpoint=endpoint,
+        input_ids=ids,
+        max_tokens=max_tokens,
+        temperature=f.temperature(),
+        top_p=f.top_p(),
+        seed=f.int_("seed", 0, MAX_SEED - 1),
+        stop=f.stop(max_stop),
+        ignore_eos=f.bool_("ignore_eos", False),
+        stream=f.bool_("stream", False),
+        cache_salt=cache_salt,
+        model=model or None,
+    )
+
+
+def _reject_unsupported(body: Mapping[str, Any]) -> None:
+    f = _Fields(body)
+    if f.int_("n", 1, None) not in (None, 1):
+        raise bad_request("only n=1 is supported", "n", "unsupported_value")
+    if f.int_("best_of", 1, None) not in (None, 1):
+        raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
+    for name in ("echo", "logprobs", "top_logprobs", "suffix"):
+        if body.get(name) not in (None, False, "", 0):
+            raise bad_request(f"'{name}' is not supported", name, "unsupported_value")
+
+
+def _prompt_ids(prompt: Any, tok: Tokenizer) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return _nonempty(tok.encode(prompt), "prompt")
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(p, str | list) for p in prompt):
+            raise bad_request("only one prompt per request", "prompt", "unsupported_value")
+        return _token_ids(prompt, "prompt")
+    if prompt is None:
+        raise bad_request("'prompt' is required", "prompt", "missing_required")
+    raise bad_request(
+        "'prompt' must be a string or a list of token ids", "prompt", code="invalid_type"
+    )
+
+
+def _messages(value: Any) -> list[ChatMessage]:
+    if value is None:
+        raise bad_request("'messages' is required", "messages", "missing_required")
+    if not isinstance(value, list):
+        raise bad_request("'messages' must be a list", "messages", "invalid_type")
+    if not value:
+        raise bad_request("'messages' must not be empty", "messages", "empty")
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+
+
+def _message(m: Any, param: str) -> ChatMessage:
+    if not isinstance(m, dict):
+        raise bad_request(f"{param} must be an object", param, "invalid_type")
+    role = m.get("role")
+    if role not in ROLES:
+        raise bad_request(f"{param}.role must be one of {list(ROLES)}", f"{param}.role")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text parts
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise bad_request("only text content parts are supported", f"{param}.content")
+            if not isinstance(part.get("text"), str):
+                raise bad_request("a text part needs a string 'text'", f"{param}.content[{j}]")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise bad_request(f"{param}.content must be a string", f"{param}.content", "invalid_type")
+    return ChatMessage(role, content)
+
+
+def _token_ids(value: Any, param: str, empty_ok: bool = False) -> list[int]:
+    if not isinstance(value, list):
+        raise bad_request(f"'{param}' must be a list of token ids", param, "invalid_type")
+    if not value and not empty_ok:
+        raise bad_request(f"'{param}' must not be empty", param, "empty")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise bad_request(
+                f"{param}[{i}] is {t!r}: token ids must be integers >= 0", param, "invalid_token_id"
+            )
+    return list(value)
+
+
+def _nonempty(ids: list[int], param: str) -> list[int]:
+    if not ids:
+        raise bad_request(f"'{param}' must not be empty", param, "empty")
+    return ids
+
+
+class _Fields:
+    """Typed reads of optional fields; `null` is "not given". Param names carry `prefix`."""
+
+    def __init__(self, body: Mapping[str, Any], prefix: str = "") -> None:
+        self.body = body
+        self.prefix = prefix
+
+    def int_(self, name: str, lo: int, hi: int | None) -> int | None:
+        v = self.body.get(name)
+        if v is None:
+            return None
+        param = self.prefix + name
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad_request(f"'{param}' must be an integer", param, "invalid_type")
+        if v < lo or (hi is not None and v > hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise bad_request(f"'{param}' must be {bound}, got {v}", param)
+        return v
+
+    def float_(self, name: str) -> float | None:
+        v = self.body.get(name)
+        if v is None:
+            return None
+        param = self.prefix + name
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise bad_request(f"'{param}' must be a number", param, "invalid_type")
+        if not math.isfinite(v):
+            raise bad_request(f"'{param}' must be finite", param)
+        return float(v)
+
+    def temperature(self) -> float:
+        v = self.float_("temperature")
+        if v is not None and v < 0:
+            param = self.prefix + "temperature"
+            raise bad_request(f"'{param}' must be >= 0, got {v}", param)
+        return 0.0 if v is None else v
+
+    def top_p(self) -> float:
+        v = self.float_("top_p")
+        if v is not None and not 0 < v <= 1:
+            param = self.prefix + "top_p"
+            raise bad_request(f"'{param}' must be in (0, 1], got {v}", param)
+        return 1.0 if v is None else v
+
+    def bool_(self, name: str, default: bool) -> bool:
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            param = self.prefix + name
+            raise bad_request(f"'{param}' must be a boolean", param, "invalid_type")
+        return v
+
+    def str_(self, name: str) -> str | None:
+        v = self.body.get(name)
+        if v is not None and not isinstance(v, str):
+            param = self.prefix + name
+            raise bad_request(f"'{param}' must be a string", param, "invalid_type")
+        return v
+
+    def salt(self, name: str) -> str:
+        v = self.str_(name) or ""
+        if len(v) > MAX_SALT_LEN:
+            param = self.prefix + name
+            raise bad_request(f"'{param}' is longer than {MAX_SALT_LEN} characters", param)
+        return v
+
+    def stop(self, max_stop: int) -> tuple[str, ...]:
+        v = self.body.get("stop")
+        param = self.prefix + "stop"
+        if v is None:
+            return ()
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise bad_request(
+                f"'{param}' must be a string or a list of strings", param, "invalid_type"
+            )
+        if len(stops) > max_stop:
+            raise bad_request(f"'{param}' allows at most {max_stop} strings", param)
+        if any(not s or len(s) > MAX_STOP_LEN for s in stops):
+            raise bad_request(f"stop strings must have 1 to {MAX_STOP_LEN} characters", param)
+        return tuple(stops)

@@ -1,0 +1,176 @@
+"""Cache-aware engine choice.
+
+Per request: the page hashes of the prompt (namespace and page size from the bucket's
+heartbeats), ONE `EVALSHA` of `PREFIX_LOOKUP_LUA` over their Redis keys, then for every live
+candidate
+
+    score = page_size x (device_weight x device pages + host_weight x host-only pages)
+            - load_weight x in-flight tokens
+
+and the highest score wins (ties: less load, then round robin). Redis trouble never fails a
+request: on an error or a lookup slower than `redis_timeout_s` the choice is by load alone,
+the error is counted, and Redis is left alone for `redis_retry_s` (one warning per outage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, RedisError
+
+from bus_schemas import page_hashes, redis_keys
+from router.config import RouterConfig
+from router.engines import EngineView
+from router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+LOOKUP_SHA = hashlib.sha1(redis_keys.PREFIX_LOOKUP_LUA.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """How much of a prompt's page chain one engine holds, from the start."""
+
+    pages: int  # leading pages held in any tier
+    device_pages: int  # leading pages held on the device (a prefix of `pages`)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    engine: EngineView
+    reason: str  # "cache" | "load" | "redis_down" | "retry"
+    hit: PrefixHit  # what Redis said the engine holds (zero when unknown)
+
+
+class PrefixIndex:
+    """Prefix lookups against the Redis index, with a time budget and an outage breaker."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.redis = redis
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self._skip_until = 0.0
+        self._in_outage = False
+
+    async def load_script(self) -> None:
+        """Register the lookup script (best effort: lookups reload it on NOSCRIPT)."""
+        try:
+            async with asyncio.timeout(1.0):
+                await self.redis.script_load(redis_keys.PREFIX_LOOKUP_LUA)
+        except (RedisError, OSError, TimeoutError) as e:
+            log.warning("could not load the prefix lookup script into Redis: %s", e)
+
+    async def lookup(self, hashes: Sequence[str]) -> dict[str, PrefixHit] | None:
+        """engine id -> hit for every engine holding the first page; None when Redis is
+        unavailable (the caller routes by load)."""
+        if not hashes:
+            return {}
+        if self.clock() < self._skip_until:
+            return None
+        keys = [redis_keys.page(h) for h in hashes]
+        try:
+            async with asyncio.timeout(self.config.redis_timeout_s):
+                flat = await self._evalsha(keys)
+        except (RedisError, OSError, TimeoutError) as e:
+            self._on_error(e)
+            return None
+        if self._in_outage:
+            log.info("Redis answers again: routing by cache resumes")
+            self._in_outage = False
+        try:
+            return {
+                str(flat[i]): PrefixHit(int(flat[i + 1]), int(flat[i + 2]))
+                for i in range(0, len(flat) - 2, 3)
+            }
+        except (TypeError, ValueError, IndexError) as e:
+            self._on_error(e)
+            return None
+
+    async def _evalsha(self, keys: list[str]) -> list[Any]:
+        try:
+            return list(await self.redis.evalsha(LOOKUP_SHA, len(keys), *keys))
+        except NoScriptError:
+            await self.redis.script_load(redis_keys.PREFIX_LOOKUP_LUA)
+            return list(await self.redis.evalsha(LOOKUP_SHA, len(keys), *keys))
+
+    def _on_error(self, e: BaseException) -> None:
+        self.metrics.store_errors.inc()
+        self._skip_until = self.clock() + self.config.redis_retry_s
+        if not self._in_outage:
+            self._in_outage = True
+            log.warning("Redis prefix lookup failed (%r): routing by load until it answers", e)
+
+
+class Router:
+    """Chooses an engine for one request among the live candidates of its bucket."""
+
+    def __init__(self, index: PrefixIndex, config: RouterConfig, metrics: RouterMetrics) -> None:
+        self.index = index
+        self.config = config
+        self.metrics = metrics
+        self._turn = itertools.count()
+
+    def select_bucket(self, prompt_len: int, max_tokens: int) -> str:
+        """The bucket for a request. One configured bucket today; buckets by context length
+        would pick the smallest whose engines fit `prompt_len + max_tokens`."""
+        del prompt_len, max_tokens
+        return self.config.bucket
+
+    async def choose(
+        self,
+        candidates: Sequence[EngineView],
+        input_ids: Sequence[int],
+        cache_salt: str,
+        retry: bool = False,
+    ) -> RouteChoice:
+        """The best of `candidates` (non-empty, one bucket) for this prompt."""
+        if not candidates:
+            raise ValueError("no candidates")
+        first = candidates[0]
+        hits: dict[str, PrefixHit] | None = {}
+        if len(candidates) > 1:
+            hashes = page_hashes(input_ids, first.page_size, first.namespace, cache_salt)
+            hits = await self.index.lookup(hashes)
+        turn = next(self._turn)
+        best_key: tuple[float, int, int] | None = None
+        best: EngineView = first
+        for i, engine in enumerate(candidates):
+            hit = (
+                (hits or {}).get(engine.engine_id) if engine.namespace == first.namespace else None
+            )
+            key = (self._score(engine, hit), -engine.load, -((i - turn) % len(candidates)))
+            if best_key is None or key > best_key:
+                best_key, best = key, engine
+        hit = (hits or {}).get(best.engine_id) or PrefixHit(0, 0)
+        if retry:
+            reason = "retry"
+        elif hits is None:
+            reason = "redis_down"
+        else:
+            reason = "cache" if hit.pages > 0 else "load"
+        self.metrics.routing.labels(reason).inc()
+        return RouteChoice(best, reason, hit)
+
+    def _score(self, engine: EngineView, hit: PrefixHit | None) -> float:
+        cached = 0.0
+        if hit is not None:
+            host_pages = hit.pages - hit.device_pages
+            cached = engine.page_size * (
+                self.config.device_weight * hit.device_pages + self.config.host_weight * host_pages
+            )
+        return cached - self.config.load_weight * engine.load

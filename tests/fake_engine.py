@@ -1,0 +1,308 @@
+"""A scripted engine for router tests, and a helper that runs a router against it.
+
+`FakeEngine` is a real NATS client in the test process speaking the engine side of the
+bus_schemas contract: it publishes `Heartbeat`s, answers `GenerateRequest`s with
+deterministic tokens (`output[i] = (input_ids[i % len] + 1) % vocab_size`, see
+`expected_tokens`), and serves abort, flush and stats. Knobs make it misbehave: go silent
+(no heartbeats, no chunks: a killed engine), stop answering while still heartbeating (a hung
+engine), or answer with an error chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import orjson
+from aiohttp.test_utils import TestClient, TestServer
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from bus_schemas import (
+    AbortRequest,
+    FlushReply,
+    GenerateRequest,
+    Heartbeat,
+    StatsReply,
+    TokenChunk,
+    subjects,
+)
+from router.app import init
+from router.config import RouterConfig
+from router.keys import NATS as NATS_KEY
+
+VOCAB_SIZE = 260
+EOS_ID = 257
+
+
+def expected_tokens(input_ids: Sequence[int], n: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
+    """What a FakeEngine generates for `input_ids` with max_new_tokens `n` (no EOS hit)."""
+    return [(input_ids[i % len(input_ids)] + 1) % vocab_size for i in range(n)]
+
+
+@dataclass
+class FakeEngine:
+    engine_id: str
+    nats_url: str
+    bucket: str = "default"
+    model: str = "tiny-test"
+    namespace: str = "test-ns"
+    page_size: int = 4
+    context_len: int = 256
+    vocab_size: int = VOCAB_SIZE
+    interval_s: float = 0.2
+    token_delay_s: float = 0.0  # pause before each chunk
+    tokens_per_chunk: int = 1
+    # --- knobs a test may change while running
+    inflight_tokens: int = 0  # reported in heartbeats
+    cached_device: int = 0  # reported in the first chunk
+    cached_host: int = 0
+    silent: bool = False  # no heartbeats, no chunks, no replies (a killed engine)
+    silent_after_chunks: int | None = None  # go silent after sending this many chunks
+    mute_generate: bool = False  # heartbeats continue, generate requests go unanswered
+    error: tuple[int, str] | None = None  # answer every request with this error chunk
+    flush_success: bool = True
+    # --- what it saw
+    received: list[GenerateRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    flushes: int = 0
+    stats_requests: int = 0
+    epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    _nc: NATS | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _aborted: set[str] = field(default_factory=set)
+    _chunks_sent: int = 0
+
+    @property
+    def nc(self) -> NATS:
+        assert self._nc is not None, "not started"
+        return self._nc
+
+    async def start(self) -> None:
+        self._nc = await nats.connect(self.nats_url, name=f"fake-{self.engine_id}")
+        await self.nc.subscribe(subjects.engine_generate(self.engine_id), cb=self._on_generate)
+        await self.nc.subscribe(subjects.engine_abort(self.engine_id), cb=self._on_abort)
+        await self.nc.subscribe(subjects.engine_flush(self.engine_id), cb=self._on_flush)
+        await self.nc.subscribe(subjects.engine_stats(self.engine_id), cb=self._on_stats)
+        await self.nc.flush()
+        await self.beat()
+        self._spawn(self._heartbeats())
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._nc is not None:
+            await self._nc.close()
+            self._nc = None
+
+    async def beat(self) -> None:
+        hb = Heartbeat(
+            engine_id=self.engine_id,
+            bucket=self.bucket,
+            epoch=self.epoch,
+            model=self.model,
+            namespace=self.namespace,
+            page_size=self.page_size,
+            context_len=self.context_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=[EOS_ID],
+            running=0,
+            waiting=0,
+            inflight_tokens=self.inflight_tokens,
+            interval_s=self.interval_s,
+        )
+        await self.nc.publish(subjects.HEARTBEAT, hb.encode())
+
+    async def sync(self) -> None:
+        """Round trip to the server: everything published to us before is delivered."""
+        await self.nc.flush()
+
+    # ---------------------------------------------------------------- internals
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if not self.silent:
+                await self.beat()
+
+    async def _on_generate(self, msg: Msg) -> None:
+        if self.silent:
+            return
+        req = GenerateRequest.decode(msg.data)
+        self.received.append(req)
+        if not self.mute_generate:
+            self._spawn(self._generate(req))
+
+    async def _generate(self, req: GenerateRequest) -> None:
+        sp = req.sampling
+        if self.error is not None:
+            code, text = self.error
+            await self._send(
+                req,
+                TokenChunk(
+                    req.request_id,
+                    0,
+                    [],
+                    self.engine_id,
+                    finished=True,
+                    error=text,
+                    error_code=code,
+                ),
+            )
+            return
+        tokens = expected_tokens(req.input_ids, sp.max_new_tokens, self.vocab_size)
+        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else {EOS_ID})
+        for i, t in enumerate(tokens):
+            if t in stops:
+                tokens, reason = tokens[: i + 1], "stop"
+                break
+        else:
+            reason = "length"
+        batches = [
+            tokens[i : i + self.tokens_per_chunk]
+            for i in range(0, len(tokens), self.tokens_per_chunk)
+        ]
+        batches = batches or [[]]
+        for seq, batch in enumerate(batches):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            if req.request_id in self._aborted:
+                return
+            last = seq == len(batches) - 1
+            chunk = TokenChunk(
+                request_id=req.request_id,
+                seq=seq,
+                token_ids=batch,
+                engine_id=self.engine_id,
+                prompt_tokens=len(req.input_ids),
+                cached_device=self.cached_device,
+                cached_host=self.cached_host,
+                finished=last,
+                finish_reason=reason if last else None,
+            )
+            if not await self._send(req, chunk):
+                return
+
+    async def _send(self, req: GenerateRequest, chunk: TokenChunk) -> bool:
+        if self.silent:
+            return False
+        await self.nc.publish(req.reply_to, chunk.encode())
+        self._chunks_sent += 1
+        if self.silent_after_chunks is not None and self._chunks_sent >= self.silent_after_chunks:
+            self.silent = True
+        return True
+
+    async def _on_abort(self, msg: Msg) -> None:
+        request_id = AbortRequest.decode(msg.data).request_id
+        self.aborts.append(request_id)
+        self._aborted.add(request_id)
+
+    async def _on_flush(self, msg: Msg) -> None:
+        if self.silent:
+            return
+        self.flushes += 1
+        message = "flushed" if self.flush_success else "requests are running"
+        await msg.respond(FlushReply(self.engine_id, self.flush_success, message).encode())
+
+    async def _on_stats(self, msg: Msg) -> None:
+        if self.silent:
+            return
+        self.stats_requests += 1
+        reply = StatsReply(self.engine_id, self.bucket, self.epoch, {"device_pages": 7})
+        await msg.respond(reply.encode())
+
+
+# -------------------------------------------------------------------- a router on top
+
+
+@dataclass
+class Mesh:
+    client: TestClient[Any, Any]
+    engines: list[FakeEngine]
+    config: RouterConfig
+
+    @property
+    def router_nc(self) -> NATS:
+        return self.client.app[NATS_KEY]
+
+    async def sync(self) -> None:
+        """Everything the router published so far has reached the engines."""
+        await self.router_nc.flush()
+        for e in self.engines:
+            if e._nc is not None:
+                await e.sync()
+
+    async def wait_for_engines(self, n: int, timeout_s: float = 5.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            resp = await self.client.get("/health", headers=self.auth)
+            body = await resp.json()
+            if len(body.get("live_engines", [])) == n:
+                return
+            assert asyncio.get_running_loop().time() < deadline, f"engines not live: {body}"
+            await asyncio.sleep(0.02)
+
+    @property
+    def auth(self) -> dict[str, str]:
+        key = self.config.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@contextlib.asynccontextmanager
+async def running_mesh(
+    nats_url: str,
+    redis_url: str,
+    num_engines: int = 2,
+    engine_kw: dict[str, Any] | None = None,
+    **config_kw: Any,
+) -> AsyncIterator[Mesh]:
+    """`num_engines` FakeEngines (ids `<tag>-a`, `<tag>-b`, ...) and a router app served
+    over real HTTP; the router sees every engine live before this yields."""
+    tag = uuid.uuid4().hex[:6]
+    kw = {"namespace": f"ns-{tag}"} | (engine_kw or {})
+    engines = [FakeEngine(f"e{tag}-{chr(97 + i)}", nats_url, **kw) for i in range(num_engines)]
+    config_kw = {"request_timeout_s": 5.0, "liveness_poll_s": 0.05} | config_kw
+    config = RouterConfig(nats_url=nats_url, redis_url=redis_url, **config_kw)
+    client: TestClient[Any, Any] = TestClient(TestServer(init(config)))
+    try:
+        await client.start_server()
+        for e in engines:
+            await e.start()
+        mesh = Mesh(client, engines, config)
+        await mesh.wait_for_engines(num_engines)
+        yield mesh
+    finally:
+        await client.close()
+        for e in engines:
+            await e.stop()
+
+
+async def read_sse(resp: Any) -> tuple[list[dict[str, Any]], bool]:
+    """The JSON events of an SSE response, and whether it ended with `data: [DONE]`."""
+    events: list[dict[str, Any]] = []
+    done = False
+    raw = (await resp.read()).decode()
+    for block in raw.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        assert not done, "event after [DONE]"
+        if data == "[DONE]":
+            done = True
+        else:
+            events.append(orjson.loads(data))
+    return events, done
