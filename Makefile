@@ -8,7 +8,7 @@ setup:
 	@bash scripts/bootstrap.sh
 
 run: setup
-	.venv/bin/hicache-mesh generate --prompt "The quick brown fox jumps over the lazy dog. The quick brown fox" --max-tokens 16 --repeat 2
+	.venv/bin/hicache-mesh up --port 8000
 
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
