@@ -19,10 +19,10 @@ from typing import Any
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
+from fake_engine import read_sse
 
 from bus_schemas import make_namespace, page_hashes
 from bus_schemas import redis_keys as rk
-from fake_engine import read_sse
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
@@ -158,8 +158,8 @@ async def test_requests_go_to_the_engine_holding_their_prefix(
     for k in range(4):
         prompt = [(7 * k + i) % 256 for i in range(60)]
         _, owner = await complete(http, mesh, prompt, 2)
-        await wait_for(lambda p=prompt: _holds(mesh, p, owner))
-        longer = prompt + [1, 2, 3, 4, 5, 6, 7, 8]
+        await wait_for(lambda p=prompt, o=owner: _holds(mesh, p, o))
+        longer = [*prompt, 1, 2, 3, 4, 5, 6, 7, 8]
         data, chosen = await complete(http, mesh, longer, 2)
         assert chosen == owner
         assert cached(data)[0] >= 56  # at least the prompt's whole pages
