@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket", default="default")
     p.add_argument("--shutdown-timeout", metavar="S", type=float, default=30.0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
 
 
@@ -60,13 +61,17 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
-async def serve(config: RouterConfig, host: str, port: int) -> None:
+async def serve(config: RouterConfig, host: str, port: int, access_log: bool = False) -> None:
     """Run until SIGINT/SIGTERM, then shut down gracefully."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(init(config), shutdown_timeout=config.shutdown_timeout_s)
+    runner = web.AppRunner(
+        init(config),
+        shutdown_timeout=config.shutdown_timeout_s,
+        access_log=logging.getLogger("aiohttp.access") if access_log else None,
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -87,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config, args.host, args.port))
+    import uvloop
+
+    uvloop.run(serve(config, args.host, args.port, args.access_log))
     return 0
 
 

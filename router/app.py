@@ -28,6 +28,7 @@ from router.handlers import add_routes, auth_middleware, errors_middleware
 from router.metrics import RouterMetrics
 from router.record import Recorder
 from router.routing import PrefixIndex, Router
+from router.stream import ReplyHub
 from router.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,14 @@ async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
         reconnected_cb=on_reconnect,
     )
     app[keys.NATS] = nc
+    hub = ReplyHub(nc)
+    await hub.start()
+    app[keys.REPLIES] = hub
     try:
         yield
     finally:
         stopping = True
+        await hub.stop()
         if not nc.is_closed:
             try:
                 await nc.drain()

@@ -14,8 +14,6 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
-from nats.aio.client import Client as NATS
-
 from bus_schemas import GenerateRequest, TokenChunk
 from router.config import RouterConfig
 from router.detokenize import TextAssembler
@@ -24,7 +22,7 @@ from router.errors import ApiError
 from router.metrics import RouterMetrics
 from router.protocol import GenerationSpec
 from router.routing import Router
-from router.stream import EngineFailure, EngineStream
+from router.stream import EngineFailure, EngineStream, ReplyHub
 from router.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
@@ -74,7 +72,7 @@ class Generation:
     def __init__(
         self,
         *,
-        nc: NATS,
+        hub: ReplyHub,
         table: EngineTable,
         router: Router,
         config: RouterConfig,
@@ -85,7 +83,7 @@ class Generation:
         bucket: str,
         started_at: float,
     ) -> None:
-        self.nc = nc
+        self.hub = hub
         self.table = table
         self.router = router
         self.config = config
@@ -145,7 +143,9 @@ class Generation:
         )
         tokens = len(self.spec.input_ids) + self.max_new_tokens
         with self.table.lease(engine_id, tokens):
-            async with EngineStream(self.nc, self.table, self.config, engine_id, request) as stream:
+            async with EngineStream(
+                self.hub, self.table, self.config, engine_id, request
+            ) as stream:
                 async for chunk in stream:
                     ids = self._take(chunk)
                     if self.assembler.matched:

@@ -164,7 +164,7 @@ def _generation(app: web.Application, spec: GenerationSpec, started_at: float) -
     context_len = min(e.context_len for e in engines)
     max_new_tokens = check_limits(spec, vocab_size, context_len)
     return Generation(
-        nc=app[keys.NATS],
+        hub=app[keys.REPLIES],
         table=table,
         router=router,
         config=app[keys.CONFIG],

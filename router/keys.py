@@ -11,12 +11,14 @@ from router.engines import EngineTable
 from router.metrics import RouterMetrics
 from router.record import Recorder
 from router.routing import Router
+from router.stream import ReplyHub
 from router.tokenizer import Tokenizer
 
 CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", RouterMetrics)
 TOKENIZER = web.AppKey[Tokenizer]("tokenizer")
 NATS = web.AppKey("nats", NatsClient)
+REPLIES = web.AppKey("replies", ReplyHub)  # the shared reply inbox
 REDIS = web.AppKey("redis", aioredis.Redis)
 TABLE = web.AppKey("engines", EngineTable)
 ROUTER = web.AppKey("router", Router)

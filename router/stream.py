@@ -1,7 +1,7 @@
 """One request on one engine over NATS: send it, take its `TokenChunk`s in `seq` order, and
 abort it on the way out unless the engine finished it.
 
-    async with EngineStream(nc, table, config, engine_id, request) as stream:
+    async with EngineStream(hub, table, config, engine_id, request) as stream:
         async for chunk in stream:
             ...
 
@@ -59,32 +59,70 @@ class EngineFailure(Exception):
         return self.kind in ("timeout", "lost", "bad_message", "unavailable")
 
 
+class ReplyHub:
+    """One wildcard subscription for every request's replies.
+
+    Each request gets a subject under the router's own inbox prefix and a queue; the hub
+    delivers by subject. This saves a SUB and an UNSUB round of protocol per request.
+    """
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self._prefix = nc.new_inbox()
+        self._queues: dict[str, asyncio.Queue[bytes]] = {}
+        self._next = 0
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(f"{self._prefix}.*", cb=self._on_msg)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(NatsError):
+                await sub.unsubscribe()
+
+    def open(self) -> tuple[str, asyncio.Queue[bytes]]:
+        self._next += 1
+        subject = f"{self._prefix}.{self._next}"
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._queues[subject] = queue
+        return subject, queue
+
+    def close(self, subject: str) -> None:
+        self._queues.pop(subject, None)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        queue = self._queues.get(msg.subject)
+        if queue is not None:
+            queue.put_nowait(msg.data)
+
+
 class EngineStream:
     def __init__(
         self,
-        nc: NATS,
+        hub: ReplyHub,
         table: EngineTable,
         config: RouterConfig,
         engine_id: str,
         request: GenerateRequest,
     ) -> None:
-        self.nc = nc
+        self.nc = hub.nc
         self.table = table
         self.config = config
         self.engine_id = engine_id
-        self.request = replace(request, reply_to=nc.new_inbox())
+        self.hub = hub
+        reply_to, self._queue = hub.open()
+        self.request = replace(request, reply_to=reply_to)
         self.num_chunks = 0  # chunks handed out so far
         self.finished = False  # the engine sent its last chunk (no abort needed)
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._pending: dict[int, TokenChunk] = {}  # arrived ahead of their turn, by seq
-        self._sub: Subscription | None = None
 
     async def __aenter__(self) -> EngineStream:
         try:
-            self._sub = await self.nc.subscribe(self.request.reply_to, cb=self._on_msg)
             await self.nc.publish(subjects.engine_generate(self.engine_id), self.request.encode())
         except NatsError as e:
-            await self._unsubscribe()
+            self.hub.close(self.request.reply_to)
             raise self._failure("bus", f"NATS publish failed: {e!r}") from None
         return self
 
@@ -94,7 +132,7 @@ class EngineStream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._unsubscribe()
+        self.hub.close(self.request.reply_to)
         if not self.finished:
             await self.abort()
 
@@ -150,15 +188,6 @@ class EngineStream:
         if chunk.request_id != self.request.request_id or chunk.seq < self.num_chunks:
             return  # not ours, or a duplicate
         self._pending.setdefault(chunk.seq, chunk)
-
-    async def _on_msg(self, msg: Msg) -> None:
-        self._queue.put_nowait(msg.data)
-
-    async def _unsubscribe(self) -> None:
-        if self._sub is not None:
-            sub, self._sub = self._sub, None
-            with contextlib.suppress(NatsError):
-                await sub.unsubscribe()
 
     def _failure(self, kind: str, message: str) -> EngineFailure:
         return EngineFailure(kind, self.engine_id, message, self.num_chunks)
