@@ -30,11 +30,7 @@ class Message:
     VERSION: ClassVar[int] = 1
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            out[f.name] = _to_plain(value)
-        return out
+        return {name: _to_plain(getattr(self, name)) for name in _field_names(type(self))}
 
     def encode(self) -> bytes:
         body = self.to_dict()
@@ -65,8 +61,7 @@ class Message:
     def from_dict(cls: type[M], body: dict[str, Any], where: str = "") -> M:
         where = where or cls.TYPE
         hints = _hints(cls)
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = set(body) - names
+        unknown = body.keys() - _field_names(cls)
         if unknown:
             raise SchemaError(f"{where}: unknown field(s) {sorted(unknown)}")
         kwargs: dict[str, Any] = {}
@@ -82,6 +77,15 @@ class Message:
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
+_NAMES: dict[type, tuple[str, ...]] = {}
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -94,6 +98,8 @@ def _to_plain(value: Any) -> Any:
     if isinstance(value, Message):
         return value.to_dict()
     if isinstance(value, list | tuple):
+        if all(isinstance(v, _SCALARS) for v in value):  # token ids: the common, long case
+            return list(value)
         return [_to_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: _to_plain(v) for k, v in value.items()}
@@ -135,6 +141,8 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise SchemaError(f"{where}: expected a list, got {type(value).__name__}")
         (item,) = get_args(hint)[:1]
+        if item is int and all(type(v) is int for v in value):  # token ids: one pass in C
+            return tuple(value) if origin is tuple else value
         checked = [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(checked) if origin is tuple else checked
     if origin is dict:
