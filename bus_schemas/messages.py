@@ -44,6 +44,7 @@ class TokenChunk(Message):
     """
 
     TYPE: ClassVar[str] = "token_chunk"
+    VERSION: ClassVar[int] = 2  # 2: P/D fields
 
     request_id: str
     seq: int
@@ -55,7 +56,80 @@ class TokenChunk(Message):
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
-    error_code: int = 0  # an HTTP-like status for errors: 400 bad input, 503 engine stopping
+    error_code: int = 0  # HTTP-like: 400 bad input, 409 restore lost, 503 unavailable/timeout
+    # P/D, set by the decode engine on a request's first chunk (decode_prefix_len -1 otherwise):
+    decode_prefix_len: int = -1  # tokens decode reused from its own cache
+    transferred_tokens: int = 0  # KV tokens received from prefill (prompt_len - decode_prefix_len)
+    transferred_bytes: int = 0
+    prefill_engine_id: str = ""
+    prefill_cached_device: int = 0
+    prefill_cached_host: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAdmit(Message):
+    """Router -> decode engine (request/reply): admit a P/D request.
+
+    The decode engine matches the prompt against its own cache (unless `reuse` is False),
+    reserves pages for the restored prefix and the incoming suffix, starts restoring the host
+    part, and answers `DecodeAdmitReply`. It then streams `TokenChunk`s to `reply_to` once
+    the KV is complete.
+    """
+
+    TYPE: ClassVar[str] = "decode_admit"
+
+    request_id: str
+    input_ids: list[int]
+    sampling: Sampling
+    reply_to: str
+    cache_salt: str = ""
+    reuse: bool = True  # False: decode_prefix_len = 0 (a retry after a failed restore)
+    transfer_timeout_s: float = 30.0  # give up (and release) if KV stops arriving
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAdmitReply(Message):
+    TYPE: ClassVar[str] = "decode_admit_reply"
+
+    request_id: str
+    engine_id: str
+    decode_prefix_len: int  # page-aligned; prefill sends KV of positions >= this
+    kv_subject: str  # where prefill sends KV frames (bus_schemas.kv_frame)
+    cached_device: int = 0
+    cached_host: int = 0
+    error: str | None = None
+    error_code: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest(Message):
+    """Router -> prefill engine: compute the prompt (reusing prefill's own cache), sample the
+    first token, and send KV of positions >= `decode_prefix_len` to `kv_subject`.
+
+    Errors (bad input, transfer failure) come back as a finished `TokenChunk` on `reply_to`.
+    """
+
+    TYPE: ClassVar[str] = "prefill"
+
+    request_id: str
+    input_ids: list[int]
+    sampling: Sampling
+    cache_salt: str
+    decode_prefix_len: int
+    kv_subject: str
+    reply_to: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVChunkAck(Message):
+    """Decode -> prefill: frame `seq` of `request_id` was written (or rejected: `ok` False)."""
+
+    TYPE: ClassVar[str] = "kv_ack"
+
+    request_id: str
+    seq: int
+    ok: bool = True
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)

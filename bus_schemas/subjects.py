@@ -23,6 +23,26 @@ def bucket_queue(bucket: str) -> str:
     return f"engines-{bucket}"
 
 
+def engine_decode_admit(engine_id: str) -> str:
+    """DecodeAdmit to a decode engine (request/reply)."""
+    return f"{PREFIX}.engine.{engine_id}.decode_admit"
+
+
+def engine_prefill(engine_id: str) -> str:
+    """PrefillRequest to a prefill engine."""
+    return f"{PREFIX}.engine.{engine_id}.prefill"
+
+
+def engine_kv(engine_id: str) -> str:
+    """KV frames (bus_schemas.kv_frame) into a decode engine."""
+    return f"{PREFIX}.engine.{engine_id}.kv"
+
+
+def engine_kv_ack(engine_id: str) -> str:
+    """KVChunkAck back to a prefill engine."""
+    return f"{PREFIX}.engine.{engine_id}.kv_ack"
+
+
 def engine_abort(engine_id: str) -> str:
     """AbortRequest to one engine (fire and forget)."""
     return f"{PREFIX}.engine.{engine_id}.abort"

@@ -23,15 +23,20 @@ from hypothesis import strategies as st
 
 from bus_schemas import messages, redis_keys, subjects
 from bus_schemas.codec import Message, SchemaError
+from bus_schemas.kv_frame import KVFrameHeader, decode_frame, encode_frame, peek_request_id
 from bus_schemas.messages import (
     AbortRequest,
+    DecodeAdmit,
+    DecodeAdmitReply,
     ErrorReply,
     FlushReply,
     FlushRequest,
     GenerateRequest,
     Heartbeat,
+    KVChunkAck,
     KVEvent,
     KVEventBatch,
+    PrefillRequest,
     Sampling,
     SnapshotRequest,
     StatsReply,
@@ -131,7 +136,26 @@ SAMPLES: dict[type[Message], Message] = {
     StatsRequest: StatsRequest(),
     StatsReply: StatsReply("e1", "b0", "17", {"hits": 3, "misses": 0}),
     ErrorReply: ErrorReply("bad", 422),
+    DecodeAdmit: DecodeAdmit("r2", [1, 2], Sampling(), "inbox.2", "s", False, 5.0),
+    DecodeAdmitReply: DecodeAdmitReply("r2", "d0", 8, "hicache.engine.d0.kv", 4, 4),
+    PrefillRequest: PrefillRequest("r2", [1, 2], Sampling(), "", 0, "kv.d0", "inbox.3"),
+    KVChunkAck: KVChunkAck("r2", 3, False, "checksum"),
 }
+
+
+def test_kv_frame_round_trip_and_corruption() -> None:
+    header = KVFrameHeader("0123456789abcdef0123456789abcdef", 2, 16, 27, 99, True, 8, 4)
+    frame = encode_frame(header, b"\x01\x02" * 50)
+    got, payload = decode_frame(frame)
+    assert got == header and bytes(payload) == b"\x01\x02" * 50
+    assert peek_request_id(frame) == header.request_id
+    corrupt = bytearray(frame)
+    corrupt[-3] ^= 0xFF
+    with pytest.raises(SchemaError, match="checksum"):
+        decode_frame(bytes(corrupt))
+    for bad in (frame[:40], b"XXXX" + frame[4:], frame + b"\0"):
+        with pytest.raises(SchemaError):
+            decode_frame(bad)
 
 
 def all_message_classes() -> set[type[Message]]:

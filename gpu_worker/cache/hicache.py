@@ -12,6 +12,7 @@ times, `write_back` backs up only what device eviction is about to drop.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,6 +24,8 @@ from gpu_worker.memory.allocator import HostPageId, PageId
 from gpu_worker.memory.device_pool import DeviceKVPool
 from gpu_worker.memory.host_pool import HOST_LAYOUTS, HostKVPool, HostLayout
 from gpu_worker.memory.kv_spec import KVSpec
+
+log = logging.getLogger(__name__)
 
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 WRITE_POLICIES: tuple[WritePolicy, ...] = ("write_through", "write_through_selective", "write_back")
@@ -44,6 +47,7 @@ class CacheConfig:
     transfer_workers: int = 1
     transfer_delay: DelayInjection | None = None  # test hook
     check_reads: bool = False  # fail any read of a page whose load is not consumed
+    debug_fail_loads: int = 0  # test hook: the next N host->device loads fail
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.num_device_pages <= 0:
@@ -77,6 +81,7 @@ class LoadTicket:
     start_len: int  # the range is tokens [start_len, path end) of last_node's path
     page_ids: list[PageId]  # device pages receiving it
     done: bool = False
+    failed: bool = False  # the copy failed: the pages stay the request's, uncommitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +123,7 @@ class PrefixCache:
             )
             self.transfers = TransferEngine(device, config.transfer_workers, config.transfer_delay)
         self.stats = CacheStats()
+        self._loads_to_fail = config.debug_fail_loads
 
     @property
     def page_size(self) -> int:
@@ -134,6 +140,9 @@ class PrefixCache:
 
     # ----------------------------------------------------------------- match / lock
 
+    def no_match(self) -> MatchResult:
+        return MatchResult(0, 0, [], [], self.tree.root, self.tree.root)
+
     def match(self, ids: list[int], salt: str = "") -> MatchResult:
         """The cached prefix of `ids` (nothing when the radix cache is off).
 
@@ -141,7 +150,7 @@ class PrefixCache:
         one token to get logits, so a full-prompt hit is cut back by one page.
         """
         if not self.config.enable_radix_cache:
-            return MatchResult(0, 0, [], [], self.tree.root, self.tree.root)
+            return self.no_match()
         limit = len(ids) - 1
         result = self.tree.match_prefix(ids[:limit], salt)
         if self.config.hicache_write_policy == "write_through_selective" and self.host_pool:
@@ -260,6 +269,8 @@ class PrefixCache:
             return None
         ticket = LoadTicket(match.last_node, match.device_len, pages)
         self.device_pool.mark_pending(pages, True)
+        fail = self._loads_to_fail > 0
+        self._loads_to_fail -= int(fail)
         self.transfers.submit(
             TransferKind.LOAD,
             self.host_pool.page_view(),
@@ -267,6 +278,7 @@ class PrefixCache:
             list(match.host_page_ids),
             list(pages),
             ticket,
+            inject_failure=fail,
         )
         self.stats.num_loads += 1
         self.stats.loaded_pages += len(pages)
@@ -287,20 +299,31 @@ class PrefixCache:
             self._apply(ack)
 
     def _apply(self, ack: TransferAck) -> None:
+        """Commit one consumed ACK; a failed copy changes nothing but releases its pins."""
         self.stats.consumed_acks.append(ack.seq)
+        error = ack.completion.wait()
+        if error is not None:
+            log.warning("%s transfer %d failed: %r", ack.kind.value, ack.seq, error)
         if ack.kind is TransferKind.BACKUP:
             op = ack.op
             assert isinstance(op, _BackupOp)
-            self.tree.commit_backup(op.last_node, op.start_len, op.host_page_ids)
+            if error is None:
+                self.tree.commit_backup(op.last_node, op.start_len, op.host_page_ids)
+            else:
+                self.tree.abort_backup(op.last_node, op.start_len)
+                assert self.host_pool is not None
+                self.host_pool.allocator.free(list(op.host_page_ids))
             self.tree.unlock(op.last_node)
+            return
+        ticket = ack.op
+        assert isinstance(ticket, LoadTicket)
+        self.device_pool.mark_pending(ticket.page_ids, False)
+        if error is None:
+            self.free(self.tree.commit_load(ticket.last_node, ticket.start_len, ticket.page_ids))
         else:
-            ticket = ack.op
-            assert isinstance(ticket, LoadTicket)
-            unused = self.tree.commit_load(ticket.last_node, ticket.start_len, ticket.page_ids)
-            self.device_pool.mark_pending(ticket.page_ids, False)
-            self.free(unused)
-            self.tree.unref_host(ticket.last_node)
-            ticket.done = True
+            ticket.failed = True  # the requester keeps the pages and computes instead
+        self.tree.unref_host(ticket.last_node)
+        ticket.done = True
 
     def drain(self) -> None:
         """Wait for and apply every queued ACK."""

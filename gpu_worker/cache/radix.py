@@ -431,6 +431,11 @@ class RadixTree:
             self.num_host_pages += len(n.host_page_ids)
             self._record("stored", "host", n)
 
+    def abort_backup(self, last_node: TreeNode, start_len: int) -> None:
+        """A backup's copy failed: the nodes from `start_len` are no longer pending."""
+        for _, n in self.path_range(last_node, start_len):
+            n.backup_pending = False
+
     def commit_load(
         self, last_node: TreeNode, start_len: int, page_ids: Sequence[PageId]
     ) -> list[PageId]:

@@ -33,8 +33,8 @@ class TransferKind(enum.Enum):
 class Completion(Protocol):
     def done(self) -> bool: ...
 
-    def wait(self) -> None:
-        """Block until the copy finished; re-raise its error if it failed."""
+    def wait(self) -> BaseException | None:
+        """Block until the copy finished; its error if it failed (None if it succeeded)."""
         ...
 
 
@@ -47,8 +47,8 @@ class _FutureCompletion:
     def done(self) -> bool:
         return self._future.done()
 
-    def wait(self) -> None:
-        self._future.result()
+    def wait(self) -> BaseException | None:
+        return self._future.exception()
 
 
 class _CudaCompletion:
@@ -60,8 +60,9 @@ class _CudaCompletion:
     def done(self) -> bool:
         return bool(self._event.query())
 
-    def wait(self) -> None:
+    def wait(self) -> BaseException | None:
         self._event.synchronize()
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,7 @@ class TransferEngine:
         src_page_ids: list[int],
         dst_page_ids: list[int],
         op: object,
+        inject_failure: bool = False,
     ) -> TransferAck:
         """Start copying pages `src_page_ids` of `src` to `dst_page_ids` of `dst`.
 
@@ -119,6 +121,8 @@ class TransferEngine:
         if len(src_page_ids) != len(dst_page_ids):
             raise ValueError("source and destination page lists differ in length")
         delay_s = self._rng.uniform(0, self._delay.max_ms) / 1e3 if self._delay else 0.0
+        if inject_failure:  # test hook: the copy fails instead of running
+            src_page_ids, dst_page_ids = [-1], [-1]
         src_ids = torch.tensor(src_page_ids, dtype=torch.int64)
         dst_ids = torch.tensor(dst_page_ids, dtype=torch.int64)
         completion: Completion

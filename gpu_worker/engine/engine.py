@@ -7,6 +7,7 @@ scheduler step. Only world size 1 exists so far; the broadcast path is already t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from gpu_worker.model.config import parse_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.tokenizer import load_tokenizer
 from gpu_worker.model.weights import build_model
-from gpu_worker.scheduler.request import GenerateOutput, Req, ReqState
+from gpu_worker.scheduler.request import GenerateOutput, RemoteKV, Req, ReqState
 from gpu_worker.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
@@ -110,6 +111,67 @@ class Engine:
         self._next_rid += 1
         self._inbox.append(req)
         return req
+
+    # ----------------------------------------------------------------- P/D
+
+    def submit_decode(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        cache_salt: str = "",
+        reuse: bool = True,
+    ) -> Req:
+        """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`)."""
+        req = self.submit(prompt_ids, sampling, cache_salt)
+        req.remote = RemoteKV(reuse=reuse and self.config.cache.enable_radix_cache)
+        return req
+
+    def submit_prefill(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, cache_salt: str, export_from: int
+    ) -> Req:
+        """A P/D prefill request: compute the prompt, sample one token, and pack the KV from
+        `export_from` on (`req.export` when it finishes)."""
+        ps = self.kv_spec.page_size
+        ids = self.validate(prompt_ids, sampling)
+        if not 0 <= export_from < len(ids) or export_from % ps:
+            raise InvalidRequestError(
+                f"decode_prefix_len {export_from} must be page-aligned and below the prompt "
+                f"length {len(ids)}"
+            )
+        one = dataclasses.replace(sampling, max_new_tokens=1)
+        req = self.submit(ids, one, cache_salt)
+        req.export_from = export_from
+        return req
+
+    def write_kv(
+        self,
+        rid: int,
+        token_start: int,
+        token_end: int,
+        payload: bytes | memoryview,
+        first_token: int | None,
+    ) -> int:
+        """Write a received KV chunk (page_first bytes) into decode request `rid`; returns the
+        bytes written. Raises ValueError when the chunk does not fit the request."""
+        req = next((r for r in self.scheduler.running if r.rid == rid), None)
+        if req is None or req.remote is None:
+            raise ValueError(f"no P/D decode request {rid} is waiting for KV")
+        spec, ps = self.kv_spec, self.kv_spec.page_size
+        num_pages = -(-(token_end - token_start) // ps)
+        shape = (num_pages, spec.num_layers, 2, ps, spec.num_kv_heads, spec.head_dim)
+        elem = torch.empty((), dtype=spec.dtype).element_size()
+        if len(payload) != math.prod(shape) * elem:
+            raise ValueError(
+                f"KV chunk has {len(payload)} bytes, expected {math.prod(shape) * elem}"
+            )
+        staging = torch.frombuffer(bytearray(payload), dtype=spec.dtype).view(shape)
+        self.scheduler.write_remote_kv(req, token_start, token_end, staging)
+        req.remote.received_bytes += len(payload)
+        if first_token is not None:
+            if not 0 <= first_token < self.model_config.vocab_size:
+                raise ValueError(f"first token {first_token} is outside the vocabulary")
+            req.remote.first_token = first_token
+        return len(payload)
 
     def abort(self, rid: int) -> None:
         """Stop request `rid`; it finishes with reason "abort" and keeps what it computed."""

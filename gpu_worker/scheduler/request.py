@@ -17,6 +17,7 @@ class ReqState(enum.Enum):
     WAITING = "waiting"  # queued, nothing reserved
     LOADING = "loading"  # admitted; its host hit is being loaded back
     PREFILL = "prefill"  # computing its prompt, chunk by chunk
+    RECEIVING = "receiving"  # P/D decode: waiting for the prompt's KV from a prefill engine
     DECODE = "decode"  # generating
     FINISHED = "finished"
 
@@ -42,6 +43,30 @@ class GenerateOutput:
     finish_reason: str  # "stop" (a stop/eos token), "length" (max_new_tokens) or "abort"
 
 
+@dataclass(slots=True)
+class RemoteKV:
+    """P/D decode side: the prompt's KV past `prefix_len` arrives from a prefill engine."""
+
+    reuse: bool = True  # match the prompt against this engine's cache
+    prefix_len: int = -1  # decode_prefix_len, known once admitted (page-aligned)
+    received_end: int = -1  # KV of tokens [prefix_len, received_end) is written
+    first_token: int | None = None  # sampled by prefill, arrives with the last chunk
+    received_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class KVExport:
+    """P/D prefill side: KV of tokens [token_start, token_end) packed for the wire.
+
+    `staging` is (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim), page_first.
+    """
+
+    staging: torch.Tensor
+    token_start: int
+    token_end: int
+    first_token: int
+
+
 @dataclass(eq=False, slots=True)
 class Req:
     rid: int
@@ -59,6 +84,10 @@ class Req:
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     aborted: bool = False  # finish at the next safe point (after any load completes)
+    error: tuple[str, int] | None = None  # (message, HTTP-like code) when it failed
+    remote: RemoteKV | None = None  # P/D decode: KV comes from a prefill engine
+    export_from: int | None = None  # P/D prefill: pack KV from this token on at the end
+    export: KVExport | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.cache.hicache import PrefixCache
+from gpu_worker.kernels.page_transfer import PageView, transfer_pages
 from gpu_worker.model.forward_batch import ForwardBatch
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.sampling import sample
-from gpu_worker.scheduler.request import CachedTokens, Req, ReqState
+from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ class Scheduler:
         self._finish_loads()
         finished = self._finish_aborted()
         self._admit()
+        finished += self._finish_received()
         finished += self._forward()
         if self.idle and self.config.check_integrity_when_idle:
             self.cache.drain()
@@ -94,7 +96,9 @@ class Scheduler:
 
     def _finish_loads(self) -> None:
         for req in self.running:
-            if req.state is ReqState.LOADING and req.load is not None and req.load.done:
+            if req.state is ReqState.LOADING and req.load is not None and req.load.failed:
+                self._load_failed(req)
+            elif req.state is ReqState.LOADING and req.load is not None and req.load.done:
                 ticket, old = req.load, req.last_node
                 assert old is not None
                 self.cache.lock(ticket.last_node)
@@ -103,7 +107,46 @@ class Scheduler:
                 prefix = self.cache.tree.path_device_page_ids(ticket.last_node)
                 req.page_ids[: len(prefix)] = prefix
                 req.cached_len = len(prefix) * self.cache.page_size
-                req.state = ReqState.PREFILL
+                req.state = ReqState.RECEIVING if req.remote else ReqState.PREFILL
+
+    def _load_failed(self, req: Req) -> None:
+        """The host hit could not be loaded. A local request computes that range instead (its
+        pages are already reserved); a P/D decode request promised it to prefill, so it fails
+        with 409 and the router retries without reuse."""
+        req.load = None
+        req.computed_len = req.cached_len
+        req.cached = CachedTokens(device=req.cached_len, host=0)
+        if req.remote is not None:
+            req.error = ("restore could not deliver the promised prefix", 409)
+            req.aborted = True
+            req.state = ReqState.RECEIVING
+        else:
+            req.state = ReqState.PREFILL
+
+    def _finish_received(self) -> list[Req]:
+        """P/D decode: requests whose restore and KV reception are both complete start
+        decoding with the first token prefill sampled."""
+        done = []
+        for req in self.running:
+            remote = req.remote
+            if (
+                req.state is not ReqState.RECEIVING
+                or req.aborted
+                or remote is None
+                or remote.first_token is None
+                or remote.received_end < req.prompt_len
+            ):
+                continue
+            req.computed_len = req.prompt_len
+            req.state = ReqState.DECODE
+            self._cache_prompt(req)
+            req.output_ids.append(remote.first_token)
+            if self._is_finished(req, remote.first_token):
+                self._finish(req)
+                done.append(req)
+        if done:
+            self.running = [r for r in self.running if r.state is not ReqState.FINISHED]
+        return done
 
     def _finish_aborted(self) -> list[Req]:
         aborted = [r for r in self.running if r.aborted and r.state is not ReqState.LOADING]
@@ -118,7 +161,11 @@ class Scheduler:
         cache, ps = self.cache, self.cache.page_size
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            match = cache.match(req.prompt_ids, req.cache_salt)
+            match = (
+                cache.no_match()
+                if req.remote is not None and not req.remote.reuse
+                else cache.match(req.prompt_ids, req.cache_salt)
+            )
             cache.lock(match.last_device_node)
             load_pages = len(match.host_page_ids)
             own_pages = -(-req.max_seq_len // ps) - match.total_len // ps
@@ -140,7 +187,10 @@ class Scheduler:
             req.cached = CachedTokens(device=match.device_len, host=host_len)
             req.page_ids = list(match.device_page_ids) + (ticket.page_ids if ticket else []) + pages
             req.load = ticket
-            req.state = ReqState.LOADING if ticket else ReqState.PREFILL
+            idle = ReqState.RECEIVING if req.remote is not None else ReqState.PREFILL
+            req.state = ReqState.LOADING if ticket else idle
+            if req.remote is not None:
+                req.remote.prefix_len = req.remote.received_end = req.computed_len
             cache.stats.device_hit_tokens += match.device_len
             cache.stats.host_hit_tokens += host_len
             self.running.append(req)
@@ -216,6 +266,8 @@ class Scheduler:
 
     def _finish(self, req: Req) -> None:
         """Insert the KV the request computed into the tree and release the rest."""
+        if req.export_from is not None and req.output_ids and req.error is None:
+            req.export = self._pack_export(req)
         kv_len = req.kv_len
         req.state = ReqState.FINISHED
         if self.cache.config.enable_radix_cache:
@@ -224,6 +276,53 @@ class Scheduler:
         self.cache.unlock(req.last_node)
         self.cache.free(req.page_ids[req.cached_len // self.cache.page_size :])
         req.page_ids, req.last_node = [], None
+
+    def _pack_export(self, req: Req) -> KVExport:
+        """P/D prefill: pack the prompt's KV from `export_from` into a page_first staging
+        buffer with the page-transfer kernel (the wire sends it; this request's pages can go)."""
+        assert req.export_from is not None
+        ps = self.cache.page_size
+        first_page = req.export_from // ps
+        last_page = -(-req.prompt_len // ps)
+        src = req.page_ids[first_page:last_page]
+        spec = self.cache.spec
+        staging = torch.empty(
+            (len(src), spec.num_layers, 2, ps, spec.num_kv_heads, spec.head_dim),
+            dtype=spec.dtype,
+            device=self.device,
+        )
+        transfer_pages(
+            self.cache.device_pool.page_view(),
+            PageView.page_first(staging),
+            torch.tensor(src, dtype=torch.int64, device=self.device),
+            torch.arange(len(src), dtype=torch.int64, device=self.device),
+        )
+        return KVExport(staging.cpu(), req.export_from, req.prompt_len, req.output_ids[0])
+
+    def write_remote_kv(
+        self, req: Req, token_start: int, token_end: int, staging: torch.Tensor
+    ) -> None:
+        """P/D decode: write received KV of tokens [token_start, token_end) into the pages this
+        request reserved. `staging` is page_first, its first page at `token_start` (aligned)."""
+        remote, ps = req.remote, self.cache.page_size
+        if remote is None or req.state not in (ReqState.LOADING, ReqState.RECEIVING):
+            raise ValueError(f"request {req.rid} is not waiting for KV")
+        if token_start != remote.received_end or token_end > req.prompt_len:
+            raise ValueError(
+                f"KV chunk [{token_start}, {token_end}) does not continue "
+                f"[{remote.prefix_len}, {remote.received_end}) of a {req.prompt_len}-token prompt"
+            )
+        num_pages = staging.shape[0]
+        if token_start % ps or num_pages != -(-(token_end - token_start) // ps):
+            raise ValueError("KV chunk pages do not match its token range")
+        dst = req.page_ids[token_start // ps : token_start // ps + num_pages]
+        transfer_pages(
+            PageView.page_first(staging.to(self.device)),
+            self.cache.device_pool.page_view(),
+            torch.arange(num_pages, dtype=torch.int64, device=self.device),
+            torch.tensor(dst, dtype=torch.int64, device=self.device),
+        )
+        remote.received_end = token_end
 
     # ----------------------------------------------------------------- checks
 

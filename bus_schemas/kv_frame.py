@@ -1,0 +1,98 @@
+"""KV chunks on the bus: a binary frame with a small fixed header, then the KV bytes.
+
+Header (little-endian, 80 bytes):
+    magic b"HKV1" | request_id (32 bytes, ASCII, NUL-padded) | seq u32 | token_start u32 |
+    token_end u32 | first_token i32 (-1 unless last) | last u8 | pad 3 | prefill_cached_device
+    u32 | prefill_cached_host u32 | payload_len u32 | crc32 u32 | reserved 8
+The payload holds KV of tokens `[token_start, token_end)` in whole pages, laid out
+`(pages, layer, K/V, token_in_page, kv_head, head_dim)` in the engines' KV dtype; the last
+page of a request may be partly filled. Both ends know the shapes from the namespace they
+share. The receiver checks `crc32` before writing anything.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+from bus_schemas.codec import SchemaError
+
+MAGIC = b"HKV1"
+_HEADER = struct.Struct("<4s32sIIIiB3xIIII8x")
+HEADER_SIZE = _HEADER.size
+
+
+@dataclass(frozen=True, slots=True)
+class KVFrameHeader:
+    request_id: str
+    seq: int
+    token_start: int
+    token_end: int
+    first_token: int = -1
+    last: bool = False
+    prefill_cached_device: int = 0
+    prefill_cached_host: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.request_id.encode()) > 32:
+            raise ValueError("request_id is longer than 32 bytes")
+        if not 0 <= self.token_start <= self.token_end:
+            raise ValueError("token range must satisfy 0 <= start <= end")
+
+
+def encode_frame(header: KVFrameHeader, payload: bytes | memoryview) -> bytes:
+    body = bytes(payload)
+    return (
+        _HEADER.pack(
+            MAGIC,
+            header.request_id.encode(),
+            header.seq,
+            header.token_start,
+            header.token_end,
+            header.first_token,
+            int(header.last),
+            header.prefill_cached_device,
+            header.prefill_cached_host,
+            len(body),
+            zlib.crc32(body),
+        )
+        + body
+    )
+
+
+def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
+    """Parse and verify a frame; SchemaError for a bad magic, length or checksum."""
+    if len(data) < HEADER_SIZE:
+        raise SchemaError(f"KV frame of {len(data)} bytes is shorter than its header")
+    (magic, rid, seq, start, end, first, last, cached_dev, cached_host, length, crc) = (
+        _HEADER.unpack_from(data)
+    )
+    if magic != MAGIC:
+        raise SchemaError(f"not a KV frame (magic {magic!r})")
+    payload = memoryview(data)[HEADER_SIZE:]
+    if len(payload) != length:
+        raise SchemaError(f"KV frame payload is {len(payload)} bytes, header says {length}")
+    if zlib.crc32(payload) != crc:
+        raise SchemaError("KV frame checksum mismatch")
+    try:
+        header = KVFrameHeader(
+            rid.rstrip(b"\0").decode(),
+            seq,
+            start,
+            end,
+            first,
+            bool(last),
+            cached_dev,
+            cached_host,
+        )
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SchemaError(f"bad KV frame header: {e}") from None
+    return header, payload
+
+
+def peek_request_id(data: bytes) -> str | None:
+    """The request id of a frame without verifying it (to NACK a corrupt one)."""
+    if len(data) < HEADER_SIZE or data[:4] != MAGIC:
+        return None
+    return bytes(data[4:36]).rstrip(b"\0").decode(errors="replace")
