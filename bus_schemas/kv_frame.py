@@ -93,6 +93,13 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
 
 def peek_request_id(data: bytes) -> str | None:
     """The request id of a frame without verifying it (to NACK a corrupt one)."""
+    peeked = peek_ids(data)
+    return None if peeked is None else peeked[0]
+
+
+def peek_ids(data: bytes) -> tuple[str, int] | None:
+    """(request_id, seq) of a frame without verifying its payload (to NACK a corrupt one)."""
     if len(data) < HEADER_SIZE or data[:4] != MAGIC:
         return None
-    return bytes(data[4:36]).rstrip(b"\0").decode(errors="replace")
+    _, rid, seq, *_ = _HEADER.unpack_from(data)
+    return rid.rstrip(b"\0").decode(errors="replace"), seq

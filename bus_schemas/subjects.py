@@ -61,6 +61,12 @@ def engine_snapshot(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.snapshot"
 
 
+def engine_of(subject: str) -> str:
+    """The engine id in a per-engine subject (`hicache.engine.{id}.*`), or ""."""
+    parts = subject.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == [PREFIX, "engine"] else ""
+
+
 def valid_token(name: str) -> bool:
     """An id usable inside a subject: letters, digits, '-' and '_' only."""
     return bool(name) and all(c.isalnum() or c in "-_" for c in name)

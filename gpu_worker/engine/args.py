@@ -36,6 +36,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no prefix reuse at all (the oracle's cold run)",
     )
+    g.add_argument(
+        "--disaggregation-mode",
+        default="null",
+        choices=["null", "prefill", "decode"],
+        help="P/D role of the engine (null: colocated prefill and decode)",
+    )
+    g.add_argument(
+        "--disaggregation-decode-enable-radix-cache",
+        action="store_true",
+        help="decode engines reuse their own prefix cache (off: every turn's KV "
+        "comes from prefill)",
+    )
+    g.add_argument(
+        "--debug-fail-loads",
+        type=int,
+        default=0,
+        help="test hook: the next N host->device loads fail",
+    )
     h = parser.add_argument_group("hierarchical cache")
     h.add_argument(
         "--enable-hierarchical-cache",
@@ -71,13 +89,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     cache = CacheConfig(
         page_size=page_size,
         num_device_pages=args.max_total_tokens // page_size,
-        enable_radix_cache=not args.disable_radix_cache,
+        enable_radix_cache=not args.disable_radix_cache
+        and (args.disaggregation_mode != "decode" or args.disaggregation_decode_enable_radix_cache),
         enable_hierarchical_cache=args.enable_hierarchical_cache,
         hicache_ratio=args.hicache_ratio,
         hicache_size_gb=args.hicache_size,
         hicache_write_policy=args.hicache_write_policy,
         hicache_mem_layout=args.hicache_mem_layout,
         write_through_threshold=args.hicache_write_through_threshold,
+        debug_fail_loads=args.debug_fail_loads,
     )
     sched = SchedulerConfig(args.chunked_prefill_size, args.max_running_requests)
     return EngineConfig(

@@ -54,6 +54,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = device
         self.waiting: deque[Req] = deque()
+        self.last_step_worked = False  # whether the last step ran a forward
         self.running: list[Req] = []  # admitted, in admission order
 
     @property
@@ -211,6 +212,7 @@ class Scheduler:
 
     def _forward(self) -> list[Req]:
         plan = self._plan()
+        self.last_step_worked = bool(plan)
         if not plan:
             return []
         pool = self.cache.device_pool

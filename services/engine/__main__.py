@@ -9,6 +9,7 @@ import signal
 import sys
 
 from gpu_worker.engine.args import add_engine_args, engine_config_from_args
+from services.engine.pd import PDConfig
 from services.engine.service import EngineService, EngineServiceConfig
 
 
@@ -25,12 +26,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running requests get to finish on SIGTERM",
     )
     parser.add_argument("--log-level", default="INFO")
+    pd = parser.add_argument_group("prefill/decode transfer")
+    pd.add_argument(
+        "--disaggregation-chunk-pages",
+        type=int,
+        default=16,
+        help="KV pages per frame sent prefill -> decode",
+    )
+    pd.add_argument(
+        "--disaggregation-window",
+        type=int,
+        default=8,
+        help="KV frames in flight before waiting for ACKs",
+    )
+    pd.add_argument("--disaggregation-ack-timeout", type=float, default=10.0)
+    pd.add_argument(
+        "--debug-corrupt-kv-frames",
+        type=int,
+        default=0,
+        help="test hook: corrupt the first N KV frames sent",
+    )
+    pd.add_argument(
+        "--debug-exit-after-kv-frames",
+        type=int,
+        default=0,
+        help="test hook: die after sending N KV frames",
+    )
     add_engine_args(parser)
     return parser
 
 
 async def serve(args: argparse.Namespace) -> None:
+    pd = PDConfig(
+        chunk_pages=args.disaggregation_chunk_pages,
+        window=args.disaggregation_window,
+        ack_timeout_s=args.disaggregation_ack_timeout,
+        debug_corrupt_frames=args.debug_corrupt_kv_frames,
+        debug_exit_after_frames=args.debug_exit_after_kv_frames,
+    )
+    role = {"null": "colocated"}.get(args.disaggregation_mode, args.disaggregation_mode)
     config = EngineServiceConfig(
+        role=role,
+        pd=pd,
         engine_id=args.engine_id,
         nats_url=args.nats_url,
         bucket=args.bucket,

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
-from gpu_worker.scheduler.request import Req
+from gpu_worker.scheduler.request import CachedTokens, KVExport, Req
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ class TokenUpdate:
     cached_host: int
     finished: bool
     finish_reason: str | None
+    error: tuple[str, int] | None = None  # (message, HTTP-like code)
+    received: tuple[int, int, int] | None = None  # P/D decode: prefix_len, tokens, bytes in
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +47,23 @@ class LoadInfo:
     inflight_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """P/D decode: what a request reused locally once admitted."""
+
+    decode_prefix_len: int
+    cached_device: int
+    cached_host: int
+
+
 class Outbox(Protocol):
     """Where the runner reports; called on the service's event loop, in order."""
 
     def tokens(self, updates: list[TokenUpdate]) -> None: ...
+
+    def exported(self, request_id: str, export: KVExport, cached: CachedTokens) -> None:
+        """P/D prefill: a request's KV is packed and ready to send."""
+        ...
 
     def kv_events(self, events: list[tuple[str, str, list[str]]]) -> None: ...
 
@@ -58,6 +73,14 @@ class _Tracked:
     request_id: str
     req: Req
     sent: int = 0
+    admitted: Future[Admission] | None = None  # P/D decode: resolves on admission
+
+
+def _received(req: Req) -> tuple[int, int, int] | None:
+    r = req.remote
+    if r is None or r.prefix_len < 0:
+        return None
+    return r.prefix_len, r.received_end - r.prefix_len, r.received_bytes
 
 
 class EngineRunner:
@@ -91,21 +114,70 @@ class EngineRunner:
         return self._ready
 
     def submit(
-        self, request_id: str, input_ids: list[int], sampling: SamplingParams, cache_salt: str
-    ) -> Future[None]:
-        """Queue a request; the future fails with InvalidRequestError for bad input."""
-        done: Future[None] = Future()
+        self,
+        request_id: str,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        cache_salt: str,
+        *,
+        decode_reuse: bool | None = None,
+        export_from: int | None = None,
+    ) -> Future[Admission | None]:
+        """Queue a request; the future fails with InvalidRequestError for bad input.
+
+        A P/D decode request (`decode_reuse` set) resolves its future only once admitted,
+        with its `Admission`; a P/D prefill request (`export_from` set) reports through
+        `Outbox.exported` instead of token updates.
+        """
+        done: Future[Admission | None] = Future()
 
         def command() -> None:
-            assert self.engine is not None
+            engine = self.engine
+            assert engine is not None
             try:
-                req = self.engine.submit(input_ids, sampling, cache_salt=cache_salt)
+                if export_from is not None:
+                    req = engine.submit_prefill(input_ids, sampling, cache_salt, export_from)
+                elif decode_reuse is not None:
+                    req = engine.submit_decode(input_ids, sampling, cache_salt, decode_reuse)
+                else:
+                    req = engine.submit(input_ids, sampling, cache_salt=cache_salt)
             except ValueError as e:
                 done.set_exception(e)
                 return
-            self._tracked[req.rid] = _Tracked(request_id, req)
+            tracked = _Tracked(request_id, req)
+            self._tracked[req.rid] = tracked
             self._by_request[request_id] = req.rid
-            done.set_result(None)
+            if decode_reuse is not None:
+                tracked.admitted = done  # type: ignore[assignment]
+            else:
+                done.set_result(None)
+
+        self._commands.put(command)
+        return done
+
+    def write_kv(
+        self,
+        request_id: str,
+        token_start: int,
+        token_end: int,
+        payload: memoryview,
+        first_token: int | None,
+    ) -> Future[int]:
+        """P/D decode: write a received KV chunk; the future fails with ValueError if it does
+        not fit the request."""
+        done: Future[int] = Future()
+
+        def command() -> None:
+            assert self.engine is not None
+            rid = self._by_request.get(request_id)
+            try:
+                if rid is None:
+                    raise ValueError(f"unknown request {request_id}")
+                done.set_result(
+                    self.engine.write_kv(rid, token_start, token_end, payload, first_token)
+                )
+            except ValueError as e:
+                done.set_exception(e)
 
         self._commands.put(command)
         return done
@@ -151,12 +223,16 @@ class EngineRunner:
         self._ready.set_result(None)
         engine = self.engine
         try:
+            worked = True
             while not self._stop.is_set():
-                self._run_commands(block=engine.scheduler.idle)
+                # Block briefly when there is nothing to compute (idle, or only waiting for
+                # loads / P/D KV): commands wake it at once, copies finish within the wait.
+                self._run_commands(block=engine.scheduler.idle or not worked)
                 if engine.scheduler.idle and not engine.has_pending:
                     self._publish_events()
                     continue
                 engine.step()
+                worked = engine.scheduler.last_step_worked
                 self._publish_tokens()
                 self._publish_events()
         except Exception:
@@ -184,6 +260,11 @@ class EngineRunner:
             req = t.req
             new = req.output_ids[t.sent :]
             finished = req.finish_reason is not None
+            self._report_admission(t)
+            if req.export_from is not None:  # P/D prefill: no tokens, the KV is the result
+                if finished:
+                    self._report_export(rid, t)
+                continue
             if not new and not finished:
                 continue
             t.sent += len(new)
@@ -196,6 +277,8 @@ class EngineRunner:
                     req.cached.host,
                     finished,
                     req.finish_reason,
+                    req.error,
+                    _received(req),
                 )
             )
             if finished:
@@ -208,6 +291,27 @@ class EngineRunner:
         if updates:
             self._loop.call_soon_threadsafe(self._outbox.tokens, updates)
 
+    def _report_admission(self, t: _Tracked) -> None:
+        fut, req = t.admitted, t.req
+        if fut is None or fut.done() or req.remote is None:
+            return
+        if req.remote.prefix_len >= 0:
+            fut.set_result(Admission(req.remote.prefix_len, req.cached.device, req.cached.host))
+        elif req.finish_reason is not None:
+            fut.set_exception(RuntimeError(f"request ended before admission: {req.finish_reason}"))
+
+    def _report_export(self, rid: int, t: _Tracked) -> None:
+        req = t.req
+        del self._tracked[rid]
+        self._by_request.pop(t.request_id, None)
+        if req.export is not None:
+            export, cached = req.export, req.cached
+            self._loop.call_soon_threadsafe(self._outbox.exported, t.request_id, export, cached)
+            return
+        error = req.error or (f"prefill ended without KV ({req.finish_reason})", 500)
+        update = TokenUpdate(t.request_id, [], req.prompt_len, 0, 0, True, None, error)
+        self._loop.call_soon_threadsafe(self._outbox.tokens, [update])
+
     def _publish_events(self) -> None:
         assert self.engine is not None
         events = self.engine.cache.drain_events()
@@ -216,7 +320,7 @@ class EngineRunner:
 
     def _fail_all(self, reason: str) -> None:
         updates = [
-            TokenUpdate(t.request_id, [], t.req.prompt_len, 0, 0, True, f"error: {reason}")
+            TokenUpdate(t.request_id, [], t.req.prompt_len, 0, 0, True, None, (reason, 500))
             for t in self._tracked.values()
         ]
         self._tracked.clear()

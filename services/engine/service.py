@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nats
 from nats.aio.client import Client as NATS
@@ -39,9 +40,13 @@ from bus_schemas import (
 from bus_schemas import subjects as subj
 from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
 from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.scheduler.request import CachedTokens, KVExport
+from services.engine.pd import DecodeSide, PDConfig, PrefillSide
 from services.engine.runner import EngineRunner, TokenUpdate
 
 log = logging.getLogger(__name__)
+
+ROLES = ("colocated", "prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +57,11 @@ class EngineServiceConfig:
     role: str = "colocated"
     heartbeat_interval_s: float = 1.0
     shutdown_grace_s: float = 10.0
+    pd: PDConfig = field(default_factory=PDConfig)
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not subj.valid_token(self.engine_id) or not subj.valid_token(self.bucket):
             raise ValueError("--engine-id and --bucket may hold only letters, digits, '-', '_'")
         if self.heartbeat_interval_s <= 0:
@@ -83,6 +91,8 @@ class EngineService:
         self._event_seq = 0
         self._accepting = False
         self._meta: dict[str, int] = {}
+        self._decode: DecodeSide | None = None
+        self._prefill: PrefillSide | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -101,14 +111,7 @@ class EngineService:
             reconnect_time_wait=0.5,
         )
         nc, eid = self._nc, self.config.engine_id
-        self._work_subs = [
-            await nc.subscribe(subj.engine_generate(eid), cb=self._on_generate),
-            await nc.subscribe(
-                subj.bucket_generate(self.config.bucket),
-                queue=subj.bucket_queue(self.config.bucket),
-                cb=self._on_generate,
-            ),
-        ]
+        self._work_subs = await self._subscribe_work(nc, eid)
         await nc.subscribe(subj.engine_abort(eid), cb=self._on_abort)
         await nc.subscribe(subj.engine_flush(eid), cb=self._on_flush)
         await nc.subscribe(subj.FLUSH_ALL, cb=self._on_flush)
@@ -122,6 +125,64 @@ class EngineService:
         await self._publish_snapshot()  # epoch starts with what the engine holds (nothing)
         log.info("engine %s up (bucket %s, epoch %s)", eid, self.config.bucket, self.epoch)
 
+    async def _subscribe_work(self, nc: NATS, eid: str) -> list[Subscription]:
+        role, runner = self.config.role, self._runner
+        assert runner is not None
+        if role == "decode":
+            self._decode = DecodeSide(
+                eid, runner, self._publish_raw, self._open_stream, self._fail_stream
+            )
+            return [
+                await nc.subscribe(subj.engine_decode_admit(eid), cb=self._decode.on_admit),
+                await nc.subscribe(subj.engine_kv(eid), cb=self._decode.on_frame),
+            ]
+        if role == "prefill":
+            self._prefill = PrefillSide(
+                eid,
+                runner,
+                self._publish_raw,
+                self.config.pd,
+                self._open_stream,
+                self._fail_stream,
+                self._close_stream,
+            )
+            return [
+                await nc.subscribe(subj.engine_prefill(eid), cb=self._prefill.on_prefill),
+                await nc.subscribe(subj.engine_kv_ack(eid), cb=self._prefill.on_ack),
+            ]
+        return [
+            await nc.subscribe(subj.engine_generate(eid), cb=self._on_generate),
+            await nc.subscribe(
+                subj.bucket_generate(self.config.bucket),
+                queue=subj.bucket_queue(self.config.bucket),
+                cb=self._on_generate,
+            ),
+        ]
+
+    async def _publish_raw(self, subject: str, data: bytes, reply: str = "") -> None:
+        assert self._nc is not None
+        await self._nc.publish(subject, data, reply=reply)
+
+    def _open_stream(self, request_id: str, reply_to: str) -> None:
+        self._streams[request_id] = _Stream(reply_to)
+
+    def _close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def _fail_stream(self, request_id: str, message: str, code: int) -> None:
+        """End a request with an error chunk (or silently, with an empty message)."""
+        if not message:
+            self._streams.pop(request_id, None)
+            if self._runner is not None:
+                self._runner.abort(request_id)
+            return
+        self._send_error(request_id, message, code)
+
+    def exported(self, request_id: str, export: KVExport, cached: CachedTokens) -> None:
+        """Runner callback (on the loop): P/D prefill KV is packed."""
+        if self._prefill is not None:
+            self._prefill.exported(request_id, export, cached)
+
     async def stop(self) -> None:
         """Stop taking work, finish or fail in-flight requests, drain NATS."""
         self._accepting = False
@@ -133,6 +194,9 @@ class EngineService:
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             self._send_error(request_id, "engine shutting down", 503)
+        for side in (self._decode, self._prefill):
+            if side is not None:
+                await side.stop()
         if self._runner is not None:
             await asyncio.to_thread(self._runner.stop)
         await self._outbound.join()
@@ -202,10 +266,7 @@ class EngineService:
             stream = self._streams.get(u.request_id)
             if stream is None:
                 continue
-            error = None
-            reason = u.finish_reason
-            if reason is not None and reason.startswith("error"):
-                error, reason = (reason, 500), None
+            reason = None if u.error else u.finish_reason
             chunk = TokenChunk(
                 u.request_id,
                 stream.seq,
@@ -216,13 +277,27 @@ class EngineService:
                 u.cached_host,
                 u.finished,
                 reason,
-                error[0] if error else None,
-                error[1] if error else 0,
+                u.error[0] if u.error else None,
+                u.error[1] if u.error else 0,
             )
+            transfer = self._decode.transfers.get(u.request_id) if self._decode else None
+            if transfer is not None and u.received is not None and stream.seq == 0:
+                prefix_len, tokens_in, bytes_in = u.received
+                chunk = dataclasses.replace(
+                    chunk,
+                    decode_prefix_len=prefix_len,
+                    transferred_tokens=tokens_in,
+                    transferred_bytes=bytes_in,
+                    prefill_engine_id=transfer.prefill_engine_id,
+                    prefill_cached_device=transfer.prefill_cached.device,
+                    prefill_cached_host=transfer.prefill_cached.host,
+                )
             stream.seq += 1
             self._outbound.put_nowait((stream.reply_to, chunk.encode()))
             if u.finished:
                 del self._streams[u.request_id]
+                if self._decode is not None:
+                    self._decode.finished(u.request_id)
 
     def _send_chunk(self, reply_to: str, request_id: str, seq: int, error: tuple[str, int]) -> None:
         chunk = TokenChunk(

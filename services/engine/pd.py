@@ -1,0 +1,355 @@
+"""Prefill/decode disaggregation on the engine service's side of the bus.
+
+`DecodeSide` (role decode): admits a request (the engine matches, locks, reserves and starts
+restoring its own prefix), answers `decode_prefix_len`, writes each KV frame into the
+reserved pages and ACKs it in order, and gives up (releasing everything) when frames stop
+arriving for the request's transfer timeout.
+
+`PrefillSide` (role prefill): runs the prompt, gets the packed KV past `decode_prefix_len`,
+and sends it as checksummed frames with a window of frames in flight, resending a NACKed
+frame; the staging buffer is dropped once the last frame is ACKed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from nats.aio.msg import Msg
+
+from bus_schemas import (
+    DecodeAdmit,
+    DecodeAdmitReply,
+    ErrorReply,
+    KVChunkAck,
+    PrefillRequest,
+    Sampling,
+    SchemaError,
+)
+from bus_schemas import subjects as subj
+from bus_schemas.kv_frame import KVFrameHeader, decode_frame, encode_frame, peek_ids
+from gpu_worker.engine.engine import InvalidRequestError
+from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.scheduler.request import CachedTokens, KVExport
+from services.engine.runner import Admission, EngineRunner
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[..., Awaitable[None]]  # (subject, data, reply="") -> None
+
+
+@dataclass(frozen=True, slots=True)
+class PDConfig:
+    chunk_pages: int = 16  # pages of KV per frame
+    window: int = 8  # frames in flight before waiting for ACKs
+    ack_timeout_s: float = 10.0  # prefill: an ACK must come within this
+    max_attempts: int = 3  # sends of one frame before the transfer fails
+    debug_corrupt_frames: int = 0  # test hook: corrupt the first N frames this engine sends
+    debug_exit_after_frames: int = 0  # test hook: the process dies after sending N frames
+
+
+def sampling_params(s: Sampling) -> SamplingParams:
+    return SamplingParams(
+        s.max_new_tokens, s.temperature, s.top_p, s.seed, tuple(s.stop_token_ids), s.ignore_eos
+    )
+
+
+@dataclass(slots=True)
+class DecodeTransfer:
+    """What a decode engine knows about one incoming transfer."""
+
+    prefix_len: int
+    timeout_s: float
+    last_frame: float
+    prefill_engine_id: str = ""
+    transferred_bytes: int = 0
+    prefill_cached: CachedTokens = field(default_factory=CachedTokens)
+    complete: bool = False
+    nacks: int = 0
+
+
+class DecodeSide:
+    def __init__(
+        self,
+        engine_id: str,
+        runner: EngineRunner,
+        publish: Publish,
+        open_stream: Callable[[str, str], None],
+        fail_stream: Callable[[str, str, int], None],
+    ) -> None:
+        self.engine_id = engine_id
+        self.runner = runner
+        self.publish = publish
+        self.open_stream = open_stream
+        self.fail_stream = fail_stream
+        self.transfers: dict[str, DecodeTransfer] = {}
+        self._watchdogs: set[asyncio.Task[None]] = set()
+
+    async def on_admit(self, msg: Msg) -> None:
+        try:
+            req = DecodeAdmit.decode(msg.data)
+        except SchemaError as e:
+            await self._reply(msg, ErrorReply(str(e)).encode())
+            return
+        try:
+            sampling = sampling_params(req.sampling)
+        except ValueError as e:
+            await self._reply(msg, self._refusal(req.request_id, str(e), 400))
+            return
+        self.open_stream(req.request_id, req.reply_to)
+        future = self.runner.submit(
+            req.request_id, req.input_ids, sampling, req.cache_salt, decode_reuse=req.reuse
+        )
+        try:
+            admission = await asyncio.wrap_future(future)
+        except InvalidRequestError as e:
+            self.fail_stream(req.request_id, "", 0)
+            await self._reply(msg, self._refusal(req.request_id, str(e), 400))
+            return
+        except RuntimeError as e:
+            self.fail_stream(req.request_id, "", 0)
+            await self._reply(msg, self._refusal(req.request_id, str(e), 503))
+            return
+        assert isinstance(admission, Admission)
+        loop = asyncio.get_running_loop()
+        self.transfers[req.request_id] = DecodeTransfer(
+            admission.decode_prefix_len, req.transfer_timeout_s, loop.time()
+        )
+        reply = DecodeAdmitReply(
+            req.request_id,
+            self.engine_id,
+            admission.decode_prefix_len,
+            subj.engine_kv(self.engine_id),
+            admission.cached_device,
+            admission.cached_host,
+        )
+        await self._reply(msg, reply.encode())
+        task = asyncio.create_task(
+            self._watchdog(req.request_id), name=f"kv-watch-{req.request_id}"
+        )
+        self._watchdogs.add(task)
+        task.add_done_callback(self._watchdogs.discard)
+
+    def _refusal(self, request_id: str, message: str, code: int) -> bytes:
+        return DecodeAdmitReply(
+            request_id, self.engine_id, 0, "", error=message, error_code=code
+        ).encode()
+
+    async def _reply(self, msg: Msg, data: bytes) -> None:
+        if msg.reply:
+            await self.publish(msg.reply, data)
+
+    async def on_frame(self, msg: Msg) -> None:
+        """Write one KV frame and ACK it; NACK (ok=False) a corrupt or out-of-order one."""
+        ids = peek_ids(msg.data)
+        try:
+            header, payload = decode_frame(msg.data)
+        except SchemaError as e:
+            if ids is not None:
+                await self._ack(msg, ids[0], ids[1], False, str(e))
+                if ids[0] in self.transfers:
+                    self.transfers[ids[0]].nacks += 1
+            return
+        transfer = self.transfers.get(header.request_id)
+        if transfer is None:
+            await self._ack(msg, header.request_id, header.seq, False, "unknown request")
+            return
+        transfer.last_frame = asyncio.get_running_loop().time()
+        transfer.prefill_engine_id = subj.engine_of(msg.reply or "")
+        if header.last:  # before the write: the first token may go out right after it
+            transfer.prefill_cached = CachedTokens(
+                header.prefill_cached_device, header.prefill_cached_host
+            )
+        first = header.first_token if header.last else None
+        try:
+            written = await asyncio.wrap_future(
+                self.runner.write_kv(
+                    header.request_id, header.token_start, header.token_end, payload, first
+                )
+            )
+        except ValueError as e:
+            transfer.nacks += 1
+            await self._ack(msg, header.request_id, header.seq, False, str(e))
+            return
+        transfer.transferred_bytes += written
+        transfer.complete = transfer.complete or header.last
+        await self._ack(msg, header.request_id, header.seq, True, "")
+
+    async def _ack(self, msg: Msg, request_id: str, seq: int, ok: bool, error: str) -> None:
+        if msg.reply:
+            await self.publish(msg.reply, KVChunkAck(request_id, seq, ok, error).encode())
+
+    async def _watchdog(self, request_id: str) -> None:
+        loop = asyncio.get_running_loop()
+        while (transfer := self.transfers.get(request_id)) is not None and not transfer.complete:
+            idle = loop.time() - transfer.last_frame
+            if idle > transfer.timeout_s:
+                log.warning("KV transfer for %s timed out after %.1fs", request_id, idle)
+                self.fail_stream(request_id, "KV transfer from prefill timed out", 503)
+                self.transfers.pop(request_id, None)
+                return
+            await asyncio.sleep(min(0.1, transfer.timeout_s / 4))
+
+    def finished(self, request_id: str) -> DecodeTransfer | None:
+        return self.transfers.pop(request_id, None)
+
+    async def stop(self) -> None:
+        for task in list(self._watchdogs):
+            task.cancel()
+        for task in list(self._watchdogs):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@dataclass(slots=True)
+class _PrefillJob:
+    request: PrefillRequest
+    acks: asyncio.Queue[KVChunkAck] = field(default_factory=asyncio.Queue)
+
+
+class PrefillSide:
+    def __init__(
+        self,
+        engine_id: str,
+        runner: EngineRunner,
+        publish: Publish,
+        config: PDConfig,
+        open_stream: Callable[[str, str], None],
+        fail_stream: Callable[[str, str, int], None],
+        close_stream: Callable[[str], None],
+    ) -> None:
+        self.engine_id = engine_id
+        self.runner = runner
+        self.publish = publish
+        self.config = config
+        self.open_stream = open_stream
+        self.fail_stream = fail_stream
+        self.close_stream = close_stream
+        self.jobs: dict[str, _PrefillJob] = {}
+        self._senders: set[asyncio.Task[None]] = set()
+        self._frames_sent = 0
+        self._corrupt_left = config.debug_corrupt_frames
+
+    async def on_prefill(self, msg: Msg) -> None:
+        try:
+            req = PrefillRequest.decode(msg.data)
+        except SchemaError as e:
+            log.warning("bad PrefillRequest: %s", e)
+            return
+        self.open_stream(req.request_id, req.reply_to)
+        try:
+            sampling = sampling_params(req.sampling)
+        except ValueError as e:
+            self.fail_stream(req.request_id, str(e), 400)
+            return
+        self.jobs[req.request_id] = _PrefillJob(req)
+        future = self.runner.submit(
+            req.request_id,
+            req.input_ids,
+            sampling,
+            req.cache_salt,
+            export_from=req.decode_prefix_len,
+        )
+        try:
+            await asyncio.wrap_future(future)
+        except InvalidRequestError as e:
+            self.jobs.pop(req.request_id, None)
+            self.fail_stream(req.request_id, str(e), 400)
+
+    async def on_ack(self, msg: Msg) -> None:
+        try:
+            ack = KVChunkAck.decode(msg.data)
+        except SchemaError as e:
+            log.warning("bad KVChunkAck: %s", e)
+            return
+        job = self.jobs.get(ack.request_id)
+        if job is not None:
+            job.acks.put_nowait(ack)
+
+    def exported(self, request_id: str, export: KVExport, cached: CachedTokens) -> None:
+        """Runner callback (on the loop): the KV is packed; send it."""
+        job = self.jobs.get(request_id)
+        if job is None:
+            return
+        task = asyncio.create_task(self._send(job, export, cached), name=f"kv-send-{request_id}")
+        self._senders.add(task)
+        task.add_done_callback(self._senders.discard)
+
+    def _frames(self, rid: str, export: KVExport, cached: CachedTokens) -> list[bytes]:
+        staging, per = export.staging, self.config.chunk_pages
+        ps = staging.shape[3]
+        num_pages = staging.shape[0]
+        frames = []
+        for seq, lo in enumerate(range(0, num_pages, per)):
+            hi = min(lo + per, num_pages)
+            last = hi == num_pages
+            header = KVFrameHeader(
+                rid,
+                seq,
+                export.token_start + lo * ps,
+                min(export.token_start + hi * ps, export.token_end),
+                export.first_token if last else -1,
+                last,
+                cached.device,
+                cached.host,
+            )
+            frames.append(encode_frame(header, staging[lo:hi].contiguous().numpy().tobytes()))
+        return frames
+
+    async def _send(self, job: _PrefillJob, export: KVExport, cached: CachedTokens) -> None:
+        rid = job.request.request_id
+        frames = self._frames(rid, export, cached)
+        attempts = [0] * len(frames)
+        inflight: set[int] = set()
+        next_seq = acked = 0
+        try:
+            while acked < len(frames):
+                while next_seq < len(frames) and len(inflight) < self.config.window:
+                    await self._send_frame(job, frames, attempts, next_seq)
+                    inflight.add(next_seq)
+                    next_seq += 1
+                ack = await asyncio.wait_for(job.acks.get(), self.config.ack_timeout_s)
+                if ack.seq not in inflight:
+                    continue
+                if ack.ok:
+                    inflight.discard(ack.seq)
+                    acked += 1
+                elif attempts[ack.seq] >= self.config.max_attempts:
+                    raise RuntimeError(f"frame {ack.seq} refused: {ack.error}")
+                else:
+                    await self._send_frame(job, frames, attempts, ack.seq)
+        except (TimeoutError, RuntimeError) as e:
+            log.warning("KV transfer of %s failed: %s", rid, e)
+            self.fail_stream(rid, f"KV transfer to decode failed: {e}", 503)
+        else:
+            self.close_stream(rid)
+        finally:
+            self.jobs.pop(rid, None)  # the staging buffer goes with the job
+
+    async def _send_frame(
+        self, job: _PrefillJob, frames: list[bytes], attempts: list[int], seq: int
+    ) -> None:
+        data = frames[seq]
+        if self._corrupt_left > 0:  # test hook: flip one payload byte after the checksum
+            self._corrupt_left -= 1
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        attempts[seq] += 1
+        await self.publish(job.request.kv_subject, data, subj.engine_kv_ack(self.engine_id))
+        self._frames_sent += 1
+        if self.config.debug_exit_after_frames and (
+            self._frames_sent >= self.config.debug_exit_after_frames
+        ):
+            log.error("debug: exiting after %d frames", self._frames_sent)
+            await asyncio.sleep(0.2)  # let the client flush what was published
+            os._exit(1)
+
+    async def stop(self) -> None:
+        for task in list(self._senders):
+            task.cancel()
+        for task in list(self._senders):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,190 @@
+"""P/D between real engine processes over a real nats-server, the test playing the router.
+
+Decode admits and answers decode_prefix_len; prefill sends exactly the KV past it in
+checksummed frames; decode streams tokens equal to a cold run. Corrupt frames are resent;
+a prefill that dies mid-transfer makes decode time out and release its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from bus_schemas import (
+    DecodeAdmit,
+    DecodeAdmitReply,
+    Heartbeat,
+    PrefillRequest,
+    Sampling,
+    StatsReply,
+    StatsRequest,
+    TokenChunk,
+)
+from bus_schemas import subjects as subj
+from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.model.sampling import SamplingParams
+from services.launch.servers import ServerProcess
+
+PAGE = 4
+COMMON = ["--page-size", str(PAGE), "--max-total-tokens", "2048", "--heartbeat-interval", "0.2",
+          "--disaggregation-chunk-pages", "3", "--disaggregation-window", "2"]
+
+
+def spawn(nats_url: str, engine_id: str, *flags: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "services.engine", "--engine-id", engine_id,
+                             "--nats-url", nats_url, *COMMON, *flags])
+
+
+@pytest.fixture(scope="module")
+def engines(nats_server: ServerProcess) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    procs = {
+        "pd-prefill": spawn(nats_server.url, "pd-prefill", "--disaggregation-mode", "prefill",
+                            "--enable-hierarchical-cache"),
+        "pd-decode": spawn(nats_server.url, "pd-decode", "--disaggregation-mode", "decode",
+                           "--disaggregation-decode-enable-radix-cache",
+                           "--enable-hierarchical-cache"),
+        "pd-decode-off": spawn(nats_server.url, "pd-decode-off", "--disaggregation-mode",
+                               "decode"),
+        "pd-prefill-bad": spawn(nats_server.url, "pd-prefill-bad", "--disaggregation-mode",
+                                "prefill", "--debug-corrupt-kv-frames", "2"),
+    }
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+
+
+@pytest.fixture
+async def nc(nats_server: ServerProcess) -> AsyncIterator[NATS]:
+    client = await nats.connect(nats_server.url)
+    yield client
+    await client.drain()
+
+
+async def wait_engines(nc: NATS, ids: set[str]) -> None:
+    seen: set[str] = set()
+    done = asyncio.Event()
+
+    async def on(msg) -> None:  # type: ignore[no-untyped-def]
+        seen.add(Heartbeat.decode(msg.data).engine_id)
+        if ids <= seen:
+            done.set()
+
+    sub = await nc.subscribe(subj.HEARTBEAT, cb=on)
+    await asyncio.wait_for(done.wait(), 90)
+    await sub.unsubscribe()
+
+
+async def pd_generate(nc: NATS, prefill: str, decode: str, prompt: list[int], max_new: int,
+                      reuse: bool = True, timeout_s: float = 30.0
+                      ) -> tuple[DecodeAdmitReply, list[TokenChunk]]:
+    rid = uuid.uuid4().hex
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    sampling = Sampling(max_new, ignore_eos=True)
+    admit = DecodeAdmit(rid, prompt, sampling, inbox, "", reuse, timeout_s)
+    msg = await nc.request(subj.engine_decode_admit(decode), admit.encode(), timeout=30)
+    reply = DecodeAdmitReply.decode(msg.data)
+    assert reply.error is None, reply.error
+    req = PrefillRequest(rid, prompt, sampling, "", reply.decode_prefix_len, reply.kv_subject,
+                         inbox)
+    await nc.publish(subj.engine_prefill(prefill), req.encode())
+    chunks = []
+    while True:
+        chunk = TokenChunk.decode((await sub.next_msg(timeout=60)).data)
+        chunks.append(chunk)
+        if chunk.finished:
+            break
+    await sub.unsubscribe()
+    return reply, chunks
+
+
+def cold(prompt: list[int], max_new: int) -> list[int]:
+    eng = Engine(EngineConfig(cache=CacheConfig(page_size=PAGE, enable_radix_cache=False)))
+    sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    return eng.generate(prompt, sp).output_ids
+
+
+async def stats(nc: NATS, engine_id: str) -> dict[str, int]:
+    msg = await nc.request(subj.engine_stats(engine_id), StatsRequest().encode(), timeout=10)
+    return StatsReply.decode(msg.data).stats
+
+
+async def test_turns_reuse_decode_cache_and_move_only_the_suffix(
+    engines: dict[str, subprocess.Popen[bytes]], nc: NATS
+) -> None:
+    await wait_engines(nc, {"pd-prefill", "pd-decode"})
+    turn1 = list(range(30, 71))  # 41 tokens
+    turn2 = [*turn1, *range(100, 117)]  # 58 tokens
+    for turn, prompt in enumerate((turn1, turn2)):
+        reply, chunks = await pd_generate(nc, "pd-prefill", "pd-decode", prompt, 6)
+        first = chunks[0]
+        assert [t for c in chunks for t in c.token_ids] == cold(prompt, 6)
+        assert first.decode_prefix_len == reply.decode_prefix_len
+        assert first.transferred_tokens == len(prompt) - reply.decode_prefix_len
+        assert first.prefill_engine_id == "pd-prefill"
+        if turn == 0:
+            assert reply.decode_prefix_len == 0
+        else:  # turn 1's prompt, all but its last token, page-aligned: 40
+            assert reply.decode_prefix_len == 40
+            assert first.prefill_cached_device == 40
+
+
+async def test_reuse_off_moves_everything_and_returns_every_page(
+    engines: dict[str, subprocess.Popen[bytes]], nc: NATS
+) -> None:
+    await wait_engines(nc, {"pd-prefill", "pd-decode-off"})
+    prompt = list(range(1, 46))
+    for _ in range(2):
+        reply, chunks = await pd_generate(nc, "pd-prefill", "pd-decode-off", prompt, 4)
+        assert reply.decode_prefix_len == 0
+        assert chunks[0].transferred_tokens == len(prompt)
+        assert [t for c in chunks for t in c.token_ids] == cold(prompt, 4)
+    s = await stats(nc, "pd-decode-off")
+    assert s["device_pages_free"] == s["device_pages"]
+
+
+async def test_corrupt_frames_are_resent(
+    engines: dict[str, subprocess.Popen[bytes]], nc: NATS
+) -> None:
+    await wait_engines(nc, {"pd-prefill-bad", "pd-decode-off"})
+    prompt = list(range(60, 100))
+    _, chunks = await pd_generate(nc, "pd-prefill-bad", "pd-decode-off", prompt, 3)
+    assert [t for c in chunks for t in c.token_ids] == cold(prompt, 3)
+    assert chunks[0].transferred_tokens == len(prompt)
+
+
+async def test_prefill_dying_mid_transfer_times_out_and_releases(
+    nats_server: ServerProcess, engines: dict[str, subprocess.Popen[bytes]], nc: NATS
+) -> None:
+    dying = spawn(nats_server.url, "pd-prefill-dies", "--disaggregation-mode", "prefill",
+                  "--debug-exit-after-kv-frames", "1")
+    try:
+        await wait_engines(nc, {"pd-prefill-dies", "pd-decode-off"})
+        before = await stats(nc, "pd-decode-off")
+        prompt = list(range(5, 60))  # 55 tokens: 14 pages, 5 frames of 3 pages
+        reply, chunks = await pd_generate(nc, "pd-prefill-dies", "pd-decode-off", prompt, 3,
+                                          timeout_s=1.5)
+        assert reply.decode_prefix_len == 0
+        assert chunks[-1].error and chunks[-1].error_code == 503
+        assert "timed out" in chunks[-1].error
+        assert await asyncio.to_thread(dying.wait, 30) == 1
+        for _ in range(50):
+            after = await stats(nc, "pd-decode-off")
+            if after["device_pages_free"] == before["device_pages_free"]:
+                break
+            await asyncio.sleep(0.1)
+        assert after["device_pages_free"] == before["device_pages_free"]
+    finally:
+        if dying.poll() is None:
+            dying.kill()
