@@ -4,6 +4,7 @@ Subcommands:
 - `generate`: run the engine offline on one prompt and print the output and the cached-token
   counts per tier (with `--repeat N` the same prompt runs N times, so the cache shows).
 - `up`: the whole mesh on loopback (nats, redis, index, engines, router); prints the URL.
+- `bench`: the multi-turn generated-shared-prefix benchmark, per arm or against a server.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 
 from gpu_worker.engine.args import add_engine_args, engine_config_from_args
 from gpu_worker.engine.engine import Engine, InvalidRequestError, sampling_from
+from services.bench.cli import add_bench_args, run_bench
 from services.launch.up import add_up_args, run_up
 
 
@@ -71,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the mesh on loopback: nats, redis, index, engines, router")
     add_up_args(up)
     up.set_defaults(func=run_up)
+    bench = sub.add_parser("bench", help="multi-turn benchmark: TTFT, ITL, cache hits per arm")
+    add_bench_args(bench)
+    bench.set_defaults(func=run_bench)
     return parser
 
 

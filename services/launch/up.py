@@ -26,7 +26,21 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    parser.add_argument("--engines", type=int, default=1, help="engine services to start")
+    parser.add_argument("--engines", type=int, default=1, help="colocated engines to start")
+    pd = parser.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument(
+        "--pd",
+        action="store_true",
+        help="start prefill and decode engines instead of colocated ones",
+    )
+    pd.add_argument("--num-prefill", type=int, default=1)
+    pd.add_argument("--num-decode", type=int, default=1)
+    pd.add_argument(
+        "--decode-max-total-tokens",
+        type=int,
+        default=None,
+        help="device KV pool of decode engines (default: --max-total-tokens)",
+    )
     parser.add_argument("--bucket", default="default")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--record", default=None, help="record traffic as JSON lines")
@@ -56,15 +70,15 @@ class Mesh:
         self._spawn(
             "index", [py, "-m", "services.index", "--nats-url", nats_url, "--redis-url", redis_url]
         )
-        for i in range(a.engines):
+        for name, extra in self._engines():
             self._spawn(
-                f"engine-{i}",
+                name,
                 [
                     py,
                     "-m",
                     "services.engine",
                     "--engine-id",
-                    f"engine-{i}",
+                    name,
                     "--bucket",
                     a.bucket,
                     "--nats-url",
@@ -72,6 +86,7 @@ class Mesh:
                     "--heartbeat-interval",
                     str(a.heartbeat_interval),
                     *engine_argv(a),
+                    *extra,
                 ],
             )
         router = [
@@ -97,6 +112,19 @@ class Mesh:
         url = f"http://{a.host}:{a.port}"
         self._wait_healthy(url, a.startup_timeout)
         return url
+
+    def _engines(self) -> list[tuple[str, list[str]]]:
+        """(engine id, flags beyond the shared engine flags) of every engine to start."""
+        a = self.args
+        if not a.pd:
+            return [(f"engine-{i}", []) for i in range(a.engines)]
+        decode = ["--disaggregation-mode", "decode"]
+        if a.decode_max_total_tokens:
+            decode += ["--max-total-tokens", str(a.decode_max_total_tokens)]
+        prefill = ["--disaggregation-mode", "prefill"]
+        return [(f"prefill-{i}", prefill) for i in range(a.num_prefill)] + [
+            (f"decode-{i}", decode) for i in range(a.num_decode)
+        ]
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.procs.append((name, subprocess.Popen(argv)))

@@ -1,0 +1,237 @@
+"""`hicache-mesh bench`: the multi-turn benchmark, against a running server or per arm.
+
+With `--base-url` it measures that server as one arm (`--arm-name`). Otherwise each arm of
+`--arms` gets a mesh of its own (`hicache-mesh up` with `--mesh-args` plus the arm's flags
+from `ARM_FLAGS`), started, flushed, measured and stopped before the next arm starts. Every
+arm runs the same conversations (same `--seed`). Records go to `--output-file` as JSON
+lines, a summary per arm (and each arm against the first) to stdout, a figure to `--plot`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import IO
+
+from services.bench.client import BenchClient, ClientConfig
+from services.bench.dataset import Conversation, GspConfig, generate_shared_prefix
+from services.bench.records import RequestResult
+from services.bench.report import compare, format_comparison, format_summary, plot, summarize
+
+# Arm name -> flags added to `--mesh-args` for that arm's mesh.
+ARM_FLAGS: dict[str, list[str]] = {
+    "baseline": [],
+    "tree": ["--disaggregation-decode-enable-radix-cache"],
+    "colocated": [],
+}
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    d = parser.add_argument_group("dataset")
+    d.add_argument(
+        "--dataset-name", default="generated-shared-prefix", choices=["generated-shared-prefix"]
+    )
+    d.add_argument("--gsp-num-groups", type=int, default=64)
+    d.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    d.add_argument("--gsp-system-prompt-len", type=int, default=2048)
+    d.add_argument("--gsp-question-len", type=int, default=128)
+    d.add_argument("--gsp-output-len", type=int, default=256)
+    d.add_argument("--gsp-num-turns", type=int, default=1)
+    d.add_argument(
+        "--gsp-range-ratio",
+        type=float,
+        default=1.0,
+        help="lengths drawn uniformly from [ratio * len, len]; 1 = exact",
+    )
+    d.add_argument("--seed", type=int, default=1)
+    d.add_argument(
+        "--num-prompts", type=int, default=None, help="conversations (default: all of them)"
+    )
+    c = parser.add_argument_group("load")
+    c.add_argument("--max-concurrency", type=int, default=None, help="conversations at once")
+    c.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="conversation starts per second, Poisson arrivals (inf: all at once)",
+    )
+    c.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=1,
+        help="unmeasured first-turn requests sent before the cache flush of each arm",
+    )
+    c.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    c.add_argument("--api-key", default=None)
+    c.add_argument("--disable-tqdm", action="store_true")
+    t = parser.add_argument_group("target")
+    t.add_argument("--base-url", default=None, help="benchmark this running server")
+    t.add_argument("--arm-name", default="server", help="the arm's name with --base-url")
+    t.add_argument(
+        "--arms",
+        default="baseline,tree",
+        help=f"without --base-url: a mesh per arm, in order; arms: {', '.join(ARM_FLAGS)}",
+    )
+    t.add_argument(
+        "--mesh-args", default="", help="`hicache-mesh up` flags common to every arm's mesh"
+    )
+    o = parser.add_argument_group("output")
+    o.add_argument("--output-file", default=None, help="per-request records, JSON lines")
+    o.add_argument("--plot", default=None, help="PNG: TTFT CDF and median TTFT by turn")
+
+
+def gsp_config_from_args(args: argparse.Namespace) -> GspConfig:
+    return GspConfig(
+        num_groups=args.gsp_num_groups,
+        prompts_per_group=args.gsp_prompts_per_group,
+        system_prompt_len=args.gsp_system_prompt_len,
+        question_len=args.gsp_question_len,
+        output_len=args.gsp_output_len,
+        num_turns=args.gsp_num_turns,
+        range_ratio=args.gsp_range_ratio,
+        seed=args.seed,
+        num_prompts=args.num_prompts,
+    )
+
+
+def mesh_up_args(arm: str, mesh_args: str) -> argparse.Namespace:
+    """The `hicache-mesh up` arguments of an arm's mesh (a free port unless given)."""
+    from services.cli import build_parser  # services.cli imports this module
+    from services.launch.servers import free_port
+
+    if arm not in ARM_FLAGS:
+        raise ValueError(f"unknown arm {arm!r}; arms: {', '.join(ARM_FLAGS)}")
+    argv = ["up", "--port", str(free_port()), *shlex.split(mesh_args), *ARM_FLAGS[arm]]
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed why
+        raise ValueError(f"arm {arm!r}: `hicache-mesh {shlex.join(argv)}` was rejected") from e
+
+
+def flush_cache(base_url: str, api_key: str | None) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    req = urllib.request.Request(f"{base_url}/flush_cache", data=b"", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            status = resp.status
+    except urllib.error.HTTPError as e:
+        status = e.code
+    except (urllib.error.URLError, OSError) as e:
+        print(f"warning: POST {base_url}/flush_cache failed: {e}", file=sys.stderr)
+        return
+    if status != 200:
+        print(f"warning: POST {base_url}/flush_cache answered {status}", file=sys.stderr)
+
+
+def wait_for_engines(base_url: str, num_engines: int, timeout_s: float) -> None:
+    """Wait until the router's `/health` lists `num_engines` live engines: a mesh is healthy
+    with one, and a benchmark that starts then would load that one alone."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as resp:
+                if len(json.load(resp).get("live_engines", [])) >= num_engines:
+                    return
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{base_url} did not list {num_engines} live engines in {timeout_s}s")
+
+
+def _measure(
+    args: argparse.Namespace,
+    arm: str,
+    base_url: str,
+    api_key: str | None,
+    conversations: list[Conversation],
+    out: IO[str] | None,
+) -> list[RequestResult]:
+    base_url = base_url.rstrip("/")
+    results: list[RequestResult] = []
+
+    def on_result(r: RequestResult) -> None:
+        results.append(r)
+        if out is not None:
+            out.write(json.dumps(r.to_record()) + "\n")
+
+    config = ClientConfig(
+        base_url=base_url,
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        seed=args.seed,
+        request_timeout_s=args.request_timeout,
+        api_key=api_key,
+        show_progress=not args.disable_tqdm,
+    )
+    client = BenchClient(config)
+    failed = asyncio.run(client.warmup(conversations, args.warmup_requests))
+    if failed:
+        print(
+            f"warning: {failed} of {args.warmup_requests} warmup requests failed", file=sys.stderr
+        )
+    flush_cache(base_url, api_key)
+    asyncio.run(client.run(arm, conversations, on_result))
+    return results
+
+
+def _measure_on_mesh(
+    args: argparse.Namespace,
+    arm: str,
+    up_args: argparse.Namespace,
+    conversations: list[Conversation],
+    out: IO[str] | None,
+) -> list[RequestResult]:
+    from services.launch.up import Mesh
+
+    mesh = Mesh(up_args)
+    try:
+        url = mesh.start()
+        expected = up_args.num_prefill + up_args.num_decode if up_args.pd else up_args.engines
+        wait_for_engines(url, expected, up_args.startup_timeout)
+        print(f"arm {arm}: mesh up at {url}", file=sys.stderr, flush=True)
+        api_key = args.api_key or up_args.api_key
+        return _measure(args, arm, url, api_key, conversations, out)
+    finally:
+        mesh.stop()
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    gsp = gsp_config_from_args(args)
+    conversations = generate_shared_prefix(gsp)
+    if args.base_url is not None:
+        targets: list[tuple[str, argparse.Namespace | None]] = [(args.arm_name, None)]
+    else:
+        arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+        if not arms or len(set(arms)) != len(arms):
+            raise ValueError("--arms needs distinct arm names")
+        targets = [(arm, mesh_up_args(arm, args.mesh_args)) for arm in arms]  # fail early
+    by_arm: dict[str, list[RequestResult]] = {}
+    out = open(args.output_file, "w") if args.output_file else None  # noqa: SIM115
+    try:
+        for arm, up_args in targets:
+            if up_args is None:
+                by_arm[arm] = _measure(args, arm, args.base_url, args.api_key, conversations, out)
+            else:
+                by_arm[arm] = _measure_on_mesh(args, arm, up_args, conversations, out)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if out is not None:
+            out.close()
+    print(gsp.describe())
+    summaries = [summarize(arm, results) for arm, results in by_arm.items()]
+    for s in summaries:
+        print(format_summary(s))
+    for s in summaries[1:]:
+        print(format_comparison(compare(summaries[0], s)))
+    if args.plot:
+        plot(by_arm, args.plot, gsp.describe())
+        print(f"plot: {args.plot}")
+    return 0 if all(s.num_failed == 0 for s in summaries) else 1

@@ -1,0 +1,312 @@
+"""`hicache-mesh bench`: the dataset, the summary math, and one run against a real mesh."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.bench.cli import ARM_FLAGS, mesh_up_args
+from services.bench.client import StreamState
+from services.bench.dataset import GspConfig, generate_shared_prefix
+from services.bench.records import CacheUsage, Disaggregation, RequestResult
+from services.bench.report import compare, format_comparison, format_summary, summarize
+from services.cli import build_parser, main
+from services.launch.servers import free_port
+from services.launch.up import Mesh
+
+# ---------------------------------------------------------------- dataset
+
+
+def test_dataset_is_deterministic_for_a_seed() -> None:
+    cfg = GspConfig(
+        num_groups=3,
+        prompts_per_group=2,
+        system_prompt_len=20,
+        question_len=5,
+        output_len=4,
+        num_turns=3,
+        range_ratio=0.5,
+        seed=7,
+    )
+    assert generate_shared_prefix(cfg) == generate_shared_prefix(cfg)
+    other = generate_shared_prefix(GspConfig(**{**_fields(cfg), "seed": 8}))
+    assert other != generate_shared_prefix(cfg)
+
+
+def _fields(cfg: GspConfig) -> dict[str, object]:
+    return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
+
+
+def test_lengths_respect_the_range_ratio_and_ids_the_vocabulary() -> None:
+    cfg = GspConfig(
+        num_groups=8,
+        prompts_per_group=4,
+        system_prompt_len=40,
+        question_len=10,
+        output_len=8,
+        num_turns=4,
+        range_ratio=0.5,
+        seed=1,
+    )
+    convs = generate_shared_prefix(cfg)
+    assert len(convs) == 32
+    sys_lens = {len(c.system_ids) for c in convs}
+    q_lens = {len(q) for c in convs for q in c.question_ids}
+    out_lens = {n for c in convs for n in c.output_lens}
+    assert min(sys_lens) >= 20 and max(sys_lens) <= 40 and len(sys_lens) > 1
+    assert min(q_lens) >= 5 and max(q_lens) <= 10 and len(q_lens) > 1
+    assert min(out_lens) >= 4 and max(out_lens) <= 8
+    assert all(0 <= t < 256 for c in convs for t in c.system_ids)
+    exact = generate_shared_prefix(GspConfig(**{**_fields(cfg), "range_ratio": 1.0}))
+    assert {len(c.system_ids) for c in exact} == {40}
+    assert {len(q) for c in exact for q in c.question_ids} == {10}
+    assert {n for c in exact for n in c.output_lens} == {8}
+
+
+def test_turn_k_extends_turn_k_minus_1_with_its_answer() -> None:
+    cfg = GspConfig(
+        num_groups=1,
+        prompts_per_group=1,
+        system_prompt_len=6,
+        question_len=3,
+        output_len=2,
+        num_turns=3,
+    )
+    (conv,) = generate_shared_prefix(cfg)
+    answers = [[300, 301], [302, 303]]
+    p1, p2, p3 = (conv.prompt(k, answers) for k in range(3))
+    assert p1 == [*conv.system_ids, *conv.question_ids[0]]
+    assert p2 == [*p1, 300, 301, *conv.question_ids[1]]
+    assert p3 == [*p2, 302, 303, *conv.question_ids[2]]
+    with pytest.raises(ValueError):
+        conv.prompt(2, answers[:1])
+
+
+def test_groups_share_the_system_prompt_and_different_groups_do_not() -> None:
+    cfg = GspConfig(
+        num_groups=2,
+        prompts_per_group=3,
+        system_prompt_len=32,
+        question_len=8,
+        output_len=4,
+        num_turns=2,
+    )
+    convs = generate_shared_prefix(cfg)
+    assert [c.group_id for c in convs] == [0, 0, 0, 1, 1, 1]
+    assert len({c.system_ids for c in convs[:3]}) == 1
+    assert len({c.system_ids for c in convs[3:]}) == 1
+    assert convs[0].system_ids != convs[3].system_ids
+    assert convs[0].question_ids != convs[1].question_ids  # only the system prompt is shared
+    capped = generate_shared_prefix(GspConfig(**{**_fields(cfg), "num_prompts": 4}))
+    assert [c.conversation_id for c in capped] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- stream and records
+
+
+def _event(token_ids: list[int], usage: dict[str, object] | None = None) -> bytes:
+    body: dict[str, object] = {"choices": [{"index": 0, "text": "", "token_ids": token_ids}]}
+    if usage is not None:
+        body["usage"] = usage
+    return json.dumps(body).encode()
+
+
+def test_stream_ttft_and_itl_divide_gaps_by_the_tokens_of_an_event() -> None:
+    s = StreamState(sent_at=10.0)
+    s.consume(_event([]), 10.1)  # carries no token: not the first token
+    s.consume(_event([7]), 10.25)
+    s.consume(_event([8, 9]), 10.45)
+    s.consume(_event([]), 10.5)
+    s.consume(_event([10], usage={"completion_tokens": 4}), 10.6)
+    s.consume(b"[DONE]", 10.61)
+    assert s.ttft == pytest.approx(0.25)
+    assert s.itl == pytest.approx([0.1, 0.1, 0.15])
+    assert s.token_ids == [7, 8, 9, 10]
+    assert s.usage == {"completion_tokens": 4} and s.done and s.error is None
+    bad = StreamState(sent_at=0.0)
+    bad.consume(json.dumps({"error": {"message": "engine lost"}}).encode(), 1.0)
+    assert bad.error == "engine lost"
+
+
+def _result(arm: str, turn: int, ttft_ms: float, **kw: object) -> RequestResult:
+    fields: dict[str, object] = {
+        "arm": arm,
+        "conversation": 0,
+        "group": 0,
+        "turn": turn,
+        "prompt_len": 10,
+        "output_len": 4,
+        "start": 0.0,
+        "ttft": ttft_ms / 1e3,
+        "latency": 1.0,
+    }
+    return RequestResult(**{**fields, **kw})  # type: ignore[arg-type]
+
+
+def _pd_usage(transferred: int, decode_device: int) -> dict[str, object]:
+    return {
+        "prompt_tokens_details": {
+            "cached_tokens": 12,
+            "cached_tokens_by_tier": {"device": 8, "host": 4},
+        },
+        "disaggregation": {
+            "prefill_engine": "p0",
+            "decode_engine": "d0",
+            "decode_prefix_len": decode_device,
+            "transferred_tokens": transferred,
+            "transferred_bytes": transferred * 10,
+            "prefill_cached_device": 8,
+            "prefill_cached_host": 4,
+            "decode_cached_device": decode_device,
+            "decode_cached_host": 0,
+        },
+    }
+
+
+def test_usage_parsing_with_and_without_the_pd_block() -> None:
+    plain = CacheUsage.from_usage(
+        {
+            "prompt_tokens_details": {
+                "cached_tokens": 12,
+                "cached_tokens_by_tier": {"device": 8, "host": 4},
+            }
+        }
+    )
+    assert plain == CacheUsage(12, 8, 4, None)
+    assert CacheUsage.from_usage(None) == CacheUsage()
+    assert CacheUsage.from_usage({"prompt_tokens": 3}) == CacheUsage()
+    pd = CacheUsage.from_usage(_pd_usage(transferred=20, decode_device=16))
+    assert pd.disaggregation == Disaggregation("p0", "d0", 16, 20, 200, 8, 4, 16, 0)
+    partial = Disaggregation.from_usage({"disaggregation": {"transferred_tokens": 5}})
+    assert partial == Disaggregation(None, None, 0, 5, 0, 0, 0, 0, 0)
+    record = _result("a", 1, 5.0, cache=pd, itl=(0.002, 0.004)).to_record()
+    assert record["disaggregation"]["transferred_bytes"] == 200
+    assert record["cached_tokens_by_tier"] == {"device": 8, "host": 4}
+    assert record["itl_mean"] == pytest.approx(0.003)
+    json.dumps(record)
+
+
+def test_summary_percentiles_and_throughput_are_exact() -> None:
+    results = [
+        _result("a", 1 + i % 2, float(i + 1), start=i * 0.1, itl=(0.001 * (i % 3 + 1),))
+        for i in range(100)
+    ]
+    results.append(_result("a", 1, 9999.0, error="HTTP 500", output_len=0))
+    s = summarize("a", results)
+    assert (s.num_requests, s.num_failed) == (100, 1)
+    assert s.ttft_ms is not None and s.itl_ms is not None
+    assert s.ttft_ms.mean == pytest.approx(50.5)
+    assert s.ttft_ms.median == pytest.approx(50.5)
+    assert s.ttft_ms.p99 == pytest.approx(99.01)  # linear between the 99th and 100th
+    assert s.itl_ms.median == pytest.approx(2.0)
+    assert s.duration_s == pytest.approx(10.9)  # the last start (9.9 s) + 1 s
+    assert s.output_tokens == 400
+    assert s.output_throughput == pytest.approx(400 / 10.9)
+    assert s.cached_decode is None and s.transferred_tokens is None
+    assert "TTFT mean/median/p99 (ms)     50.50 / 50.50 / 99.01" in format_summary(s)
+
+
+def test_comparison_percent_changes_are_exact() -> None:
+    base = [
+        _result("baseline", 1, ttft, cache=CacheUsage.from_usage(_pd_usage(100, 0)))
+        for ttft in (10.0, 20.0, 60.0)
+    ]
+    tree = [
+        _result("tree", 1, ttft, latency=0.8, cache=CacheUsage.from_usage(_pd_usage(25, 75)))
+        for ttft in (5.0, 8.0, 47.0)
+    ]
+    sb, st = summarize("baseline", base), summarize("tree", tree)
+    assert st.transferred_tokens == 75 and st.transferred_bytes == 750
+    assert st.cached_decode is not None and st.cached_decode.device == 225
+    assert st.cached_prefill.device == 24 and st.cached_prefill.host == 12
+    c = compare(sb, st)
+    assert c.median_ttft_change == pytest.approx(-60.0)  # 20 -> 8
+    assert c.mean_ttft_change == pytest.approx(-33.333333)  # 30 -> 20
+    assert c.transfer_reduction == pytest.approx(75.0)  # 300 -> 75
+    assert c.throughput_change == pytest.approx(25.0)  # 12 tokens in 1 s -> in 0.8 s
+    text = format_comparison(c)
+    assert "-60.0%" in text and "75.0%" in text and "+25.0%" in text
+
+
+def test_arm_flags_extend_the_mesh_args() -> None:
+    assert ARM_FLAGS["baseline"] == [] and ARM_FLAGS["colocated"] == []
+    args = mesh_up_args("baseline", "--engines 2 --page-size 4 --port 9123")
+    assert (args.engines, args.page_size, args.port) == (2, 4, 9123)
+    with pytest.raises(ValueError, match="unknown arm"):
+        mesh_up_args("nope", "")
+
+
+# ---------------------------------------------------------------- against a real mesh
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[Mesh]:
+    args = build_parser().parse_args(
+        [
+            "up",
+            "--port",
+            str(free_port()),
+            "--page-size",
+            "4",
+            "--max-total-tokens",
+            "4096",
+            "--heartbeat-interval",
+            "0.2",
+        ]
+    )
+    m = Mesh(args)
+    m.start()
+    yield m
+    m.stop()
+
+
+def test_bench_against_a_running_mesh(
+    mesh: Mesh, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records_path, plot_path = tmp_path / "runs.jsonl", tmp_path / "ttft.png"
+    code = main(
+        [
+            "bench",
+            "--base-url",
+            f"http://{mesh.args.host}:{mesh.args.port}",
+            "--arm-name",
+            "colocated",
+            "--gsp-num-groups",
+            "2",
+            "--gsp-prompts-per-group",
+            "2",
+            "--gsp-system-prompt-len",
+            "32",
+            "--gsp-question-len",
+            "8",
+            "--gsp-output-len",
+            "4",
+            "--gsp-num-turns",
+            "3",
+            "--max-concurrency",
+            "2",
+            "--request-rate",
+            "50",
+            "--disable-tqdm",
+            "--output-file",
+            str(records_path),
+            "--plot",
+            str(plot_path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    records = [json.loads(line) for line in records_path.read_text().splitlines()]
+    assert len(records) == 12
+    assert all(r["error"] is None and r["arm"] == "colocated" for r in records)
+    assert all(r["output_len"] == 4 and r["ttft"] > 0 and len(r["itl"]) == 3 for r in records)
+    assert all(r["cached_tokens"] > 0 for r in records if r["turn"] > 1)
+    by_key = {(r["conversation"], r["turn"]): r for r in records}
+    for (conv, turn), r in by_key.items():
+        if turn > 1:  # question 8 + answer 4 more than the turn before
+            assert r["prompt_len"] == by_key[(conv, turn - 1)]["prompt_len"] + 12
+    assert "arm: colocated" in out and "requests                      12 (0 failed)" in out
+    assert plot_path.stat().st_size > 0
