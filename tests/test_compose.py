@@ -15,19 +15,20 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPOSE = ROOT / "compose" / "docker-compose.yml"
+COMPOSE_FILES = sorted((ROOT / "compose").glob("docker-compose*.yml"))
 
 
-def services() -> dict[str, Any]:
-    return dict(yaml.safe_load(COMPOSE.read_text())["services"])
+def services(path: Path) -> dict[str, Any]:
+    return dict(yaml.safe_load(path.read_text())["services"])
 
 
-def python_services() -> list[tuple[str, str, list[str]]]:
+def python_services(path: Path | None = None) -> list[tuple[str, str, list[str]]]:
     out = []
-    for name, svc in services().items():
-        cmd = svc.get("command", [])
-        if cmd[:2] == ["python", "-m"]:
-            out.append((name, cmd[2], cmd[3:]))
+    for file in [path] if path else COMPOSE_FILES:
+        for name, svc in services(file).items():
+            cmd = svc.get("command", [])
+            if cmd[:2] == ["python", "-m"]:
+                out.append((f"{file.name}:{name}", cmd[2], cmd[3:]))
     return out
 
 
@@ -40,13 +41,24 @@ def test_service_command_parses_with_the_cli(name: str, module: str, argv: list[
         pytest.fail(f"compose service {name!r}: `{module}` rejects {argv} (exit {e.code})")
 
 
-def test_compose_runs_the_parts_up_starts() -> None:
-    modules = sorted({module for _, module, _ in python_services()})
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_runs_the_parts_up_starts(path: Path) -> None:
+    modules = sorted({module for _, module, _ in python_services(path)})
     assert modules == ["router", "services.engine", "services.index"]
-    svc = services()
+    svc = services(path)
     assert {"nats", "redis"} <= set(svc)
     nats_cmd = svc["nats"]["command"]
     assert "-c" in nats_cmd and (ROOT / "compose" / "nats.conf").read_text().count("max_payload")
+
+
+def test_pd_compose_has_both_roles() -> None:
+    (path,) = [p for p in COMPOSE_FILES if p.name == "docker-compose.pd.yml"]
+    modes = [
+        argv[argv.index("--disaggregation-mode") + 1]
+        for _, module, argv in python_services(path)
+        if module == "services.engine"
+    ]
+    assert sorted(modes) == ["decode", "prefill"]
 
 
 def test_engine_flags_match_up_passthrough() -> None:
@@ -58,7 +70,7 @@ def test_engine_flags_match_up_passthrough() -> None:
         if module != "services.engine":
             continue
         engine_flags = [a for a in argv if a.startswith("--")]
-        engine_only = {"--engine-id", "--bucket", "--nats-url"}
+        engine_only = {"--engine-id", "--bucket", "--nats-url", "--disaggregation-mode"}
         up_argv = ["up"]
         for i, a in enumerate(argv):
             if a.startswith("--") and a not in engine_only:
