@@ -7,10 +7,13 @@ One request, hop by hop:
 2. `engines` (the live-engine table from heartbeats) gives the bucket's live engines;
    `protocol.check_limits` checks the ids and lengths against them.
 3. `routing` hashes the prompt's pages, asks Redis once (`PREFIX_LOOKUP_LUA`), and picks
-   the engine with the best cached prefix minus load.
+   the engine with the best cached prefix minus load (for P/D: a decode and a prefill
+   engine, each by its own cache).
 4. `generation` sends the request through `stream` (NATS inbox, chunks in `seq` order,
    timeouts, liveness), applies stop strings (`detokenize`), retries once elsewhere when
-   the engine failed before its first chunk.
+   the engine failed before its first chunk. With a live prefill and decode engine in the
+   bucket it serves by P/D instead (`disagg`: admit on decode, prefill sends KV, decode
+   streams; restore and transfer failures retried once).
 5. `responses` shapes whole bodies or SSE chunks; `metrics` counts; `record` logs.
 
 Nothing here imports torch, triton, gpu_worker or services (DESIGN.md section 1).

@@ -2,7 +2,8 @@
 
     python -m router --port 8000 --nats-url nats://127.0.0.1:4222 \\
         --redis-url redis://127.0.0.1:6379/0 [--api-key KEY] [--record FILE] \\
-        [--tokenizer PATH] [--request-timeout S] [--bucket NAME]
+        [--tokenizer PATH] [--request-timeout S] [--bucket NAME] \\
+        [--pd-admit-timeout S] [--pd-transfer-timeout S]
 
 SIGINT/SIGTERM stop it gracefully: it stops accepting, lets in-flight requests finish (for
 at most --shutdown-timeout seconds), drains NATS and closes Redis.
@@ -42,6 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="PATH", default=None, help="a tokenizer.json (dir)")
     p.add_argument("--request-timeout", metavar="S", type=float, default=30.0)
     p.add_argument("--bucket", default="default")
+    p.add_argument(
+        "--pd-admit-timeout", metavar="S", type=float, default=10.0, help="P/D: admit wait"
+    )
+    p.add_argument(
+        "--pd-transfer-timeout",
+        metavar="S",
+        type=float,
+        default=None,
+        help="P/D: how long decode engines wait for KV (default: 0.8 x --request-timeout)",
+    )
     p.add_argument("--shutdown-timeout", metavar="S", type=float, default=30.0)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -58,6 +69,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         bucket=args.bucket,
         request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
+        pd_admit_timeout_s=args.pd_admit_timeout,
+        pd_transfer_timeout_s=args.pd_transfer_timeout,
     )
 
 

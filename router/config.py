@@ -27,6 +27,10 @@ class RouterConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     max_stop_strings: int = 16
     shutdown_timeout_s: float = 30.0  # in-flight requests get this long at shutdown
+    pd_admit_timeout_s: float = 10.0  # wait for a decode engine's DecodeAdmitReply
+    # a decode engine gives up on KV that stops arriving after this long (DecodeAdmit
+    # .transfer_timeout_s); None: 0.8 x request_timeout_s, so its error beats our timeout
+    pd_transfer_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -35,6 +39,8 @@ class RouterConfig:
             "redis_timeout_s": self.redis_timeout_s,
             "flush_timeout_s": self.flush_timeout_s,
             "shutdown_timeout_s": self.shutdown_timeout_s,
+            "pd_admit_timeout_s": self.pd_admit_timeout_s,
+            "pd_transfer_timeout_s": self.transfer_timeout_s,
         }
         for name, value in positive.items():
             if not (math.isfinite(value) and value > 0):
@@ -59,3 +65,10 @@ class RouterConfig:
             raise ValueError("bucket must not be empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty when given")
+
+    @property
+    def transfer_timeout_s(self) -> float:
+        """What decode engines are told to wait for KV (`pd_transfer_timeout_s` or derived)."""
+        if self.pd_transfer_timeout_s is not None:
+            return self.pd_transfer_timeout_s
+        return 0.8 * self.request_timeout_s

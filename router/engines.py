@@ -5,6 +5,11 @@ An engine is live when its last heartbeat is younger than `heartbeat_misses x in
 `failed_quarantine_s`. A heartbeat with a new epoch (the engine restarted) ends a
 quarantine at once.
 
+Every engine has a role from its heartbeats: "colocated" (serves `GenerateRequest`s), or
+"prefill" / "decode" (the two halves of a P/D request, DESIGN.md section 6). A bucket serves
+by P/D when it has a live engine of each of those two roles (`pd_ready`), else by its
+colocated engines.
+
 Load is the in-flight tokens (prompt + max_tokens) of the engine: the larger of what this
 router has running there and what the engine's last heartbeat reported (which also counts
 other routers' requests, but lags).
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -25,6 +30,9 @@ from router.metrics import RouterMetrics
 log = logging.getLogger(__name__)
 
 FORGET_AFTER_S = 300.0  # an engine silent this long leaves the table
+
+COLOCATED, PREFILL, DECODE = "colocated", "prefill", "decode"
+ROLES = frozenset({COLOCATED, PREFILL, DECODE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +47,19 @@ class EngineView:
     context_len: int
     vocab_size: int
     load: int  # in-flight tokens
+    role: str  # one of ROLES
+
+
+def pd_ready(engines: Iterable[EngineView]) -> bool:
+    """Whether `engines` hold a live prefill and a live decode engine (P/D serving)."""
+    roles = {e.role for e in engines}
+    return PREFILL in roles and DECODE in roles
+
+
+def can_serve(engines: Iterable[EngineView]) -> bool:
+    """Whether `engines` (one bucket) can serve a generation request at all."""
+    engines = list(engines)
+    return pd_ready(engines) or any(e.role == COLOCATED for e in engines)
 
 
 @dataclass(slots=True)
@@ -69,7 +90,8 @@ class EngineTable:
             self.metrics.bus_errors.labels("bad_heartbeat").inc()
             log.debug("dropped a heartbeat: %s", e)
             return
-        if not subjects.valid_token(hb.engine_id) or hb.interval_s <= 0 or hb.page_size <= 0:
+        bad = hb.interval_s <= 0 or hb.page_size <= 0 or hb.role not in ROLES
+        if bad or not subjects.valid_token(hb.engine_id):
             self.metrics.bus_errors.labels("bad_heartbeat").inc()
             return
         self.observe(hb)
@@ -110,13 +132,15 @@ class EngineTable:
         entry = self._entries.get(engine_id)
         return entry is not None and self._live(entry, self.clock())
 
-    def live(self, bucket: str | None = None) -> list[EngineView]:
-        """Live engines (of `bucket` when given), sorted by id."""
+    def live(self, bucket: str | None = None, role: str | None = None) -> list[EngineView]:
+        """Live engines (of `bucket` and `role` when given), sorted by id."""
         now = self.clock()
         out = [
             self._view(e)
             for e in self._entries.values()
-            if self._live(e, now) and (bucket is None or e.heartbeat.bucket == bucket)
+            if self._live(e, now)
+            and (bucket is None or e.heartbeat.bucket == bucket)
+            and (role is None or e.heartbeat.role == role)
         ]
         return sorted(out, key=lambda v: v.engine_id)
 
@@ -155,4 +179,5 @@ class EngineTable:
             context_len=hb.context_len,
             vocab_size=hb.vocab_size,
             load=max(entry.local_tokens, hb.inflight_tokens),
+            role=hb.role,
         )

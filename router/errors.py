@@ -10,6 +10,10 @@ Status rule of the router (one rule for every endpoint):
 - 502 an engine failed (its heartbeats stopped, a malformed reply, an error it reported);
   504 an engine sent nothing within the request timeout; 503 (with `Retry-After`) no live
   engine, or every engine asked reported itself unavailable.
+- P/D requests (after their retries): 502 `restore_failed` (decode could not restore its
+  prefix, also with `reuse=False`) and `prefill_*` codes when the prefill engine failed
+  (`prefill_lost`, `prefill_error`; 400 `prefill_rejected`); 504 `kv_transfer_timeout`
+  (decode never got the KV). Decode-side failures keep the `engine_*` codes.
 """
 
 from __future__ import annotations

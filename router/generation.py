@@ -1,28 +1,41 @@
-"""One validated request, served: choose an engine, stream from it, retry once, stop strings.
+"""One validated request, served: choose engines, stream from them, retry once, stop strings.
 
-Retry rule: when an engine fails before it delivered any chunk (a timeout, lost heartbeats, a
-503 "unavailable" reply), nothing has reached the client yet, so the request goes once more
-to the best other live engine. Once the engine has delivered a chunk the request has started
-there; a failure after that is reported (502/504), not replayed. An engine that timed out,
-went silent or sent garbage sits out (`EngineTable.mark_failed`).
+A request takes the P/D path when its bucket has a live prefill and a live decode engine
+(`engines.pd_ready`; the steps and retries are in `disagg`), else the colocated path on
+"colocated" engines. GenerateRequests never go to prefill or decode engines.
+
+Colocated retry rule: when an engine fails before it delivered any chunk (a timeout, lost
+heartbeats, a 503 "unavailable" reply), nothing has reached the client yet, so the request
+goes once more to the best other live engine. Once the engine has delivered a chunk the
+request has started there; a failure after that is reported (502/504), not replayed. An
+engine that timed out, went silent or sent garbage sits out (`EngineTable.mark_failed`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Collection
 from dataclasses import dataclass, field
 
-from bus_schemas import GenerateRequest, TokenChunk
+from bus_schemas import (
+    DecodeAdmit,
+    DecodeAdmitReply,
+    GenerateRequest,
+    PrefillRequest,
+    TokenChunk,
+    subjects,
+)
 from router.config import RouterConfig
 from router.detokenize import TextAssembler
-from router.engines import EngineTable, EngineView
+from router.disagg import PDInfo, admit, retry_kind
+from router.engines import COLOCATED, DECODE, PREFILL, EngineTable, EngineView
 from router.errors import ApiError
 from router.metrics import RouterMetrics
 from router.protocol import GenerationSpec
-from router.routing import Router
-from router.stream import EngineFailure, EngineStream, ReplyHub
+from router.routing import RouteChoice, Router
+from router.stream import DECODE_ERRORS, EngineFailure, EngineStream, ReplyHub
 from router.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
@@ -42,19 +55,28 @@ class Outcome:
     """What the request produced so far; final when `Generation.run` returns."""
 
     request_id: str
-    engine_id: str = ""
+    engine_id: str = ""  # the engine that generated (a P/D request's decode engine)
     prompt_tokens: int = 0
-    cached_device: int = 0
+    cached_device: int = 0  # prompt tokens not computed (P/D: by the prefill engine)
     cached_host: int = 0
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" once finished
     ttft_s: float | None = None
     route_reason: str = ""
+    disaggregation: PDInfo | None = None  # set by a P/D request's first chunk
 
     @property
     def cached_tokens(self) -> int:
         return self.cached_device + self.cached_host
+
+
+@dataclass(frozen=True, slots=True)
+class _PDAttempt:
+    """The prefill side of the P/D attempt in progress, for its first chunk."""
+
+    prefill_engine: str
+    admitted: DecodeAdmitReply
 
 
 def no_engine_error(bucket: str) -> ApiError:
@@ -94,11 +116,12 @@ class Generation:
         self.started_at = started_at
         self.outcome = Outcome(request_id=uuid.uuid4().hex)
         self.assembler = TextAssembler(tokenizer, spec.stop)
+        self._pd: _PDAttempt | None = None
 
-    def candidates(self, excluded: set[str]) -> list[EngineView]:
+    def candidates(self, role: str, excluded: Collection[str] = ()) -> list[EngineView]:
         return [
             e
-            for e in self.table.live(self.bucket)
+            for e in self.table.live(self.bucket, role)
             if e.engine_id not in excluded and (self.spec.model in (None, e.model))
         ]
 
@@ -107,9 +130,21 @@ class Generation:
 
         Close the iterator (`contextlib.aclosing`) to stop early: the engine gets an abort.
         """
+        if self.candidates(DECODE) and self.candidates(PREFILL):
+            self.metrics.pd_requests.inc()
+            serve = self._run_pd()
+        else:
+            serve = self._run_colocated()
+        async with contextlib.aclosing(serve):
+            async for delta in serve:
+                yield delta
+
+    # ------------------------------------------------------------ colocated
+
+    async def _run_colocated(self) -> AsyncGenerator[Delta, None]:
         excluded: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
-            candidates = self.candidates(excluded)
+            candidates = self.candidates(COLOCATED, excluded)
             if not candidates:
                 raise no_engine_error(self.bucket)
             choice = await self.router.choose(
@@ -123,51 +158,157 @@ class Generation:
                     yield delta
                 return
             except EngineFailure as f:
-                self.metrics.bus_errors.labels(f.kind).inc()
-                if f.engine_broken:
-                    self.table.mark_failed(engine_id, f.message)
+                self._count(f)
                 retriable = f.status >= 500 and f.num_chunks == 0
                 if not retriable or attempt + 1 == MAX_ATTEMPTS:
                     raise _client_error(f) from None
                 excluded.add(engine_id)
-                if not self.candidates(excluded):
+                if not self.candidates(COLOCATED, excluded):
                     raise _client_error(f) from None
 
     async def _serve(self, engine_id: str) -> AsyncIterator[Delta]:
-        request = GenerateRequest(
-            request_id=self.outcome.request_id,
-            input_ids=self.spec.input_ids,
-            sampling=self.spec.sampling(self.max_new_tokens),
-            reply_to="",  # the stream sets its inbox
-            cache_salt=self.spec.cache_salt,
+        rid = self.outcome.request_id
+        with self.table.lease(engine_id, len(self.spec.input_ids) + self.max_new_tokens):
+            async with EngineStream(self.hub, self.table, self.config, engine_id, rid) as stream:
+                request = GenerateRequest(
+                    request_id=rid,
+                    input_ids=self.spec.input_ids,
+                    sampling=self.spec.sampling(self.max_new_tokens),
+                    reply_to=stream.reply_to,
+                    cache_salt=self.spec.cache_salt,
+                )
+                await stream.send(subjects.engine_generate(engine_id), request)
+                async for delta in self._consume(stream):
+                    yield delta
+
+    # ------------------------------------------------------------ prefill/decode
+
+    async def _run_pd(self) -> AsyncGenerator[Delta, None]:
+        """P/D attempts until one serves; each retry kind of `disagg.retry_kind` once."""
+        used: set[str] = set()
+        no_decode: set[str] = set()
+        no_prefill: set[str] = set()
+        pinned: tuple[str, str] | None = None  # a restore retry stays on the same engines
+        reuse = True
+        error: ApiError | None = None  # what the client gets when no retry is left
+        while True:
+            route = await self._route_pd(no_decode, no_prefill, pinned, retry=bool(used))
+            if route is None:
+                raise error or no_engine_error(self.bucket)
+            decode, prefill = route[0].engine.engine_id, route[1].engine.engine_id
+            self.outcome.engine_id = decode
+            self.outcome.route_reason = route[0].reason
+            # the first attempt's request id is the response's; retries get fresh ones, so
+            # KV still in flight for a failed attempt cannot land in the next
+            rid = uuid.uuid4().hex if used else self.outcome.request_id
+            try:
+                async for delta in self._serve_pd(decode, prefill, rid, reuse):
+                    yield delta
+                return
+            except EngineFailure as f:
+                self._count(f)
+                error = _client_error(f, prefill=f.engine_id == prefill)
+                kind = retry_kind(f, prefill)
+                if kind is None or kind in used:
+                    raise error from None
+                used.add(kind)
+                if kind == "restore":
+                    self.metrics.pd_restore_retries.inc()
+                    reuse, pinned = False, (decode, prefill)
+                elif kind == "prefill":
+                    pinned = None
+                    if self.candidates(PREFILL, no_prefill | {prefill}):
+                        no_prefill.add(prefill)
+                else:
+                    pinned = None
+                    no_decode.add(decode)
+
+    async def _route_pd(
+        self,
+        no_decode: set[str],
+        no_prefill: set[str],
+        pinned: tuple[str, str] | None,
+        retry: bool,
+    ) -> tuple[RouteChoice, RouteChoice] | None:
+        decodes = self.candidates(DECODE, no_decode)
+        prefills = self.candidates(PREFILL, no_prefill)
+        if pinned is not None:
+            decodes = [e for e in decodes if e.engine_id == pinned[0]]
+            prefills = [e for e in prefills if e.engine_id == pinned[1]]
+        if not decodes or not prefills:
+            return None
+        return await self.router.choose_pd(
+            decodes, prefills, self.spec.input_ids, self.spec.cache_salt, retry=retry
         )
-        tokens = len(self.spec.input_ids) + self.max_new_tokens
-        with self.table.lease(engine_id, tokens):
+
+    async def _serve_pd(
+        self, decode: str, prefill: str, rid: str, reuse: bool
+    ) -> AsyncIterator[Delta]:
+        ids, sampling = self.spec.input_ids, self.spec.sampling(self.max_new_tokens)
+        self._pd = None
+        with (
+            self.table.lease(decode, len(ids) + self.max_new_tokens),
+            contextlib.ExitStack() as prefill_lease,
+        ):
+            prefill_lease.enter_context(self.table.lease(prefill, len(ids)))
             async with EngineStream(
-                self.hub, self.table, self.config, engine_id, request
+                self.hub, self.table, self.config, decode, rid, DECODE_ERRORS
             ) as stream:
-                async for chunk in stream:
-                    ids = self._take(chunk)
-                    if self.assembler.matched:
-                        if not chunk.finished:
-                            await stream.abort()
-                        self.outcome.finish_reason = "stop"
-                    elif chunk.finished:
-                        self.assembler.finish()
-                        self.outcome.finish_reason = chunk.finish_reason or "stop"
-                    self.outcome.text = self.assembler.text
-                    self.outcome.output_ids = self.assembler.ids
-                    yield Delta(self.assembler.release(), ids)
-                    if self.outcome.finish_reason is not None:
-                        return
+                prefill_reply_to = stream.watch(prefill)
+                request = DecodeAdmit(
+                    request_id=rid,
+                    input_ids=ids,
+                    sampling=sampling,
+                    reply_to=stream.reply_to,
+                    cache_salt=self.spec.cache_salt,
+                    reuse=reuse,
+                    transfer_timeout_s=self.config.transfer_timeout_s,
+                )
+                admitted = await admit(stream, request, self.config.pd_admit_timeout_s)
+                self._pd = _PDAttempt(prefill, admitted)
+                prefill_request = PrefillRequest(
+                    request_id=rid,
+                    input_ids=ids,
+                    sampling=sampling,
+                    cache_salt=self.spec.cache_salt,
+                    decode_prefix_len=admitted.decode_prefix_len,
+                    kv_subject=admitted.kv_subject,
+                    reply_to=prefill_reply_to,
+                )
+                await stream.tell_watched(subjects.engine_prefill(prefill), prefill_request)
+                async for delta in self._consume(stream):
+                    prefill_lease.close()  # prefill's part ended with the first chunk
+                    yield delta
+
+    # ------------------------------------------------------------ both paths
+
+    def _count(self, f: EngineFailure) -> None:
+        self.metrics.bus_errors.labels(f.kind).inc()
+        if f.engine_broken:
+            self.table.mark_failed(f.engine_id, f.message)
+
+    async def _consume(self, stream: EngineStream) -> AsyncIterator[Delta]:
+        """The stream's chunks as deltas, until finished or a stop string matched."""
+        async for chunk in stream:
+            ids = self._take(chunk)
+            if self.assembler.matched:
+                if not chunk.finished:
+                    await stream.abort()
+                self.outcome.finish_reason = "stop"
+            elif chunk.finished:
+                self.assembler.finish()
+                self.outcome.finish_reason = chunk.finish_reason or "stop"
+            self.outcome.text = self.assembler.text
+            self.outcome.output_ids = self.assembler.ids
+            yield Delta(self.assembler.release(), ids)
+            if self.outcome.finish_reason is not None:
+                return
 
     def _take(self, chunk: TokenChunk) -> list[int]:
         """Apply one chunk to the outcome; the ids taken (cut after a stop string)."""
         out = self.outcome
         if chunk.seq == 0:
-            out.prompt_tokens = chunk.prompt_tokens or len(self.spec.input_ids)
-            out.cached_device = chunk.cached_device
-            out.cached_host = chunk.cached_host
+            self._first(chunk)
         if out.ttft_s is None and chunk.token_ids:
             out.ttft_s = asyncio.get_running_loop().time() - self.started_at
         taken = []
@@ -177,16 +318,38 @@ class Generation:
                 break
         return taken
 
+    def _first(self, chunk: TokenChunk) -> None:
+        out = self.outcome
+        out.prompt_tokens = chunk.prompt_tokens or len(self.spec.input_ids)
+        out.cached_device = chunk.cached_device
+        out.cached_host = chunk.cached_host
+        if self._pd is None:
+            return
+        info = PDInfo.from_first_chunk(chunk, self._pd.prefill_engine, self._pd.admitted)
+        out.disaggregation = info
+        out.cached_device = info.prefill_cached_device
+        out.cached_host = info.prefill_cached_host
+        self.metrics.pd_transferred_tokens.inc(max(info.transferred_tokens, 0))
+        self.metrics.pd_transferred_bytes.inc(max(info.transferred_bytes, 0))
 
-def _client_error(f: EngineFailure) -> ApiError:
-    codes = {
-        "timeout": "engine_timeout",
-        "lost": "engine_lost",
-        "bad_message": "engine_bad_reply",
-        "engine_error": "engine_error",
-        "unavailable": "engine_unavailable",
-        "rejected": "engine_rejected",
-        "bus": "bus_unavailable",
-    }
+
+_CODE_SUFFIX = {  # EngineFailure.kind -> the error code, after "engine_" or "prefill_"
+    "timeout": "timeout",
+    "lost": "lost",
+    "bad_message": "bad_reply",
+    "engine_error": "error",
+    "unavailable": "unavailable",
+    "rejected": "rejected",
+}
+_CODES = {
+    "bus": "bus_unavailable",
+    "restore_failed": "restore_failed",
+    "transfer_timeout": "kv_transfer_timeout",
+}
+
+
+def _client_error(f: EngineFailure, prefill: bool = False) -> ApiError:
+    """The error the client sees; `prefill`: the failure was a P/D prefill engine's."""
+    code = _CODES.get(f.kind) or ("prefill_" if prefill else "engine_") + _CODE_SUFFIX[f.kind]
     retry_after = RETRY_AFTER_S if f.status == 503 else None
-    return ApiError(f.status, f.message, code=codes[f.kind], retry_after_s=retry_after)
+    return ApiError(f.status, f.message, code=code, retry_after_s=retry_after)

@@ -23,6 +23,7 @@ from bus_schemas import (
     subjects,
 )
 from router import keys
+from router.engines import EngineView, can_serve
 from router.errors import ApiError, json_response
 from router.generation import Generation, Outcome, no_engine_error
 from router.protocol import (
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Parser = Callable[[Mapping[str, Any], Tokenizer, int], GenerationSpec]
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-ENGINE_HEADER = "X-Hicache-Engine"  # the engine that served a generation request
+ENGINE_HEADER = "X-Hicache-Engine"  # the engine that generated (P/D: the decode engine)
+PREFILL_HEADER = "X-Hicache-Prefill-Engine"  # P/D only: the engine that computed the prompt
 
 
 # ------------------------------------------------------------------ middlewares
@@ -150,7 +152,7 @@ def _generation(app: web.Application, spec: GenerationSpec, started_at: float) -
     table, router = app[keys.TABLE], app[keys.ROUTER]
     bucket = router.select_bucket(len(spec.input_ids), spec.max_tokens or 0)
     engines = table.live(bucket)
-    if not engines:
+    if not can_serve(engines):
         raise no_engine_error(bucket)
     if spec.model is not None and all(e.model != spec.model for e in engines):
         served = sorted({e.model for e in engines})
@@ -190,7 +192,7 @@ async def _whole(request: web.Request, gen: Generation) -> web.Response:
         async for _ in deltas:
             if request.transport is None or request.transport.is_closing():
                 break  # the client left: closing the iterator aborts the engine
-    headers = {ENGINE_HEADER: gen.outcome.engine_id}
+    headers = _engine_headers(gen.outcome)
     if gen.spec.endpoint == "generate":
         return json_response(generate_body(gen.outcome), headers=headers)
     return json_response(_shape(gen).whole(gen.outcome), headers=headers)
@@ -207,7 +209,7 @@ async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
             async for delta in deltas:
                 out = gen.outcome
                 if not resp.prepared:
-                    resp.headers[ENGINE_HEADER] = out.engine_id
+                    resp.headers.update(_engine_headers(out))
                     await resp.prepare(request)
                     if gen.spec.endpoint != "generate":
                         shape = _shape(gen)
@@ -232,6 +234,13 @@ async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
     await resp.write(DONE)
     await resp.write_eof()
     return resp
+
+
+def _engine_headers(out: Outcome) -> dict[str, str]:
+    headers = {ENGINE_HEADER: out.engine_id}
+    if out.disaggregation is not None:
+        headers[PREFILL_HEADER] = out.disaggregation.prefill_engine
+    return headers
 
 
 def _account(app: web.Application, spec: GenerationSpec, out: Outcome) -> None:
@@ -259,12 +268,22 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 when NATS is up and some bucket can serve: a live colocated engine, or a live
+    prefill and decode engine pair."""
     nc = request.app[keys.NATS]
-    engines = [e.engine_id for e in request.app[keys.TABLE].live()]
-    state = {"nats_connected": nc.is_connected, "live_engines": engines}
-    if nc.is_connected and engines:
+    live = request.app[keys.TABLE].live()
+    buckets: dict[str, list[EngineView]] = {}
+    for e in live:
+        buckets.setdefault(e.bucket, []).append(e)
+    serving = any(can_serve(engines) for engines in buckets.values())
+    state = {
+        "nats_connected": nc.is_connected,
+        "live_engines": [e.engine_id for e in live],
+        "roles": {e.engine_id: e.role for e in live},
+    }
+    if nc.is_connected and serving:
         return json_response({"status": "ok"} | state)
-    why = "NATS is not connected" if not nc.is_connected else "no live engine"
+    why = "NATS is not connected" if not nc.is_connected else "no live engine can serve"
     return ApiError(503, why, code="unhealthy", retry_after_s=1).response(state)
 
 

@@ -60,6 +60,20 @@ class RouterMetrics:
             f"{PREFIX}_live_engines", "engines with a recent heartbeat", registry=r
         )
         self.inflight = Gauge(f"{PREFIX}_inflight_requests", "requests being served", registry=r)
+        self.pd_requests = Counter(
+            f"{PREFIX}_pd_requests", "requests that took the prefill/decode (P/D) path", registry=r
+        )
+        self.pd_transferred_tokens = Counter(
+            f"{PREFIX}_pd_transferred_tokens", "KV tokens sent from prefill to decode", registry=r
+        )
+        self.pd_transferred_bytes = Counter(
+            f"{PREFIX}_pd_transferred_bytes", "KV bytes sent from prefill to decode", registry=r
+        )
+        self.pd_restore_retries = Counter(
+            f"{PREFIX}_pd_restore_retries",
+            "P/D requests retried with reuse=False after decode could not restore its prefix",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,7 +3,8 @@
 Each line: `time` (unix seconds at arrival), `endpoint`, `status`, `request` (the JSON body
 as received), `input_ids` (the prompt as sent to the engine), `output_ids`, `text`,
 `finish_reason`, `prompt_tokens`, `cached_tokens` ({device, host}), `ttft_s`, `engine_id`,
-`error` (the error message, or null). Lines are written and flushed as requests finish.
+`error` (the error message, or null), and for P/D requests `disaggregation` (as in the
+response's usage). Lines are written and flushed as requests finish.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Recorder:
             "engine_id": outcome.engine_id if outcome else None,
             "error": error,
         }
+        if outcome is not None and outcome.disaggregation is not None:
+            record["disaggregation"] = outcome.disaggregation.as_dict()
         self._file.write(orjson.dumps(record) + b"\n")
         self._file.flush()
 

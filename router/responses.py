@@ -2,9 +2,11 @@
 
 Extensions to the OpenAI shapes: every choice carries `token_ids` (the generated ids; in a
 stream chunk, the ids that arrived with it), and `usage.prompt_tokens_details` carries
-`cached_tokens_by_tier: {device, host}`. In a stream the chunk with `finish_reason` also
-carries `usage`. `/generate` streams cumulative `text` and `output_ids` (as SGLang does),
-with `meta_info.finish_reason` null until the last event.
+`cached_tokens_by_tier: {device, host}`; a P/D request's cached tokens are the prefill
+engine's (the prompt compute it skipped), and its `usage.disaggregation` (`/generate`:
+`meta_info.disaggregation`) says what each side reused and what moved. In a stream the
+chunk with `finish_reason` also carries `usage`. `/generate` streams cumulative `text` and
+`output_ids` (as SGLang does), with `meta_info.finish_reason` null until the last event.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def sse(obj: Any) -> bytes:
 
 def usage(out: Outcome) -> dict[str, Any]:
     completion = len(out.output_ids)
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": out.prompt_tokens + completion,
@@ -38,6 +40,9 @@ def usage(out: Outcome) -> dict[str, Any]:
             "cached_tokens_by_tier": {"device": out.cached_device, "host": out.cached_host},
         },
     }
+    if out.disaggregation is not None:
+        body["disaggregation"] = out.disaggregation.as_dict()
+    return body
 
 
 class OpenAIShape:
@@ -96,17 +101,20 @@ class OpenAIShape:
 
 def generate_body(out: Outcome, text: str | None = None) -> dict[str, Any]:
     """The `/generate` body; a stream passes the `text` released so far."""
+    meta: dict[str, Any] = {
+        "id": out.request_id,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": len(out.output_ids),
+        "cached_tokens": out.cached_tokens,
+        "cached_tokens_device": out.cached_device,
+        "cached_tokens_host": out.cached_host,
+        "finish_reason": out.finish_reason,
+        "engine_id": out.engine_id,
+    }
+    if out.disaggregation is not None:
+        meta["disaggregation"] = out.disaggregation.as_dict()
     return {
         "text": out.text if text is None else text,
         "output_ids": out.output_ids,
-        "meta_info": {
-            "id": out.request_id,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": len(out.output_ids),
-            "cached_tokens": out.cached_tokens,
-            "cached_tokens_device": out.cached_device,
-            "cached_tokens_host": out.cached_host,
-            "finish_reason": out.finish_reason,
-            "engine_id": out.engine_id,
-        },
+        "meta_info": meta,
     }

@@ -7,9 +7,11 @@ candidate
     score = page_size x (device_weight x device pages + host_weight x host-only pages)
             - load_weight x in-flight tokens
 
-and the highest score wins (ties: less load, then round robin). Redis trouble never fails a
-request: on an error or a lookup slower than `redis_timeout_s` the choice is by load alone,
-the error is counted, and Redis is left alone for `redis_retry_s` (one warning per outage).
+and the highest score wins (ties: less load, then round robin). A P/D request picks its
+decode and its prefill engine this way from the same lookup (`choose_pd`), each by its own
+cache: two routing decisions. Redis trouble never fails a request: on an error or a lookup
+slower than `redis_timeout_s` the choice is by load alone, the error is counted, and Redis is
+left alone for `redis_retry_s` (one warning per outage).
 """
 
 from __future__ import annotations
@@ -141,18 +143,53 @@ class Router:
         """The best of `candidates` (non-empty, one bucket) for this prompt."""
         if not candidates:
             raise ValueError("no candidates")
-        first = candidates[0]
         hits: dict[str, PrefixHit] | None = {}
         if len(candidates) > 1:
-            hashes = page_hashes(input_ids, first.page_size, first.namespace, cache_salt)
-            hits = await self.index.lookup(hashes)
+            hits = await self._lookup(candidates[0], input_ids, cache_salt)
+        return self._pick(candidates, hits, candidates[0].namespace, retry)
+
+    async def choose_pd(
+        self,
+        decodes: Sequence[EngineView],
+        prefills: Sequence[EngineView],
+        input_ids: Sequence[int],
+        cache_salt: str,
+        retry: bool = False,
+    ) -> tuple[RouteChoice, RouteChoice]:
+        """The best decode and the best prefill engine (both non-empty) for this prompt, by
+        the same score, from ONE lookup (decode engines publish their cache too)."""
+        if not decodes or not prefills:
+            raise ValueError("no candidates")
+        hits: dict[str, PrefixHit] | None = {}
+        if len(decodes) > 1 or len(prefills) > 1:
+            hits = await self._lookup(decodes[0], input_ids, cache_salt)
+        namespace = decodes[0].namespace
+        return (
+            self._pick(decodes, hits, namespace, retry),
+            self._pick(prefills, hits, namespace, retry),
+        )
+
+    async def _lookup(
+        self, first: EngineView, input_ids: Sequence[int], cache_salt: str
+    ) -> dict[str, PrefixHit] | None:
+        """Hits per engine, for pages hashed as `first` (a candidate) hashes them."""
+        hashes = page_hashes(input_ids, first.page_size, first.namespace, cache_salt)
+        return await self.index.lookup(hashes)
+
+    def _pick(
+        self,
+        candidates: Sequence[EngineView],
+        hits: dict[str, PrefixHit] | None,
+        namespace: str,
+        retry: bool,
+    ) -> RouteChoice:
+        """The highest score (ties: less load, then round robin); counts the decision.
+        Hits count only for engines of `namespace` (the one the page hashes were made in)."""
         turn = next(self._turn)
         best_key: tuple[float, int, int] | None = None
-        best: EngineView = first
+        best: EngineView = candidates[0]
         for i, engine in enumerate(candidates):
-            hit = (
-                (hits or {}).get(engine.engine_id) if engine.namespace == first.namespace else None
-            )
+            hit = (hits or {}).get(engine.engine_id) if engine.namespace == namespace else None
             key = (self._score(engine, hit), -engine.load, -((i - turn) % len(candidates)))
             if best_key is None or key > best_key:
                 best_key, best = key, engine

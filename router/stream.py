@@ -1,42 +1,54 @@
 """One request on one engine over NATS: send it, take its `TokenChunk`s in `seq` order, and
 abort it on the way out unless the engine finished it.
 
-    async with EngineStream(hub, table, config, engine_id, request) as stream:
+    async with EngineStream(hub, table, config, engine_id, request_id) as stream:
+        await stream.send(subjects.engine_generate(engine_id), request)  # reply_to=stream.reply_to
         async for chunk in stream:
             ...
 
 The stream never hangs: it raises `EngineFailure` when no chunk comes within
 `request_timeout_s` (first chunk and between chunks), and checks every `liveness_poll_s`
 that the engine still heartbeats, so a killed engine is noticed within a few heartbeat
-intervals.
+intervals. A P/D request's stream is the decode engine's; it also `watch`es the prefill
+engine until the first chunk: an error the prefill engine reports on `watch`'s subject, or
+its heartbeats stopping, fails the stream at once (`EngineFailure.engine_id` names it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from dataclasses import replace
+from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
-from bus_schemas import AbortRequest, GenerateRequest, SchemaError, TokenChunk, subjects
+from bus_schemas import AbortRequest, Message, SchemaError, TokenChunk, subjects
 from router.config import RouterConfig
 from router.engines import EngineTable
 
 FAILURE_STATUS = {  # EngineFailure.kind -> the HTTP status the client sees
-    "timeout": 504,  # no chunk within the request timeout
+    "timeout": 504,  # no chunk (or admit reply) within its timeout
     "lost": 502,  # the engine's heartbeats stopped
     "bad_message": 502,  # a reply that does not decode
     "engine_error": 502,  # the engine reported an internal error
     "unavailable": 503,  # the engine reported it cannot take work (stopping, full)
     "rejected": 400,  # the engine found the request invalid
     "bus": 503,  # NATS itself is unusable
+    "restore_failed": 502,  # P/D: decode could not restore the prefix it promised
+    "transfer_timeout": 504,  # P/D: decode gave up waiting for the prefill engine's KV
 }
+
+# error chunk's error_code -> EngineFailure.kind (anything else: "engine_error")
+ENGINE_ERRORS: Mapping[int, str] = {400: "rejected", 503: "unavailable"}
+DECODE_ERRORS: Mapping[int, str] = {400: "rejected", 409: "restore_failed", 503: "transfer_timeout"}
+
+Reply = tuple[str, bytes]  # (subject, payload) of one message to a ReplyHub subject
 
 
 class EngineFailure(Exception):
@@ -45,7 +57,7 @@ class EngineFailure(Exception):
     def __init__(self, kind: str, engine_id: str, message: str, num_chunks: int) -> None:
         super().__init__(message)
         self.kind = kind
-        self.engine_id = engine_id
+        self.engine_id = engine_id  # the engine at fault (a P/D stream's prefill engine too)
         self.message = message
         self.num_chunks = num_chunks  # good chunks the engine had delivered before failing
 
@@ -69,7 +81,7 @@ class ReplyHub:
     def __init__(self, nc: NATS) -> None:
         self.nc = nc
         self._prefix = nc.new_inbox()
-        self._queues: dict[str, asyncio.Queue[bytes]] = {}
+        self._queues: dict[str, asyncio.Queue[Reply]] = {}
         self._next = 0
         self._sub: Subscription | None = None
 
@@ -82,10 +94,12 @@ class ReplyHub:
             with contextlib.suppress(NatsError):
                 await sub.unsubscribe()
 
-    def open(self) -> tuple[str, asyncio.Queue[bytes]]:
+    def open(self, queue: asyncio.Queue[Reply] | None = None) -> tuple[str, asyncio.Queue[Reply]]:
+        """A new subject, delivering into `queue` (default: a new one) until `close`."""
         self._next += 1
         subject = f"{self._prefix}.{self._next}"
-        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        if queue is None:
+            queue = asyncio.Queue()
         self._queues[subject] = queue
         return subject, queue
 
@@ -95,35 +109,38 @@ class ReplyHub:
     async def _on_msg(self, msg: Msg) -> None:
         queue = self._queues.get(msg.subject)
         if queue is not None:
-            queue.put_nowait(msg.data)
+            queue.put_nowait((msg.subject, msg.data))
 
 
 class EngineStream:
+    """The replies of one request (`request_id`) on one engine (`engine_id`)."""
+
     def __init__(
         self,
         hub: ReplyHub,
         table: EngineTable,
         config: RouterConfig,
         engine_id: str,
-        request: GenerateRequest,
+        request_id: str,
+        errors: Mapping[int, str] = ENGINE_ERRORS,
     ) -> None:
         self.nc = hub.nc
+        self.hub = hub
         self.table = table
         self.config = config
         self.engine_id = engine_id
-        self.hub = hub
-        reply_to, self._queue = hub.open()
-        self.request = replace(request, reply_to=reply_to)
+        self.request_id = request_id
+        self.errors = errors  # error_code of an error chunk -> failure kind
+        self.reply_to, self._queue = hub.open()
         self.num_chunks = 0  # chunks handed out so far
+        self.started = False  # the engine may hold the request (abort it unless finished)
         self.finished = False  # the engine sent its last chunk (no abort needed)
         self._pending: dict[int, TokenChunk] = {}  # arrived ahead of their turn, by seq
+        self._watched: str | None = None  # an engine whose failure fails the first chunk
+        self._watch_subject: str | None = None
+        self._watched_told = False  # the watched engine got work (abort it on a failure)
 
     async def __aenter__(self) -> EngineStream:
-        try:
-            await self.nc.publish(subjects.engine_generate(self.engine_id), self.request.encode())
-        except NatsError as e:
-            self.hub.close(self.request.reply_to)
-            raise self._failure("bus", f"NATS publish failed: {e!r}") from None
         return self
 
     async def __aexit__(
@@ -132,16 +149,68 @@ class EngineStream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.hub.close(self.request.reply_to)
-        if not self.finished:
+        self.hub.close(self.reply_to)
+        if self._watch_subject is not None:
+            self.hub.close(self._watch_subject)
+            if self._watched is not None and self._watched_told and self.num_chunks == 0:
+                await self._abort(self._watched)  # its work is of no use any more
+        if self.started and not self.finished:
             await self.abort()
+
+    # ------------------------------------------------------------ to the engines
+
+    async def send(self, subject: str, message: Message) -> None:
+        """Publish `message` to the engine, which may hold the request from now on."""
+        self.started = True
+        try:
+            await self.nc.publish(subject, message.encode())
+        except NatsError as e:
+            raise self._failure("bus", f"NATS publish failed: {e!r}") from None
+
+    async def ask(self, subject: str, message: Message, timeout_s: float) -> bytes:
+        """Request/reply with the engine (which may hold the request from now on)."""
+        self.started = True
+        try:
+            msg = await self.nc.request(subject, message.encode(), timeout=timeout_s)
+        except NatsTimeoutError:
+            raise self._failure(
+                "timeout", f"engine {self.engine_id} did not answer within {timeout_s:g} s"
+            ) from None
+        except NoRespondersError:
+            raise self._failure(
+                "unavailable", f"engine {self.engine_id} is not listening"
+            ) from None
+        except NatsError as e:
+            raise self._failure("bus", f"NATS request failed: {e!r}") from None
+        return bytes(msg.data)
+
+    def watch(self, engine_id: str) -> str:
+        """Until the first chunk, also fail when `engine_id` stops heartbeating or sends an
+        error chunk to the returned subject."""
+        self._watched = engine_id
+        self._watch_subject, _ = self.hub.open(self._queue)
+        return self._watch_subject
+
+    async def tell_watched(self, subject: str, message: Message) -> None:
+        """Publish `message` to the watched engine."""
+        assert self._watched is not None, "watch() first"
+        self._watched_told = True
+        try:
+            await self.nc.publish(subject, message.encode())
+        except NatsError as e:
+            raise self._failure("bus", f"NATS publish failed: {e!r}", self._watched) from None
 
     async def abort(self) -> None:
         """Tell the engine to stop (fire and forget); no more chunks are expected."""
         self.finished = True
-        msg = AbortRequest(self.request.request_id).encode()
+        await self._abort(self.engine_id)
+
+    async def _abort(self, engine_id: str) -> None:
+        msg = AbortRequest(self.request_id).encode()
         with contextlib.suppress(NatsError):
-            await self.nc.publish(subjects.engine_abort(self.engine_id), msg)
+            await self.nc.publish(subjects.engine_abort(engine_id), msg)
+
+    # ------------------------------------------------------------ from the engine
 
     def __aiter__(self) -> AsyncIterator[TokenChunk]:
         return self._chunks()
@@ -163,31 +232,54 @@ class EngineStream:
                 )
             try:
                 async with asyncio.timeout(min(self.config.liveness_poll_s, deadline - now)):
-                    data = await self._queue.get()
+                    subject, data = await self._queue.get()
             except TimeoutError:
-                if not self.table.is_alive(self.engine_id):
-                    raise self._failure(
-                        "lost", f"engine {self.engine_id} stopped sending heartbeats"
-                    ) from None
+                self._check_alive()
                 continue
-            self._accept(data)
+            if subject == self.reply_to:
+                self._accept(data)
+            elif self.num_chunks == 0:
+                self._on_watched(data)
         chunk = self._pending.pop(self.num_chunks)
         if chunk.error is not None:
             self.finished = True
-            kind = {400: "rejected", 503: "unavailable"}.get(chunk.error_code, "engine_error")
+            kind = self.errors.get(chunk.error_code, "engine_error")
             raise self._failure(kind, f"engine {self.engine_id}: {chunk.error}")
         self.num_chunks += 1
         self.finished = chunk.finished
         return chunk
+
+    def _check_alive(self) -> None:
+        if not self.table.is_alive(self.engine_id):
+            raise self._failure("lost", f"engine {self.engine_id} stopped sending heartbeats")
+        watched = self._watched
+        if watched is not None and self.num_chunks == 0 and not self.table.is_alive(watched):
+            raise self._failure(
+                "lost",
+                f"prefill engine {watched} stopped sending heartbeats before its KV arrived",
+                watched,
+            )
 
     def _accept(self, data: bytes) -> None:
         try:
             chunk = TokenChunk.decode(data)
         except SchemaError as e:
             raise self._failure("bad_message", f"undecodable chunk: {e}") from None
-        if chunk.request_id != self.request.request_id or chunk.seq < self.num_chunks:
+        if chunk.request_id != self.request_id or chunk.seq < self.num_chunks:
             return  # not ours, or a duplicate
         self._pending.setdefault(chunk.seq, chunk)
 
-    def _failure(self, kind: str, message: str) -> EngineFailure:
-        return EngineFailure(kind, self.engine_id, message, self.num_chunks)
+    def _on_watched(self, data: bytes) -> None:
+        """A message of the watched engine: only ever an error report."""
+        assert self._watched is not None
+        try:
+            chunk = TokenChunk.decode(data)
+        except SchemaError as e:
+            raise self._failure("bad_message", f"undecodable chunk: {e}", self._watched) from None
+        if chunk.request_id != self.request_id or chunk.error is None:
+            return
+        kind = ENGINE_ERRORS.get(chunk.error_code, "engine_error")
+        raise self._failure(kind, f"prefill engine {self._watched}: {chunk.error}", self._watched)
+
+    def _failure(self, kind: str, message: str, engine_id: str | None = None) -> EngineFailure:
+        return EngineFailure(kind, engine_id or self.engine_id, message, self.num_chunks)

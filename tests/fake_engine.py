@@ -6,6 +6,16 @@ deterministic tokens (`output[i] = (input_ids[i % len] + 1) % vocab_size`, see
 `expected_tokens`), and serves abort, flush and stats. Knobs make it misbehave: go silent
 (no heartbeats, no chunks: a killed engine), stop answering while still heartbeating (a hung
 engine), or answer with an error chunk.
+
+`FakePrefill` and `FakeDecode` play the two P/D roles (DESIGN.md section 6) with the same
+tokens: decode answers `DecodeAdmit` with a page-aligned `decode_prefix_len` (its
+`cached_device + cached_host`, unless `reuse` is False), prefill sends ONE last KV frame of
+positions `[decode_prefix_len, prompt_len)` (8 bytes per token) to the admit's `kv_subject`,
+and decode streams once that frame arrives, with the P/D fields on its first chunk. Knobs:
+`restore_fails_once` (decode answers its first stream with error 409), `admit_error`, a
+decode `error` chunk instead of tokens, `mute_prefill` (prefill heartbeats but never sends),
+`prefill_error` (prefill reports an error chunk); decode times a transfer out after the
+admit's `transfer_timeout_s` with a 503 chunk.
 """
 
 from __future__ import annotations
@@ -25,19 +35,25 @@ from nats.aio.msg import Msg
 
 from bus_schemas import (
     AbortRequest,
+    DecodeAdmit,
+    DecodeAdmitReply,
     FlushReply,
     GenerateRequest,
     Heartbeat,
+    PrefillRequest,
+    Sampling,
     StatsReply,
     TokenChunk,
     subjects,
 )
+from bus_schemas.kv_frame import KVFrameHeader, decode_frame, encode_frame
 from router.app import init
 from router.config import RouterConfig
 from router.keys import NATS as NATS_KEY
 
 VOCAB_SIZE = 260
 EOS_ID = 257
+KV_BYTES_PER_TOKEN = 8
 
 
 def expected_tokens(input_ids: Sequence[int], n: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
@@ -56,6 +72,7 @@ class FakeEngine:
     context_len: int = 256
     vocab_size: int = VOCAB_SIZE
     interval_s: float = 0.2
+    role: str = "colocated"
     token_delay_s: float = 0.0  # pause before each chunk
     tokens_per_chunk: int = 1
     # --- knobs a test may change while running
@@ -89,6 +106,7 @@ class FakeEngine:
         await self.nc.subscribe(subjects.engine_abort(self.engine_id), cb=self._on_abort)
         await self.nc.subscribe(subjects.engine_flush(self.engine_id), cb=self._on_flush)
         await self.nc.subscribe(subjects.engine_stats(self.engine_id), cb=self._on_stats)
+        await self.subscribe_role()
         await self.nc.flush()
         await self.beat()
         self._spawn(self._heartbeats())
@@ -118,6 +136,7 @@ class FakeEngine:
             waiting=0,
             inflight_tokens=self.inflight_tokens,
             interval_s=self.interval_s,
+            role=self.role,
         )
         await self.nc.publish(subjects.HEARTBEAT, hb.encode())
 
@@ -126,6 +145,9 @@ class FakeEngine:
         await self.nc.flush()
 
     # ---------------------------------------------------------------- internals
+
+    async def subscribe_role(self) -> None:
+        """Subscribe to what only this role serves (nothing more for a colocated engine)."""
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -147,24 +169,23 @@ class FakeEngine:
             self._spawn(self._generate(req))
 
     async def _generate(self, req: GenerateRequest) -> None:
-        sp = req.sampling
+        await self._stream(req.request_id, req.input_ids, req.sampling, req.reply_to)
+
+    async def _stream(
+        self,
+        request_id: str,
+        input_ids: list[int],
+        sampling: Sampling,
+        reply_to: str,
+        first: dict[str, Any] | None = None,
+    ) -> None:
+        """Send the tokens of one request (`first`: extra fields of chunk 0)."""
         if self.error is not None:
             code, text = self.error
-            await self._send(
-                req,
-                TokenChunk(
-                    req.request_id,
-                    0,
-                    [],
-                    self.engine_id,
-                    finished=True,
-                    error=text,
-                    error_code=code,
-                ),
-            )
+            await self._send(reply_to, _error_chunk(request_id, self.engine_id, code, text))
             return
-        tokens = expected_tokens(req.input_ids, sp.max_new_tokens, self.vocab_size)
-        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else {EOS_ID})
+        tokens = expected_tokens(input_ids, sampling.max_new_tokens, self.vocab_size)
+        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else {EOS_ID})
         for i, t in enumerate(tokens):
             if t in stops:
                 tokens, reason = tokens[: i + 1], "stop"
@@ -179,27 +200,26 @@ class FakeEngine:
         for seq, batch in enumerate(batches):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
-            if req.request_id in self._aborted:
+            if request_id in self._aborted:
                 return
             last = seq == len(batches) - 1
-            chunk = TokenChunk(
-                request_id=req.request_id,
-                seq=seq,
-                token_ids=batch,
-                engine_id=self.engine_id,
-                prompt_tokens=len(req.input_ids),
-                cached_device=self.cached_device,
-                cached_host=self.cached_host,
-                finished=last,
-                finish_reason=reason if last else None,
-            )
-            if not await self._send(req, chunk):
+            fields: dict[str, Any] = {
+                "prompt_tokens": len(input_ids),
+                "cached_device": self.cached_device,
+                "cached_host": self.cached_host,
+                "finished": last,
+                "finish_reason": reason if last else None,
+            }
+            if seq == 0 and first:
+                fields |= first
+            chunk = TokenChunk(request_id, seq, batch, self.engine_id, **fields)
+            if not await self._send(reply_to, chunk):
                 return
 
-    async def _send(self, req: GenerateRequest, chunk: TokenChunk) -> bool:
+    async def _send(self, reply_to: str, chunk: TokenChunk) -> bool:
         if self.silent:
             return False
-        await self.nc.publish(req.reply_to, chunk.encode())
+        await self.nc.publish(reply_to, chunk.encode())
         self._chunks_sent += 1
         if self.silent_after_chunks is not None and self._chunks_sent >= self.silent_after_chunks:
             self.silent = True
@@ -225,6 +245,138 @@ class FakeEngine:
         await msg.respond(reply.encode())
 
 
+def _error_chunk(request_id: str, engine_id: str, code: int, text: str) -> TokenChunk:
+    return TokenChunk(request_id, 0, [], engine_id, finished=True, error=text, error_code=code)
+
+
+@dataclass
+class FakePrefill(FakeEngine):
+    """The prefill role: one KV frame per `PrefillRequest`, or an error, or nothing."""
+
+    role: str = "prefill"
+    mute_prefill: bool = False  # heartbeats continue, prefill requests go unanswered
+    prefill_error: tuple[int, str] | None = None  # report this error chunk instead
+    prefills: list[PrefillRequest] = field(default_factory=list)
+
+    async def subscribe_role(self) -> None:
+        await self.nc.subscribe(subjects.engine_prefill(self.engine_id), cb=self._on_prefill)
+
+    async def _on_prefill(self, msg: Msg) -> None:
+        if self.silent:
+            return
+        req = PrefillRequest.decode(msg.data)
+        self.prefills.append(req)
+        if self.mute_prefill:
+            return
+        if self.prefill_error is not None:
+            code, text = self.prefill_error
+            await self.nc.publish(
+                req.reply_to, _error_chunk(req.request_id, self.engine_id, code, text).encode()
+            )
+            return
+        first_token = expected_tokens(req.input_ids, 1, self.vocab_size)[0]
+        start, end = req.decode_prefix_len, len(req.input_ids)
+        header = KVFrameHeader(
+            req.request_id,
+            0,
+            start,
+            end,
+            first_token=first_token,
+            last=True,
+            prefill_cached_device=self.cached_device,
+            prefill_cached_host=self.cached_host,
+        )
+        frame = encode_frame(header, bytes((end - start) * KV_BYTES_PER_TOKEN))
+        headers = {"prefill-engine": self.engine_id}
+        await self.nc.publish(req.kv_subject, frame, headers=headers)
+
+
+@dataclass
+class FakeDecode(FakeEngine):
+    """The decode role: admits, waits for the KV frame, then streams like FakeEngine.
+
+    Its own reuse is `cached_device + cached_host` tokens, cut to whole pages of the prompt.
+    """
+
+    role: str = "decode"
+    restore_fails_once: bool = False  # the first request that gets its KV fails with 409
+    admit_error: tuple[int, str] | None = None  # refuse admits with this error
+    admits: list[DecodeAdmit] = field(default_factory=list)
+    kv_frames: list[KVFrameHeader] = field(default_factory=list)
+    _admitted: dict[str, tuple[DecodeAdmit, int]] = field(default_factory=dict)
+    _restore_failed: bool = False
+
+    async def subscribe_role(self) -> None:
+        await self.nc.subscribe(subjects.engine_decode_admit(self.engine_id), cb=self._on_admit)
+        await self.nc.subscribe(subjects.engine_kv(self.engine_id), cb=self._on_kv)
+
+    async def _on_admit(self, msg: Msg) -> None:
+        if self.silent:
+            return
+        req = DecodeAdmit.decode(msg.data)
+        self.admits.append(req)
+        if self.admit_error is not None:
+            code, text = self.admit_error
+            reply = DecodeAdmitReply(
+                req.request_id, self.engine_id, 0, "", error=text, error_code=code
+            )
+            await msg.respond(reply.encode())
+            return
+        reused = self.cached_device + self.cached_host if req.reuse else 0
+        prefix_len = min(reused, len(req.input_ids)) // self.page_size * self.page_size
+        self._admitted[req.request_id] = (req, prefix_len)
+        self._spawn(self._transfer_timeout(req))
+        reply = DecodeAdmitReply(
+            req.request_id,
+            self.engine_id,
+            prefix_len,
+            subjects.engine_kv(self.engine_id),
+            cached_device=min(self.cached_device, prefix_len) if req.reuse else 0,
+            cached_host=prefix_len - min(self.cached_device, prefix_len) if req.reuse else 0,
+        )
+        await msg.respond(reply.encode())
+
+    async def _transfer_timeout(self, req: DecodeAdmit) -> None:
+        await asyncio.sleep(req.transfer_timeout_s)
+        if self._admitted.pop(req.request_id, None) and req.request_id not in self._aborted:
+            text = "KV transfer timed out"
+            await self._send(req.reply_to, _error_chunk(req.request_id, self.engine_id, 503, text))
+
+    async def _on_kv(self, msg: Msg) -> None:
+        if self.silent:
+            return
+        header, payload = decode_frame(msg.data)
+        self.kv_frames.append(header)
+        admitted = self._admitted.pop(header.request_id, None)
+        if admitted is None or header.request_id in self._aborted:
+            return
+        req, prefix_len = admitted
+        if self.restore_fails_once and not self._restore_failed:
+            self._restore_failed = True
+            text = "restore lost pages"
+            await self._send(req.reply_to, _error_chunk(req.request_id, self.engine_id, 409, text))
+            return
+        own_device = min(self.cached_device, prefix_len)
+        first = {
+            "cached_device": own_device,
+            "cached_host": prefix_len - own_device,
+            "decode_prefix_len": prefix_len,
+            "transferred_tokens": header.token_end - header.token_start,
+            "transferred_bytes": len(payload),
+            "prefill_engine_id": (msg.headers or {}).get("prefill-engine", ""),
+            "prefill_cached_device": header.prefill_cached_device,
+            "prefill_cached_host": header.prefill_cached_host,
+        }
+        self._spawn(self._stream(req.request_id, req.input_ids, req.sampling, req.reply_to, first))
+
+
+FAKES: dict[str, type[FakeEngine]] = {
+    "colocated": FakeEngine,
+    "prefill": FakePrefill,
+    "decode": FakeDecode,
+}
+
+
 # -------------------------------------------------------------------- a router on top
 
 
@@ -233,6 +385,18 @@ class Mesh:
     client: TestClient[Any, Any]
     engines: list[FakeEngine]
     config: RouterConfig
+
+    @property
+    def prefills(self) -> list[FakePrefill]:
+        return [e for e in self.engines if isinstance(e, FakePrefill)]
+
+    @property
+    def decodes(self) -> list[FakeDecode]:
+        return [e for e in self.engines if isinstance(e, FakeDecode)]
+
+    @property
+    def colocated(self) -> list[FakeEngine]:
+        return [e for e in self.engines if e.role == "colocated"]
 
     @property
     def router_nc(self) -> NATS:
@@ -267,13 +431,16 @@ async def running_mesh(
     redis_url: str,
     num_engines: int = 2,
     engine_kw: dict[str, Any] | None = None,
+    roles: Sequence[str] = (),
     **config_kw: Any,
 ) -> AsyncIterator[Mesh]:
     """`num_engines` FakeEngines (ids `<tag>-a`, `<tag>-b`, ...) and a router app served
-    over real HTTP; the router sees every engine live before this yields."""
+    over real HTTP; the router sees every engine live before this yields. With `roles`, one
+    engine per role listed instead (FakeEngine, FakePrefill or FakeDecode)."""
     tag = uuid.uuid4().hex[:6]
     kw = {"namespace": f"ns-{tag}"} | (engine_kw or {})
-    engines = [FakeEngine(f"e{tag}-{chr(97 + i)}", nats_url, **kw) for i in range(num_engines)]
+    roles = list(roles) or ["colocated"] * num_engines
+    engines = [FAKES[role](f"e{tag}-{chr(97 + i)}", nats_url, **kw) for i, role in enumerate(roles)]
     config_kw = {"request_timeout_s": 5.0, "liveness_poll_s": 0.05} | config_kw
     config = RouterConfig(nats_url=nats_url, redis_url=redis_url, **config_kw)
     client: TestClient[Any, Any] = TestClient(TestServer(init(config)))
@@ -282,7 +449,7 @@ async def running_mesh(
         for e in engines:
             await e.start()
         mesh = Mesh(client, engines, config)
-        await mesh.wait_for_engines(num_engines)
+        await mesh.wait_for_engines(len(engines))
         yield mesh
     finally:
         await client.close()
