@@ -191,7 +191,7 @@ def plot(results_by_arm: Mapping[str, Sequence[RequestResult]], path: str, title
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
     fig, (cdf, turns) = plt.subplots(1, 2, figsize=(12, 4.5))
     for arm, results in results_by_arm.items():
@@ -201,6 +201,9 @@ def plot(results_by_arm: Mapping[str, Sequence[RequestResult]], path: str, title
         by_turn = median_ttft_by_turn(results)
         turns.plot(list(by_turn), list(by_turn.values()), marker="o", label=arm)
     cdf.set_xscale("log")
+    cdf.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    cdf.xaxis.set_major_formatter(ScalarFormatter())
+    cdf.xaxis.set_minor_formatter(NullFormatter())
     cdf.set_xlabel("TTFT (ms)")
     cdf.set_ylabel("fraction of requests")
     cdf.set_title("TTFT distribution")
