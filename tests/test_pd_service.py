@@ -35,27 +35,63 @@ from gpu_worker.model.sampling import SamplingParams
 from services.launch.servers import ServerProcess
 
 PAGE = 4
-COMMON = ["--page-size", str(PAGE), "--max-total-tokens", "2048", "--heartbeat-interval", "0.2",
-          "--disaggregation-chunk-pages", "3", "--disaggregation-window", "2"]
+COMMON = [
+    "--page-size",
+    str(PAGE),
+    "--max-total-tokens",
+    "2048",
+    "--heartbeat-interval",
+    "0.2",
+    "--disaggregation-chunk-pages",
+    "3",
+    "--disaggregation-window",
+    "2",
+]
 
 
 def spawn(nats_url: str, engine_id: str, *flags: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "services.engine", "--engine-id", engine_id,
-                             "--nats-url", nats_url, *COMMON, *flags])
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.engine",
+            "--engine-id",
+            engine_id,
+            "--nats-url",
+            nats_url,
+            *COMMON,
+            *flags,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
 def engines(nats_server: ServerProcess) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     procs = {
-        "pd-prefill": spawn(nats_server.url, "pd-prefill", "--disaggregation-mode", "prefill",
-                            "--enable-hierarchical-cache"),
-        "pd-decode": spawn(nats_server.url, "pd-decode", "--disaggregation-mode", "decode",
-                           "--disaggregation-decode-enable-radix-cache",
-                           "--enable-hierarchical-cache"),
-        "pd-decode-off": spawn(nats_server.url, "pd-decode-off", "--disaggregation-mode",
-                               "decode"),
-        "pd-prefill-bad": spawn(nats_server.url, "pd-prefill-bad", "--disaggregation-mode",
-                                "prefill", "--debug-corrupt-kv-frames", "2"),
+        "pd-prefill": spawn(
+            nats_server.url,
+            "pd-prefill",
+            "--disaggregation-mode",
+            "prefill",
+            "--enable-hierarchical-cache",
+        ),
+        "pd-decode": spawn(
+            nats_server.url,
+            "pd-decode",
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-decode-enable-radix-cache",
+            "--enable-hierarchical-cache",
+        ),
+        "pd-decode-off": spawn(nats_server.url, "pd-decode-off", "--disaggregation-mode", "decode"),
+        "pd-prefill-bad": spawn(
+            nats_server.url,
+            "pd-prefill-bad",
+            "--disaggregation-mode",
+            "prefill",
+            "--debug-corrupt-kv-frames",
+            "2",
+        ),
     }
     yield procs
     for proc in procs.values():
@@ -85,9 +121,15 @@ async def wait_engines(nc: NATS, ids: set[str]) -> None:
     await sub.unsubscribe()
 
 
-async def pd_generate(nc: NATS, prefill: str, decode: str, prompt: list[int], max_new: int,
-                      reuse: bool = True, timeout_s: float = 30.0
-                      ) -> tuple[DecodeAdmitReply, list[TokenChunk]]:
+async def pd_generate(
+    nc: NATS,
+    prefill: str,
+    decode: str,
+    prompt: list[int],
+    max_new: int,
+    reuse: bool = True,
+    timeout_s: float = 30.0,
+) -> tuple[DecodeAdmitReply, list[TokenChunk]]:
     rid = uuid.uuid4().hex
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
@@ -96,8 +138,9 @@ async def pd_generate(nc: NATS, prefill: str, decode: str, prompt: list[int], ma
     msg = await nc.request(subj.engine_decode_admit(decode), admit.encode(), timeout=30)
     reply = DecodeAdmitReply.decode(msg.data)
     assert reply.error is None, reply.error
-    req = PrefillRequest(rid, prompt, sampling, "", reply.decode_prefix_len, reply.kv_subject,
-                         inbox)
+    req = PrefillRequest(
+        rid, prompt, sampling, "", reply.decode_prefix_len, reply.kv_subject, inbox
+    )
     await nc.publish(subj.engine_prefill(prefill), req.encode())
     chunks = []
     while True:
@@ -162,19 +205,28 @@ async def test_corrupt_frames_are_resent(
     _, chunks = await pd_generate(nc, "pd-prefill-bad", "pd-decode-off", prompt, 3)
     assert [t for c in chunks for t in c.token_ids] == cold(prompt, 3)
     assert chunks[0].transferred_tokens == len(prompt)
+    s = await stats(nc, "pd-decode-off")  # no reuse on this decode: every page comes back
+    assert s["device_pages_free"] == s["device_pages"]
 
 
 async def test_prefill_dying_mid_transfer_times_out_and_releases(
     nats_server: ServerProcess, engines: dict[str, subprocess.Popen[bytes]], nc: NATS
 ) -> None:
-    dying = spawn(nats_server.url, "pd-prefill-dies", "--disaggregation-mode", "prefill",
-                  "--debug-exit-after-kv-frames", "1")
+    dying = spawn(
+        nats_server.url,
+        "pd-prefill-dies",
+        "--disaggregation-mode",
+        "prefill",
+        "--debug-exit-after-kv-frames",
+        "1",
+    )
     try:
         await wait_engines(nc, {"pd-prefill-dies", "pd-decode-off"})
         before = await stats(nc, "pd-decode-off")
         prompt = list(range(5, 60))  # 55 tokens: 14 pages, 5 frames of 3 pages
-        reply, chunks = await pd_generate(nc, "pd-prefill-dies", "pd-decode-off", prompt, 3,
-                                          timeout_s=1.5)
+        reply, chunks = await pd_generate(
+            nc, "pd-prefill-dies", "pd-decode-off", prompt, 3, timeout_s=1.5
+        )
         assert reply.decode_prefix_len == 0
         assert chunks[-1].error and chunks[-1].error_code == 503
         assert "timed out" in chunks[-1].error
