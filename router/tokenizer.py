@@ -1,7 +1,7 @@
 """Text <-> token ids for the router.
 
-This repeats a small piece of `gpu_worker/model/tokenizer.py` on purpose: the router may not
-import gpu_worker (DESIGN.md section 1). The two must agree: UTF-8 bytes are ids 0..255 and
+This repeats a small piece of `gpu_worker/model/tokenizer.py` on purpose: the router must
+not depend on gpu_worker (DESIGN.md section 1). The two must agree: UTF-8 bytes are ids 0..255 and
 ids from 256 on are special tokens; a `tokenizer.json` goes through the `tokenizers` library,
 which adds BOS only when the file's own post-processor does (as the engine's loader).
 """
