@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import nats
 import pytest
+from bus_helpers import wait_heartbeats
 from nats.aio.client import Client as NATS
 
 from bus_schemas import (
@@ -79,18 +80,7 @@ async def nc(nats_server: ServerProcess) -> AsyncIterator[NATS]:
 
 
 async def wait_heartbeat(nc: NATS, engine_id: str) -> Heartbeat:
-    got: asyncio.Future[Heartbeat] = asyncio.get_running_loop().create_future()
-
-    async def on(msg) -> None:  # type: ignore[no-untyped-def]
-        hb = Heartbeat.decode(msg.data)
-        if hb.engine_id == engine_id and not got.done():
-            got.set_result(hb)
-
-    sub = await nc.subscribe(subj.HEARTBEAT, cb=on)
-    try:
-        return await asyncio.wait_for(got, 60)
-    finally:
-        await sub.unsubscribe()
+    return (await wait_heartbeats(nc, {engine_id}))[engine_id]
 
 
 async def generate(

@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Iterator
 
 import nats
 import pytest
+from bus_helpers import wait_heartbeats
 from nats.aio.client import Client as NATS
 
 from bus_schemas import (
     DecodeAdmit,
     DecodeAdmitReply,
-    Heartbeat,
     PrefillRequest,
     Sampling,
     StatsReply,
@@ -108,17 +108,7 @@ async def nc(nats_server: ServerProcess) -> AsyncIterator[NATS]:
 
 
 async def wait_engines(nc: NATS, ids: set[str]) -> None:
-    seen: set[str] = set()
-    done = asyncio.Event()
-
-    async def on(msg) -> None:  # type: ignore[no-untyped-def]
-        seen.add(Heartbeat.decode(msg.data).engine_id)
-        if ids <= seen:
-            done.set()
-
-    sub = await nc.subscribe(subj.HEARTBEAT, cb=on)
-    await asyncio.wait_for(done.wait(), 90)
-    await sub.unsubscribe()
+    await wait_heartbeats(nc, ids)
 
 
 async def pd_generate(

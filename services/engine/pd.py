@@ -13,7 +13,6 @@ frame; the staging buffer is dropped once the last frame is ACKed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -36,6 +35,7 @@ from gpu_worker.engine.engine import InvalidRequestError
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import CachedTokens, KVExport
 from services.engine.runner import Admission, EngineRunner
+from services.tasks import OwnedTasks
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class DecodeSide:
         self.open_stream = open_stream
         self.fail_stream = fail_stream
         self.transfers: dict[str, DecodeTransfer] = {}
-        self._watchdogs: set[asyncio.Task[None]] = set()
+        self._watchdogs = OwnedTasks()
 
     async def on_admit(self, msg: Msg) -> None:
         try:
@@ -128,11 +128,7 @@ class DecodeSide:
             admission.cached_host,
         )
         await self._reply(msg, reply.encode())
-        task = asyncio.create_task(
-            self._watchdog(req.request_id), name=f"kv-watch-{req.request_id}"
-        )
-        self._watchdogs.add(task)
-        task.add_done_callback(self._watchdogs.discard)
+        self._watchdogs.spawn(self._watchdog(req.request_id), f"kv-watch-{req.request_id}")
 
     def _refusal(self, request_id: str, message: str, code: int) -> bytes:
         return DecodeAdmitReply(
@@ -198,11 +194,7 @@ class DecodeSide:
         return self.transfers.pop(request_id, None)
 
     async def stop(self) -> None:
-        for task in list(self._watchdogs):
-            task.cancel()
-        for task in list(self._watchdogs):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._watchdogs.cancel_all()
 
 
 @dataclass(slots=True)
@@ -230,7 +222,7 @@ class PrefillSide:
         self.fail_stream = fail_stream
         self.close_stream = close_stream
         self.jobs: dict[str, _PrefillJob] = {}
-        self._senders: set[asyncio.Task[None]] = set()
+        self._senders = OwnedTasks()
         self._frames_sent = 0
         self._corrupt_left = config.debug_corrupt_frames
 
@@ -275,9 +267,7 @@ class PrefillSide:
         job = self.jobs.get(request_id)
         if job is None:
             return
-        task = asyncio.create_task(self._send(job, export, cached), name=f"kv-send-{request_id}")
-        self._senders.add(task)
-        task.add_done_callback(self._senders.discard)
+        self._senders.spawn(self._send(job, export, cached), f"kv-send-{request_id}")
 
     def _frames(self, rid: str, export: KVExport, cached: CachedTokens) -> list[bytes]:
         staging, per = export.staging, self.config.chunk_pages
@@ -348,8 +338,4 @@ class PrefillSide:
             os._exit(1)
 
     async def stop(self) -> None:
-        for task in list(self._senders):
-            task.cancel()
-        for task in list(self._senders):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._senders.cancel_all()

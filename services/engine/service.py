@@ -43,6 +43,7 @@ from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import CachedTokens, KVExport
 from services.engine.pd import DecodeSide, PDConfig, PrefillSide
 from services.engine.runner import EngineRunner, TokenUpdate
+from services.tasks import OwnedTasks
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class EngineService:
         self._runner: EngineRunner | None = None
         self._streams: dict[str, _Stream] = {}
         self._work_subs: list[Subscription] = []
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = OwnedTasks()
         self._outbound: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self._event_seq = 0
         self._accepting = False
@@ -118,10 +119,8 @@ class EngineService:
         await nc.subscribe(subj.engine_stats(eid), cb=self._on_stats)
         await nc.subscribe(subj.engine_snapshot(eid), cb=self._on_snapshot)
         self._accepting = True
-        self._tasks = [
-            asyncio.create_task(self._publisher(), name="publisher"),
-            asyncio.create_task(self._heartbeats(), name="heartbeats"),
-        ]
+        self._tasks.spawn(self._publisher(), "publisher")
+        self._tasks.spawn(self._heartbeats(), "heartbeats")
         await self._publish_snapshot()  # epoch starts with what the engine holds (nothing)
         log.info("engine %s up (bucket %s, epoch %s)", eid, self.config.bucket, self.epoch)
 
@@ -200,11 +199,7 @@ class EngineService:
         if self._runner is not None:
             await asyncio.to_thread(self._runner.stop)
         await self._outbound.join()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.cancel_all()
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.drain()

@@ -101,49 +101,42 @@ class ServerProcess:
         return self.proc.poll() is None
 
 
+def _launch(
+    name: str, argv: list[str], port: int, url: str, workdir: tempfile.TemporaryDirectory[str]
+) -> ServerProcess:
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = ServerProcess(name, port, proc, url, workdir)
+    try:
+        wait_for_port(port, proc)
+    except Exception:
+        server.stop()
+        raise
+    return server
+
+
 def start_nats(port: int | None = None) -> ServerProcess:
     port = port or free_port()
     workdir = tempfile.TemporaryDirectory(prefix="hicache-nats-")
     conf = Path(workdir.name) / "nats.conf"
     conf.write_text(f"max_payload: {NATS_MAX_PAYLOAD}\n")
-    proc = subprocess.Popen(
-        [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-c", str(conf)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    server = ServerProcess("nats", port, proc, f"nats://127.0.0.1:{port}", workdir)
-    try:
-        wait_for_port(port, proc)
-    except Exception:
-        server.stop()
-        raise
-    return server
+    argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-c", str(conf)]
+    return _launch("nats", argv, port, f"nats://127.0.0.1:{port}", workdir)
 
 
 def start_redis(port: int | None = None) -> ServerProcess:
     port = port or free_port()
     workdir = tempfile.TemporaryDirectory(prefix="hicache-redis-")
-    proc = subprocess.Popen(
-        [
-            find_redis_server(),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir.name,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    server = ServerProcess("redis", port, proc, f"redis://127.0.0.1:{port}/0", workdir)
-    try:
-        wait_for_port(port, proc)
-    except Exception:
-        server.stop()
-        raise
-    return server
+    argv = [
+        find_redis_server(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        workdir.name,
+    ]
+    return _launch("redis", argv, port, f"redis://127.0.0.1:{port}/0", workdir)

@@ -1,0 +1,32 @@
+"""Helpers for tests that talk to real engine processes over a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from bus_schemas import Heartbeat
+from bus_schemas import subjects as subj
+
+
+async def wait_heartbeats(
+    nc: NATS, engine_ids: set[str], timeout_s: float = 90
+) -> dict[str, Heartbeat]:
+    """The first heartbeat of each engine in `engine_ids` (engines take seconds to start)."""
+    seen: dict[str, Heartbeat] = {}
+    done = asyncio.Event()
+
+    async def on(msg: Msg) -> None:
+        hb = Heartbeat.decode(msg.data)
+        seen.setdefault(hb.engine_id, hb)
+        if engine_ids <= seen.keys():
+            done.set()
+
+    sub = await nc.subscribe(subj.HEARTBEAT, cb=on)
+    try:
+        await asyncio.wait_for(done.wait(), timeout_s)
+    finally:
+        await sub.unsubscribe()
+    return seen
