@@ -7,6 +7,7 @@ engine API the services drive: submit_decode / submit_prefill / write_kv.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -177,3 +178,22 @@ def test_write_kv_rejects_chunks_that_do_not_fit() -> None:
     decode.abort(d.rid)
     step_until(decode, lambda: d.finish_reason is not None)
     assert decode.cache.num_free_device_pages == 256
+
+
+def test_seeded_sampling_through_pd_equals_colocated() -> None:
+    """Prefill draws token 0, decode the rest: seeded draws depend on (seed, step) only."""
+    prompt = conversation(seed=8, turns=1)[0]
+    sp = SamplingParams(max_new_tokens=8, temperature=1.3, top_p=0.9, seed=7, ignore_eos=True)
+    colocated = engine().generate(prompt, sp).output_ids
+    prefill, decode = engine(), engine()
+    d = decode.submit_decode(prompt, sp)
+    step_until(decode, lambda: d.remote is not None and d.remote.prefix_len >= 0)
+    p = prefill.submit_prefill(prompt, sp, "", export_from=0)
+    step_until(prefill, lambda: p.export is not None)
+    assert p.export is not None
+    payload = p.export.staging.contiguous().numpy().tobytes()
+    decode.write_kv(d.rid, 0, len(prompt), payload, p.export.first_token)
+    step_until(decode, lambda: d.finish_reason is not None)
+    assert d.output_ids == colocated
+    other = engine().generate(prompt, dataclasses.replace(sp, seed=8)).output_ids
+    assert other != colocated  # the seed matters

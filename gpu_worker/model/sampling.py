@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -32,6 +33,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The generator for output token `step` of a request seeded with `seed`.
+
+    Seeded draws are a function of (seed, step), not of a generator carried along: so any
+    engine that produces token `step` draws the same (P/D: prefill samples token 0, decode
+    the rest), whatever ran before.
+    """
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -81,7 +81,6 @@ class Req:
     computed_len: int = 0  # tokens whose KV is in the pool (cached prefix + computed chunks)
     load: LoadTicket | None = None
     cached: CachedTokens = CachedTokens()
-    generator: torch.Generator | None = None
     finish_reason: str | None = None
     aborted: bool = False  # finish at the next safe point (after any load completes)
     error: tuple[str, int] | None = None  # (message, HTTP-like code) when it failed

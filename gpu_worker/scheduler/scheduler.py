@@ -24,7 +24,7 @@ from gpu_worker.cache.hicache import PrefixCache
 from gpu_worker.kernels.page_transfer import PageView, transfer_pages
 from gpu_worker.model.forward_batch import ForwardBatch
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.model.sampling import sample
+from gpu_worker.model.sampling import sample, step_generator
 from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState
 
 
@@ -76,8 +76,6 @@ class Scheduler:
         if req.sampling.max_new_tokens == 0:
             req.state, req.finish_reason = ReqState.FINISHED, "length"
             return
-        if req.sampling.seed is not None:
-            req.generator = torch.Generator().manual_seed(req.sampling.seed)
         self.waiting.append(req)
 
     # ----------------------------------------------------------------- step
@@ -232,7 +230,9 @@ class Scheduler:
                     continue  # more chunks to go: no token yet
                 req.state = ReqState.DECODE
                 self._cache_prompt(req)
-            token = sample(logits[i], req.sampling, req.generator)
+            seed = req.sampling.seed
+            gen = None if seed is None else step_generator(seed, len(req.output_ids))
+            token = sample(logits[i], req.sampling, gen)
             req.output_ids.append(token)
             if self._is_finished(req, token):
                 self._finish(req)
