@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from gpu_worker.cache.load_cost import LoadCostModel
 from gpu_worker.cache.radix import KVEventRecord, MatchResult, RadixTree, TreeNode
 from gpu_worker.cache.transfer import DelayInjection, TransferAck, TransferEngine, TransferKind
 from gpu_worker.memory.allocator import HostPageId, PageId
@@ -28,6 +29,8 @@ from gpu_worker.memory.kv_spec import KVSpec
 log = logging.getLogger(__name__)
 
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+LoadPolicy = Literal["always", "cost"]
+LOAD_POLICIES: tuple[LoadPolicy, ...] = ("always", "cost")
 WRITE_POLICIES: tuple[WritePolicy, ...] = ("write_through", "write_through_selective", "write_back")
 
 
@@ -48,6 +51,7 @@ class CacheConfig:
     transfer_delay: DelayInjection | None = None  # test hook
     check_reads: bool = False  # fail any read of a page whose load is not consumed
     debug_fail_loads: int = 0  # test hook: the next N host->device loads fail
+    hicache_load_policy: LoadPolicy = "always"  # "cost": load a host hit only if cheaper
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.num_device_pages <= 0:
@@ -64,6 +68,11 @@ class CacheConfig:
             )
         if self.hicache_ratio <= 0 or self.hicache_size_gb < 0:
             raise ValueError("--hicache-ratio must be > 0 and --hicache-size >= 0")
+        if self.hicache_load_policy not in LOAD_POLICIES:
+            raise ValueError(
+                f"unknown --hicache-load-policy {self.hicache_load_policy!r}; "
+                f"choose one of {LOAD_POLICIES}"
+            )
         if self.write_through_threshold < 1:
             raise ValueError("write_through_threshold must be >= 1")
 
@@ -101,6 +110,7 @@ class CacheStats:
     num_loads: int = 0
     backed_up_pages: int = 0
     loaded_pages: int = 0
+    loads_skipped: int = 0  # host hits recomputed because loading looked slower
     consumed_acks: list[int] = field(default_factory=list)  # ACK seq numbers, in consume order
 
 
@@ -124,6 +134,7 @@ class PrefixCache:
             self.transfers = TransferEngine(device, config.transfer_workers, config.transfer_delay)
         self.stats = CacheStats()
         self._loads_to_fail = config.debug_fail_loads
+        self.cost = LoadCostModel()
 
     @property
     def page_size(self) -> int:
@@ -262,6 +273,12 @@ class PrefixCache:
         """
         if match.host_len == 0 or self.host_pool is None or self.transfers is None:
             return None
+        num_bytes = len(match.host_page_ids) * self.spec.bytes_per_page
+        if self.config.hicache_load_policy == "cost" and not self.cost.worth_loading(
+            num_bytes, match.host_len
+        ):
+            self.stats.loads_skipped += 1
+            return None
         self.tree.ref_host(match.last_node)
         pages = self.alloc(len(match.host_page_ids))
         if pages is None:
@@ -320,6 +337,9 @@ class PrefixCache:
         self.device_pool.mark_pending(ticket.page_ids, False)
         if error is None:
             self.free(self.tree.commit_load(ticket.last_node, ticket.start_len, ticket.page_ids))
+            seconds = ack.completion.seconds()
+            if seconds is not None:
+                self.cost.observe_load(ack.num_pages * self.spec.bytes_per_page, seconds)
         else:
             ticket.failed = True  # the requester keeps the pages and computes instead
         self.tree.unref_host(ticket.last_node)

@@ -37,11 +37,15 @@ class Completion(Protocol):
         """Block until the copy finished; its error if it failed (None if it succeeded)."""
         ...
 
+    def seconds(self) -> float | None:
+        """How long the copy itself ran, when measured (after it finished)."""
+        ...
+
 
 class _FutureCompletion:
     __slots__ = ("_future",)
 
-    def __init__(self, future: Future[None]) -> None:
+    def __init__(self, future: Future[float]) -> None:
         self._future = future
 
     def done(self) -> bool:
@@ -49,6 +53,11 @@ class _FutureCompletion:
 
     def wait(self) -> BaseException | None:
         return self._future.exception()
+
+    def seconds(self) -> float | None:
+        if not self._future.done() or self._future.exception() is not None:
+            return None
+        return self._future.result()
 
 
 class _CudaCompletion:
@@ -62,6 +71,9 @@ class _CudaCompletion:
 
     def wait(self) -> BaseException | None:
         self._event.synchronize()
+        return None
+
+    def seconds(self) -> float | None:
         return None
 
 
@@ -146,12 +158,15 @@ class TransferEngine:
         src_ids: torch.Tensor,
         dst_ids: torch.Tensor,
         delay_s: float,
-    ) -> None:
+    ) -> float:
         if delay_s:
             time.sleep(delay_s)
+        start = time.perf_counter()
         transfer_pages(src, dst, src_ids, dst_ids)
+        elapsed = time.perf_counter() - start
         with self._lock:
             self.completion_log.append(seq)
+        return elapsed
 
     def _submit_cuda(
         self,

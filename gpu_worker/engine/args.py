@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpu_worker.cache.hicache import WRITE_POLICIES, CacheConfig
+from gpu_worker.cache.hicache import LOAD_POLICIES, WRITE_POLICIES, CacheConfig
 from gpu_worker.engine.engine import EngineConfig
 from gpu_worker.memory.host_pool import HOST_LAYOUTS
 from gpu_worker.scheduler.scheduler import SchedulerConfig
@@ -75,6 +75,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--hicache-write-policy", default="write_through", choices=WRITE_POLICIES)
     h.add_argument("--hicache-mem-layout", default="layer_first", choices=HOST_LAYOUTS)
     h.add_argument(
+        "--hicache-load-policy",
+        default="always",
+        choices=LOAD_POLICIES,
+        help="cost: load a host hit only when the measured copy is cheaper than "
+        "recomputing it (single-rank engines)",
+    )
+    h.add_argument(
         "--hicache-write-through-threshold",
         type=int,
         default=2,
@@ -98,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         hicache_mem_layout=args.hicache_mem_layout,
         write_through_threshold=args.hicache_write_through_threshold,
         debug_fail_loads=args.debug_fail_loads,
+        hicache_load_policy=args.hicache_load_policy,
     )
     sched = SchedulerConfig(args.chunked_prefill_size, args.max_running_requests)
     return EngineConfig(

@@ -15,6 +15,7 @@ Every rank runs the same steps on the same inputs; nothing here reads a clock.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -220,8 +221,12 @@ class Scheduler:
             slots = pool.slot_ids(req.page_ids, prefix_len + len(new_ids))
             seqs.append((new_ids, prefix_len, slots))
         batch = ForwardBatch.build(seqs, self.device)
+        start = time.perf_counter()
         with torch.inference_mode():
             logits = self.model(batch, pool)  # (batch_size, vocab)
+        num_prefill = sum(len(ids) for r, ids in plan if r.state is ReqState.PREFILL)
+        if num_prefill:  # measured for the load-or-recompute decision only
+            self.cache.cost.observe_prefill(len(batch.input_ids), time.perf_counter() - start)
         finished = []
         for i, (req, new_ids) in enumerate(plan):
             if req.state is ReqState.PREFILL:
