@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -30,3 +32,9 @@ async def wait_heartbeats(
     finally:
         await sub.unsubscribe()
     return seen
+
+
+def spawn_engine(nats_url: str, engine_id: str, *flags: str) -> subprocess.Popen[bytes]:
+    """`python -m services.engine` as its own process, with `flags` after the bus ones."""
+    argv = [sys.executable, "-m", "services.engine", "--engine-id", engine_id]
+    return subprocess.Popen([*argv, "--nats-url", nats_url, *flags])

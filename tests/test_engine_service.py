@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import nats
 import pytest
-from bus_helpers import wait_heartbeats
+from bus_helpers import spawn_engine, wait_heartbeats
 from nats.aio.client import Client as NATS
 
 from bus_schemas import (
@@ -50,18 +49,7 @@ ENGINE_FLAGS = [
 
 
 def start_engine(nats_url: str, engine_id: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.engine",
-            "--engine-id",
-            engine_id,
-            "--nats-url",
-            nats_url,
-            *ENGINE_FLAGS,
-        ],
-    )
+    return spawn_engine(nats_url, engine_id, *ENGINE_FLAGS)
 
 
 @pytest.fixture(scope="module")

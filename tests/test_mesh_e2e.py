@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
+from bus_helpers import spawn_engine
 from fake_engine import read_sse
 
 from bus_schemas import make_namespace, page_hashes
@@ -209,23 +209,17 @@ async def test_engine_restart_with_new_epoch_drops_its_entries(
     old.send_signal(signal.SIGKILL)  # no goodbye: only the new epoch can fence it
     old.wait()
     idx = next(i for i, (n, _) in enumerate(mesh.procs) if n == owner)
-    new = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.engine",
-            "--engine-id",
-            owner,
-            "--nats-url",
-            next(s.url for s in mesh.servers if s.name == "nats"),
-            "--heartbeat-interval",
-            "0.2",
-            "--page-size",
-            str(PAGE),
-            "--max-total-tokens",
-            "4096",
-            "--enable-hierarchical-cache",
-        ]
+    nats_url = next(s.url for s in mesh.servers if s.name == "nats")
+    new = spawn_engine(
+        nats_url,
+        owner,
+        "--heartbeat-interval",
+        "0.2",
+        "--page-size",
+        str(PAGE),
+        "--max-total-tokens",
+        "4096",
+        "--enable-hierarchical-cache",
     )
     mesh.procs[idx] = (owner, new)
 
