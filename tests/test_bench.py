@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.cli import ARM_FLAGS, mesh_up_args
+from services.bench.cli import ARM_FLAGS, Arm, arms_from_args, mesh_up_args
 from services.bench.client import StreamState
 from services.bench.dataset import GspConfig, generate_shared_prefix
 from services.bench.records import CacheUsage, Disaggregation, RequestResult
@@ -231,12 +231,81 @@ def test_comparison_percent_changes_are_exact() -> None:
     assert "-60.0%" in text and "75.0%" in text and "+25.0%" in text
 
 
+def bench_args(*argv: str) -> object:
+    return build_parser().parse_args(["bench", *argv])
+
+
 def test_arm_flags_extend_the_mesh_args() -> None:
     assert ARM_FLAGS["baseline"] == [] and ARM_FLAGS["colocated"] == []
-    args = mesh_up_args("baseline", "--engines 2 --page-size 4 --port 9123")
+    args = mesh_up_args(Arm("baseline", ("--engines", "2", "--page-size", "4", "--port", "9123")))
     assert (args.engines, args.page_size, args.port) == (2, 4, 9123)
     with pytest.raises(ValueError, match="unknown arm"):
-        mesh_up_args("nope", "")
+        arms_from_args(bench_args("--arms", "nope"))
+
+
+def test_arms_shorthand_expands_to_distinct_meshes() -> None:
+    arms = arms_from_args(bench_args("--mesh-args", "--pd --page-size 4"))  # default arms
+    assert arms == [
+        Arm("baseline", ("--pd", "--page-size", "4")),
+        Arm("tree", ("--pd", "--page-size", "4", "--disaggregation-decode-enable-radix-cache")),
+    ]
+    base, tree = (mesh_up_args(a) for a in arms)
+    assert base.pd and tree.pd and base.page_size == tree.page_size == 4
+    assert (
+        base.disaggregation_decode_enable_radix_cache,
+        tree.disaggregation_decode_enable_radix_cache,
+    ) == (False, True)
+
+
+def test_explicit_arms_carry_their_full_flags() -> None:
+    args = bench_args("--arm", "small=--page-size 4", "--arm", "big= --page-size 16 --engines 2")
+    arms = arms_from_args(args)
+    assert arms == [
+        Arm("small", ("--page-size", "4")),
+        Arm("big", ("--page-size", "16", "--engines", "2")),
+    ]
+    assert [(a.page_size, a.engines) for a in map(mesh_up_args, arms)] == [(4, 1), (16, 2)]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # the README's P/D flags copied into --mesh-args: both arms get the tree flag (defect 12)
+        [
+            "--arms",
+            "baseline,tree",
+            "--mesh-args",
+            "--pd --disaggregation-decode-enable-radix-cache",
+        ],
+        ["--arms", "baseline,colocated"],  # neither adds a flag
+        # explicit arms that differ only in flag order, or in the port
+        ["--arm", "a=--pd --page-size 4", "--arm", "b=--page-size 4 --pd"],
+        ["--arm", "a=--port 9001", "--arm", "b=--port 9002"],
+    ],
+)
+def test_two_arms_with_the_same_mesh_are_refused(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", *argv, "--disable-tqdm"]) == 2  # before any mesh starts
+    err = capsys.readouterr().err
+    assert "resolve to the same mesh" in err and "one setup against itself" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--arm", "a=--pd", "--arms", "baseline,tree"], "do not combine"),
+        (["--arm", "a=--pd", "--mesh-args=--pd"], "do not combine"),
+        (["--arm=--pd --page-size 4"], "expected NAME="),
+        (["--arm", "a=--pd", "--arm", "a=--page-size 4"], "distinct names"),
+        (["--arm", "a=--no-such-flag"], "was rejected"),
+    ],
+)
+def test_malformed_arms_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- against a real mesh

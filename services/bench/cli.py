@@ -1,9 +1,12 @@
 """`hicache-mesh bench`: the multi-turn benchmark, against a running server or per arm.
 
-With `--base-url` it measures that server as one arm (`--arm-name`). Otherwise each arm of
-`--arms` gets a mesh of its own (`hicache-mesh up` with `--mesh-args` plus the arm's flags
-from `ARM_FLAGS`), started, flushed, measured and stopped before the next arm starts. Every
-arm runs the same conversations (same `--seed`). Records go to `--output-file` as JSON
+With `--base-url` it measures that server as one arm (`--arm-name`). Otherwise each arm gets
+a mesh of its own, started, flushed, measured and stopped before the next arm starts. An arm
+is explicit, `--arm NAME="UP ARGS"` (repeated; the full `hicache-mesh up` flags of that arm),
+or a name of the `--arms` shorthand, which expands to `--mesh-args` plus that arm's flags
+from `ARM_FLAGS`. Two arms whose flags resolve to the same mesh are refused (exit 2): the
+comparison would measure one setup against itself. Every arm runs the same conversations
+(same `--seed`). Records go to `--output-file` as JSON
 lines, a summary per arm (and each arm against the first) to stdout, a figure to `--plot`.
 """
 
@@ -17,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from typing import IO
 
 from services.bench.client import BenchClient, ClientConfig
@@ -24,12 +28,23 @@ from services.bench.dataset import Conversation, GspConfig, generate_shared_pref
 from services.bench.records import RequestResult
 from services.bench.report import compare, format_comparison, format_summary, plot, summarize
 
-# Arm name -> flags added to `--mesh-args` for that arm's mesh.
+# `--arms` shorthand: arm name -> flags added to `--mesh-args` for that arm's mesh.
 ARM_FLAGS: dict[str, list[str]] = {
     "baseline": [],
     "tree": ["--disaggregation-decode-enable-radix-cache"],
     "colocated": [],
 }
+DEFAULT_ARMS = "baseline,tree"
+# `hicache-mesh up` options that do not change what is measured (ignored when comparing arms)
+_NOT_COMPARED = ("port", "func")
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """One benchmarked setup: its name and its full `hicache-mesh up` flags."""
+
+    name: str
+    up_flags: tuple[str, ...]
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -74,12 +89,22 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--base-url", default=None, help="benchmark this running server")
     t.add_argument("--arm-name", default="server", help="the arm's name with --base-url")
     t.add_argument(
-        "--arms",
-        default="baseline,tree",
-        help=f"without --base-url: a mesh per arm, in order; arms: {', '.join(ARM_FLAGS)}",
+        "--arm",
+        action="append",
+        default=None,
+        metavar='NAME="UP ARGS"',
+        help="without --base-url: one arm and its full `hicache-mesh up` flags; repeat per "
+        "arm, measured in order (excludes --arms/--mesh-args)",
     )
     t.add_argument(
-        "--mesh-args", default="", help="`hicache-mesh up` flags common to every arm's mesh"
+        "--arms",
+        default=None,
+        help="without --base-url or --arm: shorthand, a mesh per named arm, in order, each "
+        f"with --mesh-args plus the arm's own flags; arms: {', '.join(ARM_FLAGS)} "
+        f"(default {DEFAULT_ARMS})",
+    )
+    t.add_argument(
+        "--mesh-args", default="", help="with --arms: `hicache-mesh up` flags common to every arm"
     )
     o = parser.add_argument_group("output")
     o.add_argument("--output-file", default=None, help="per-request records, JSON lines")
@@ -100,18 +125,65 @@ def gsp_config_from_args(args: argparse.Namespace) -> GspConfig:
     )
 
 
-def mesh_up_args(arm: str, mesh_args: str) -> argparse.Namespace:
+def parse_arm(spec: str) -> Arm:
+    """`NAME=UP ARGS` (from `--arm`) as an Arm; ValueError when malformed."""
+    name, sep, flags = spec.partition("=")
+    if not sep or not name.strip() or name.strip().startswith("-"):
+        raise ValueError(f'--arm {spec!r}: expected NAME="UP ARGS", e.g. tree="--pd ..."')
+    return Arm(name.strip(), tuple(shlex.split(flags)))
+
+
+def shorthand_arm(name: str, mesh_args: str) -> Arm:
+    """An `--arms` name expanded: `--mesh-args` plus the arm's flags from `ARM_FLAGS`."""
+    if name not in ARM_FLAGS:
+        raise ValueError(f"unknown arm {name!r}; arms: {', '.join(ARM_FLAGS)}")
+    return Arm(name, (*shlex.split(mesh_args), *ARM_FLAGS[name]))
+
+
+def arms_from_args(args: argparse.Namespace) -> list[Arm]:
+    """The arms to run, in order, from `--arm` or the `--arms` shorthand."""
+    if args.arm:
+        if args.arms is not None or args.mesh_args:
+            raise ValueError(
+                "--arm gives each arm's full flags: do not combine it with --arms or --mesh-args"
+            )
+        arms = [parse_arm(spec) for spec in args.arm]
+    else:
+        names = [a.strip() for a in (args.arms or DEFAULT_ARMS).split(",") if a.strip()]
+        arms = [shorthand_arm(name, args.mesh_args) for name in names]
+    names = [a.name for a in arms]
+    if not arms or len(set(names)) != len(names):
+        raise ValueError(f"arms need distinct names, got {names}")
+    return arms
+
+
+def mesh_up_args(arm: Arm) -> argparse.Namespace:
     """The `hicache-mesh up` arguments of an arm's mesh (a free port unless given)."""
     from services.cli import build_parser  # services.cli imports this module
     from services.launch.servers import free_port
 
-    if arm not in ARM_FLAGS:
-        raise ValueError(f"unknown arm {arm!r}; arms: {', '.join(ARM_FLAGS)}")
-    argv = ["up", "--port", str(free_port()), *shlex.split(mesh_args), *ARM_FLAGS[arm]]
+    argv = ["up", "--port", str(free_port()), *arm.up_flags]
     try:
         return build_parser().parse_args(argv)
     except SystemExit as e:  # argparse has printed why
-        raise ValueError(f"arm {arm!r}: `hicache-mesh {shlex.join(argv)}` was rejected") from e
+        raise ValueError(f"arm {arm.name!r}: `hicache-mesh {shlex.join(argv)}` was rejected") from e
+
+
+def check_arms_differ(resolved: list[tuple[Arm, argparse.Namespace]]) -> None:
+    """ValueError when two arms resolve to the same mesh (flag order and the port aside)."""
+    seen: dict[tuple[tuple[str, str], ...], Arm] = {}
+    for arm, up_args in resolved:
+        key = tuple(
+            sorted((k, repr(v)) for k, v in vars(up_args).items() if k not in _NOT_COMPARED)
+        )
+        other = seen.setdefault(key, arm)
+        if other is not arm:
+            raise ValueError(
+                f"arms {other.name!r} and {arm.name!r} resolve to the same mesh "
+                f"(`hicache-mesh up {shlex.join(arm.up_flags)}`): the comparison would measure "
+                "one setup against itself. Give each arm its own flags with "
+                '--arm NAME="UP ARGS", or keep arm-specific flags out of --mesh-args'
+            )
 
 
 def flush_cache(base_url: str, api_key: str | None) -> None:
@@ -207,10 +279,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.base_url is not None:
         targets: list[tuple[str, argparse.Namespace | None]] = [(args.arm_name, None)]
     else:
-        arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-        if not arms or len(set(arms)) != len(arms):
-            raise ValueError("--arms needs distinct arm names")
-        targets = [(arm, mesh_up_args(arm, args.mesh_args)) for arm in arms]  # fail early
+        resolved = [(arm, mesh_up_args(arm)) for arm in arms_from_args(args)]  # fail early
+        check_arms_differ(resolved)
+        targets = [(arm.name, up_args) for arm, up_args in resolved]
     by_arm: dict[str, list[RequestResult]] = {}
     out = open(args.output_file, "w") if args.output_file else None  # noqa: SIM115
     try:
