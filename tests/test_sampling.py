@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from gpu_worker.engine.engine import Engine, EngineConfig
-from gpu_worker.model.sampling import SamplingParams, sample
+from gpu_worker.model.sampling import SamplingError, SamplingParams, sample, step_generator
 
 PROMPT = list(range(60, 90))
 
@@ -43,3 +46,86 @@ def test_stop_tokens_and_eos_end_the_request() -> None:
     first = free.output_ids.index(stop_at)
     assert stopped.output_ids == free.output_ids[: first + 1]
     assert stopped.finish_reason == "stop"
+
+
+# --------------------------------------------------------------- every accepted value is safe
+
+LOGITS = torch.tensor([0.5, 2.0, 1.9, -3.0, 0.0], dtype=torch.float64)
+TEMPERATURES = (0.0, 5e-324, 1e-320, 1e-310, 1e-300, 1e-6, 1e-5, 1.0, 1e300, 1.7976931348623157e308)
+TOP_PS = (5e-324, 1e-300, 0.5, 1.0 - 1e-16, 1.0)
+SEEDS = (None, 0, 1, 2**63 - 1, -1, -(2**63))
+
+
+def test_tiny_temperatures_are_greedy() -> None:
+    for t in (5e-324, 1e-320, 1e-310, 1e-300, 1e-6, 9.99e-6):
+        assert SamplingParams(temperature=t).greedy
+        assert sample(LOGITS, SamplingParams(temperature=t), torch.Generator()) == 1
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_every_accepted_value_samples_a_valid_token() -> None:
+    """The cross product of the extremes the API accepts: each gives a token id in range."""
+    for t in TEMPERATURES:
+        for p in TOP_PS:
+            for seed in SEEDS:
+                sp = SamplingParams(temperature=t, top_p=p, seed=seed)
+                gen = None if seed is None else step_generator(seed, 0)
+                for logits in (LOGITS, LOGITS.float(), LOGITS * 1e300, LOGITS.to(torch.bfloat16)):
+                    token = sample(logits, sp, gen)
+                    assert 0 <= token < len(LOGITS), (t, p, seed, token)
+
+
+def test_tiny_top_p_keeps_only_the_most_likely_token() -> None:
+    for p in (5e-324, 1e-300):
+        sp = SamplingParams(temperature=1.0, top_p=p)
+        assert {sample(LOGITS, sp, torch.Generator().manual_seed(s)) for s in range(20)} == {1}
+
+
+def test_huge_temperature_is_near_uniform_not_nan() -> None:
+    sp = SamplingParams(temperature=1e300)
+    draws = {sample(LOGITS, sp, torch.Generator().manual_seed(s)) for s in range(200)}
+    assert draws == set(range(len(LOGITS)))
+
+
+def test_nan_and_inf_logits() -> None:
+    nan, inf = math.nan, math.inf
+    hot = SamplingParams(temperature=1.0)
+    with_nan = torch.tensor([nan, 1.0, nan, 0.5], dtype=torch.float64)
+    assert sample(with_nan, SamplingParams(), None) == 1  # argmax would pick the NaN
+    assert {sample(with_nan, hot, torch.Generator().manual_seed(s)) for s in range(30)} <= {1, 3}
+    with_inf = torch.tensor([inf, 1.0, inf, -inf], dtype=torch.float64)
+    draws = {sample(with_inf, hot, torch.Generator().manual_seed(s)) for s in range(30)}
+    assert draws == {0, 2}
+    assert sample(with_inf, SamplingParams(), None) == 0
+    one_finite = torch.tensor([-inf, -inf, 3.0, nan], dtype=torch.float64)
+    for sp in (SamplingParams(), hot, SamplingParams(temperature=1e-4, top_p=0.1)):
+        assert sample(one_finite, sp, torch.Generator()) == 2
+    for hopeless in ([nan, nan], [-inf, nan], [-inf, -inf]):
+        for sp in (SamplingParams(), hot):
+            with pytest.raises(SamplingError):
+                sample(torch.tensor(hopeless, dtype=torch.float64), sp, torch.Generator())
+
+
+def test_step_generator_takes_any_integer_seed() -> None:
+    for seed in SEEDS[1:]:
+        a = torch.rand(3, generator=step_generator(seed, 0))  # type: ignore[arg-type]
+        b = torch.rand(3, generator=step_generator(seed, 0))  # type: ignore[arg-type]
+        assert torch.equal(a, b)
+    assert not torch.equal(
+        torch.rand(3, generator=step_generator(0, 0)), torch.rand(3, generator=step_generator(0, 1))
+    )
+
+
+def test_engine_serves_poison_sampling_values() -> None:
+    """The reported crash: temperature 1e-320 on the engine (it raised in multinomial)."""
+    engine = Engine(EngineConfig())
+    greedy = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    for t in (1e-320, 1e-310):
+        sp = SamplingParams(max_new_tokens=4, temperature=t, ignore_eos=True)
+        assert engine.generate(PROMPT, sp).output_ids == greedy.output_ids
+    for t, p, seed in ((1e300, 5e-324, 2**63 - 1), (1e-5, 1e-300, 0), (1e300, 1.0, None)):
+        sp = SamplingParams(max_new_tokens=4, temperature=t, top_p=p, seed=seed, ignore_eos=True)
+        out = engine.generate(PROMPT, sp)
+        assert len(out.output_ids) == 4
+        assert all(0 <= i < engine.model_config.vocab_size for i in out.output_ids)
+    engine.check_integrity()

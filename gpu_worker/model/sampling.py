@@ -1,4 +1,12 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-p, seeded)."""
+"""Sampling parameters and the sampler (greedy, temperature, top-p, seeded).
+
+The sampler is safe for every value `SamplingParams` accepts: a temperature below
+`GREEDY_TEMPERATURE_EPS` means greedy (dividing by 1e-320 gives inf/NaN), logits are
+shifted by their maximum before the division (so a finite temperature never overflows),
+NaN logits never win, and +inf logits share the draw among themselves. Only a row with no
+usable logit at all raises `SamplingError`, which the scheduler turns into an error for
+that one request.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this a temperature means greedy, as in vLLM; dividing by a subnormal one overflows.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+class SamplingError(ValueError):
+    """The logits of one request hold nothing to sample from (all NaN or -inf)."""
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request sampling. `temperature == 0` means greedy."""
+    """Per-request sampling. `temperature < GREEDY_TEMPERATURE_EPS` means greedy."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -32,7 +47,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -51,15 +66,30 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
     Greedy is an argmax; otherwise softmax(logits / T) restricted to the smallest set of
     tokens whose probability reaches `top_p`, drawn with `generator` (seeded per request so a
-    rerun with the same seed gives the same tokens).
+    rerun with the same seed gives the same tokens). Raises SamplingError when no logit is
+    usable.
     """
+    scores = _usable_scores(logits)  # (vocab,) float64, finite or -inf, max 0
     if params.greedy:
-        return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+        return int(torch.argmax(scores).item())
+    probs = torch.softmax(scores / params.temperature, dim=-1)  # the max token keeps p > 0
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+        keep[0] = True  # the most likely token always stays, whatever rounding does
         sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-        choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice].item())
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _usable_scores(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` (vocab,) as float64 scores whose maximum is exactly 0: NaN counts as -inf,
+    and when some logits are +inf only those remain (tied at 0)."""
+    scores = torch.nan_to_num(logits.double(), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    top = scores.max()
+    if top == math.inf:
+        return torch.where(scores == math.inf, 0.0, -math.inf).to(scores)
+    if top == -math.inf:
+        raise SamplingError("the model produced no finite logit for this request")
+    return scores - top

@@ -15,6 +15,7 @@ Every rank runs the same steps on the same inputs; nothing here reads a clock.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from gpu_worker.model.forward_batch import ForwardBatch
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.sampling import sample, step_generator
 from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,9 +238,10 @@ class Scheduler:
                     continue  # more chunks to go: no token yet
                 req.state = ReqState.DECODE
                 self._cache_prompt(req)
-            seed = req.sampling.seed
-            gen = None if seed is None else step_generator(seed, len(req.output_ids))
-            token = sample(logits[i], req.sampling, gen)
+            token = self._sample(req, logits[i])
+            if token is None:
+                finished.append(req)
+                continue
             req.output_ids.append(token)
             if self._is_finished(req, token):
                 self._finish(req)
@@ -245,6 +249,33 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.state is not ReqState.FINISHED]
         return finished
+
+    def _sample(self, req: Req, logits: torch.Tensor) -> int | None:
+        """The next token of `req` from its `logits` (vocab,); None when sampling failed.
+
+        Sampling is the one per-request computation in a step: an error there (logits with
+        no finite value, a torch error on odd values) fails this request alone with a 500,
+        and the batch goes on. Errors in the batched forward are not isolable: they raise.
+        """
+        seed = req.sampling.seed
+        try:
+            gen = None if seed is None else step_generator(seed, len(req.output_ids))
+            return sample(logits, req.sampling, gen)
+        except Exception as e:  # the request fails, with the reason; the engine keeps going
+            log.warning("request %d failed in sampling: %s", req.rid, e)
+            self._fail(req, f"sampling failed: {e}")
+            return None
+
+    def _fail(self, req: Req, message: str) -> None:
+        """Finish `req` with an internal error; its KV goes back without entering the tree
+        (what it computed may be the reason it failed)."""
+        req.error = (message, 500)
+        req.finish_reason = "error"
+        req.state = ReqState.FINISHED
+        assert req.last_node is not None
+        self.cache.unlock(req.last_node)
+        self.cache.free(req.page_ids[req.cached_len // self.cache.page_size :])
+        req.page_ids, req.last_node = [], None
 
     def _is_finished(self, req: Req, token: int) -> bool:
         sp = req.sampling
