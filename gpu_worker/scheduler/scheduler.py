@@ -238,6 +238,8 @@ class Scheduler:
                     continue  # more chunks to go: no token yet
                 req.state = ReqState.DECODE
                 self._cache_prompt(req)
+            if req.logits_trace is not None:
+                req.logits_trace.append(logits[i].detach().clone())
             token = self._sample(req, logits[i])
             if token is None:
                 finished.append(req)
