@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from bus_schemas.codec import Message
+from bus_schemas.token_ids import TokenIds, as_token_ids
 
 TIERS = ("device", "host")
 
@@ -27,12 +28,16 @@ class GenerateRequest(Message):
     """Router -> engine: generate for `input_ids`, stream `TokenChunk`s to `reply_to`."""
 
     TYPE: ClassVar[str] = "generate"
+    VERSION: ClassVar[int] = 2  # 2: input_ids as base64 uint32 (TokenIds)
 
     request_id: str
-    input_ids: list[int]
+    input_ids: TokenIds  # a list[int] given here is converted once
     sampling: Sampling
     reply_to: str  # subject the engine publishes TokenChunks on
     cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_ids", as_token_ids(self.input_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +49,7 @@ class TokenChunk(Message):
     """
 
     TYPE: ClassVar[str] = "token_chunk"
-    VERSION: ClassVar[int] = 2  # 2: P/D fields
+    VERSION: ClassVar[int] = 3  # 2: P/D fields; 3: engine_crashed
 
     request_id: str
     seq: int
@@ -57,6 +62,9 @@ class TokenChunk(Message):
     finish_reason: str | None = None
     error: str | None = None
     error_code: int = 0  # HTTP-like: 400 bad input, 409 restore lost, 503 unavailable/timeout
+    # the engine's step loop died with this request in it (the request may be the cause):
+    # the router must not send it to another engine
+    engine_crashed: bool = False
     # P/D, set by the decode engine on a request's first chunk (decode_prefix_len -1 otherwise):
     decode_prefix_len: int = -1  # tokens decode reused from its own cache
     transferred_tokens: int = 0  # KV tokens received from prefill (prompt_len - decode_prefix_len)
@@ -77,14 +85,18 @@ class DecodeAdmit(Message):
     """
 
     TYPE: ClassVar[str] = "decode_admit"
+    VERSION: ClassVar[int] = 2  # 2: input_ids as base64 uint32 (TokenIds)
 
     request_id: str
-    input_ids: list[int]
+    input_ids: TokenIds  # a list[int] given here is converted once
     sampling: Sampling
     reply_to: str
     cache_salt: str = ""
     reuse: bool = True  # False: decode_prefix_len = 0 (a retry after a failed restore)
     transfer_timeout_s: float = 30.0  # give up (and release) if KV stops arriving
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_ids", as_token_ids(self.input_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,14 +122,18 @@ class PrefillRequest(Message):
     """
 
     TYPE: ClassVar[str] = "prefill"
+    VERSION: ClassVar[int] = 2  # 2: input_ids as base64 uint32 (TokenIds)
 
     request_id: str
-    input_ids: list[int]
+    input_ids: TokenIds  # a list[int] given here is converted once
     sampling: Sampling
     cache_salt: str
     decode_prefix_len: int
     kv_subject: str
     reply_to: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_ids", as_token_ids(self.input_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +150,11 @@ class KVChunkAck(Message):
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
-    """Engine -> everyone, every `interval_s`: alive, and how loaded."""
+    """Engine -> everyone, every `interval_s`: alive, how loaded, and its cache counters
+    (cumulative since the engine started or flushed; the router exports them per engine)."""
 
     TYPE: ClassVar[str] = "heartbeat"
+    VERSION: ClassVar[int] = 2  # 2: cache usage and counters
 
     engine_id: str
     bucket: str
@@ -152,6 +170,11 @@ class Heartbeat(Message):
     inflight_tokens: int
     interval_s: float
     role: str = "colocated"
+    token_usage: float = 0.0  # device KV pages in use / device pages
+    host_token_usage: float = 0.0  # host KV pages in use / host pages (0 without HiCache)
+    cached_tokens: int = 0  # prompt tokens reused from the device and host tiers
+    num_loads: int = 0  # host -> device loads
+    num_backups: int = 0  # device -> host backups
 
 
 @dataclass(frozen=True, slots=True)

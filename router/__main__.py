@@ -22,6 +22,7 @@ from aiohttp import web
 
 from router.app import init
 from router.config import RouterConfig
+from router.server import GUARD, GuardedSite, serve_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="P/D: how long decode engines wait for KV (default: 0.8 x --request-timeout)",
     )
     p.add_argument("--shutdown-timeout", metavar="S", type=float, default=30.0)
+    p.add_argument(
+        "--read-timeout",
+        metavar="S",
+        type=float,
+        default=30.0,
+        help="a request's headers, then its body, must arrive within this (else 408/close)",
+    )
+    p.add_argument(
+        "--max-connections",
+        metavar="N",
+        type=int,
+        default=4096,
+        help="open client connections; beyond it the oldest non-serving one is closed",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -71,6 +86,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         shutdown_timeout_s=args.shutdown_timeout,
         pd_admit_timeout_s=args.pd_admit_timeout,
         pd_transfer_timeout_s=args.pd_transfer_timeout,
+        read_timeout_s=args.read_timeout,
+        max_connections=args.max_connections,
     )
 
 
@@ -80,14 +97,16 @@ async def serve(config: RouterConfig, host: str, port: int, access_log: bool = F
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    app = init(config)
     runner = web.AppRunner(
-        init(config),
+        app,
         shutdown_timeout=config.shutdown_timeout_s,
         access_log=logging.getLogger("aiohttp.access") if access_log else None,
+        **serve_kwargs(config),
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await GuardedSite(runner, host, port, app[GUARD]).start()
         logging.getLogger("router").info("listening on http://%s:%d", host, port)
         await stop.wait()
         logging.getLogger("router").info("stopping")

@@ -24,10 +24,11 @@ from bus_schemas import subjects
 from router import keys
 from router.config import RouterConfig
 from router.engines import EngineTable
-from router.handlers import add_routes, auth_middleware, errors_middleware
+from router.handlers import add_routes, auth_middleware, body_middleware, errors_middleware
 from router.metrics import RouterMetrics
 from router.record import Recorder
 from router.routing import PrefixIndex, Router
+from router.server import GUARD, ConnectionGuard
 from router.stream import ReplyHub
 from router.tokenizer import load_tokenizer
 
@@ -38,10 +39,11 @@ def init(config: RouterConfig) -> web.Application:
     """The router application for `config` (connections open when the app starts)."""
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[errors_middleware, auth_middleware],
+        middlewares=[errors_middleware, auth_middleware, body_middleware],
     )
     app[keys.CONFIG] = config
     app[keys.METRICS] = RouterMetrics()
+    app[GUARD] = ConnectionGuard(config.max_connections, app[keys.METRICS])
     app[keys.TOKENIZER] = load_tokenizer(config.tokenizer_path)
     app.cleanup_ctx.extend([nats_ctx, engines_ctx, redis_ctx, recorder_ctx])
     add_routes(app)
@@ -115,14 +117,16 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
         socket_connect_timeout=0.5,
         socket_timeout=1.0,
         retry=Retry(NoBackoff(), 0),  # lookups have a 50 ms budget: no retries inside it
+        max_connections=config.redis_max_connections,
     )
     app[keys.REDIS] = client
     index = PrefixIndex(client, config, app[keys.METRICS], asyncio.get_running_loop().time)
-    await index.load_script()
+    await index.start()  # a probe task, owned until teardown
     app[keys.ROUTER] = Router(index, config, app[keys.METRICS])
     try:
         yield
     finally:
+        await index.stop()
         await client.aclose()
 
 

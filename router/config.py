@@ -17,9 +17,18 @@ class RouterConfig:
     request_timeout_s: float = 30.0  # longest wait for the first chunk and between chunks
     liveness_poll_s: float = 0.5  # how often a waiting request checks its engine's heartbeats
     heartbeat_misses: int = 3  # an engine is dead after this many heartbeat intervals
-    failed_quarantine_s: float = 30.0  # an engine that failed a request sits out this long
+    # an engine that failed sits out until its next heartbeat; one that failed in
+    # failed_strikes incidents in a row (each within failed_quarantine_s) sits out this long
+    failed_quarantine_s: float = 30.0
+    failed_strikes: int = 3
     redis_timeout_s: float = 0.05  # per-request budget of the prefix lookup
-    redis_retry_s: float = 1.0  # after a Redis error, route by load alone this long
+    redis_timeout_trips: int = 5  # this many lookup timeouts in a row open the breaker
+    redis_retry_s: float = 1.0  # an open breaker routes by load alone this long
+    redis_probe_s: float = 1.0  # background PING period (the redis_up gauge, /health)
+    redis_probe_timeout_s: float = 1.0
+    redis_max_connections: int = 256  # the lookup pool (no connect inside the budget)
+    read_timeout_s: float = 30.0  # a request's headers, then its body, must arrive in this
+    max_connections: int = 4096  # open client connections; beyond it the idlest go first
     flush_timeout_s: float = 10.0  # per-engine wait in /flush_cache and /stats
     device_weight: float = 1.0  # score per cached prefix token on the device
     host_weight: float = 0.5  # score per cached prefix token on the host (needs a load-back)
@@ -37,6 +46,9 @@ class RouterConfig:
             "request_timeout_s": self.request_timeout_s,
             "liveness_poll_s": self.liveness_poll_s,
             "redis_timeout_s": self.redis_timeout_s,
+            "redis_probe_s": self.redis_probe_s,
+            "redis_probe_timeout_s": self.redis_probe_timeout_s,
+            "read_timeout_s": self.read_timeout_s,
             "flush_timeout_s": self.flush_timeout_s,
             "shutdown_timeout_s": self.shutdown_timeout_s,
             "pd_admit_timeout_s": self.pd_admit_timeout_s,
@@ -57,6 +69,11 @@ class RouterConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value}")
         if self.heartbeat_misses < 1:
             raise ValueError("heartbeat_misses must be >= 1")
+        for name in ("failed_strikes", "redis_timeout_trips", "redis_max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_connections < 2:
+            raise ValueError("max_connections must be >= 2")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.max_stop_strings < 1:

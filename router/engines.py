@@ -1,9 +1,19 @@
 """The live-engine table, kept from heartbeats; the one owner of engine liveness and load.
 
 An engine is live when its last heartbeat is younger than `heartbeat_misses x interval_s`
-(loop clock) and the router has not seen it fail a request in the last
-`failed_quarantine_s`. A heartbeat with a new epoch (the engine restarted) ends a
-quarantine at once.
+(loop clock) and it is not sitting out a failure.
+
+Failures (`mark_failed`: a request timed out, the engine went silent or sent garbage) are
+grouped into incidents: every failure until the engine's next heartbeat is one incident (a
+5 s NATS pause fails many requests at once, and they are all one incident). After an
+incident the engine sits out until its first heartbeat received after the failure: the
+heartbeat proves the engine and the bus work again, so a pause costs the pause plus at most
+one heartbeat interval, not `failed_quarantine_s`. An engine that keeps failing while it
+heartbeats (hung on requests, not on the bus) earns a strike per incident; at
+`failed_strikes` incidents, each less than `failed_quarantine_s` after the one before, it
+sits out the whole `failed_quarantine_s`, heartbeats or not. An engine whose step loop dies
+exits (DESIGN.md 7a), so such an engine is rare and a strike counter is enough. A heartbeat
+with a new epoch (the engine restarted) ends a quarantine and clears the strikes at once.
 
 Every engine has a role from its heartbeats: "colocated" (serves `GenerateRequest`s), or
 "prefill" / "decode" (the two halves of a P/D request, DESIGN.md section 6). A bucket serves
@@ -22,6 +32,9 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from bus_schemas import Heartbeat, SchemaError, subjects
 from router.config import RouterConfig
@@ -67,8 +80,13 @@ class _Entry:
     heartbeat: Heartbeat
     last_seen: float  # loop time of the last heartbeat
     failed_until: float = 0.0  # loop time until which the engine sits out
+    failed: bool = False  # an incident is open: failed since its last heartbeat
+    strikes: int = 0  # incidents in a row, each within failed_quarantine_s of the last
+    last_failure: float = float("-inf")  # loop time of the last failure
     local_tokens: int = 0  # in-flight tokens of this router's requests there
     was_live: bool = True
+    prompt_tokens: int = 0  # of this router's requests served there (cache hit rate)
+    cached_tokens: int = 0
 
 
 class EngineTable:
@@ -79,6 +97,7 @@ class EngineTable:
         self.metrics = metrics
         self.clock = clock
         self._entries: dict[str, _Entry] = {}
+        metrics.registry.register(EngineCollector(self))
 
     # ------------------------------------------------------------ updates
 
@@ -103,16 +122,41 @@ class EngineTable:
             self._entries[hb.engine_id] = _Entry(hb, now, was_live=False)
             return
         if entry.heartbeat.epoch != hb.epoch:
-            entry.failed_until = 0.0  # restarted: forget what failed before
+            entry.failed_until, entry.failed, entry.strikes = 0.0, False, 0  # restarted
+        elif entry.failed:
+            self._readmit(hb.engine_id, entry, now)
         entry.heartbeat = hb
         entry.last_seen = now
 
     def mark_failed(self, engine_id: str, reason: str) -> None:
-        """Take `engine_id` out of routing for the quarantine period."""
+        """Take `engine_id` out of routing until its next heartbeat (or, at
+        `failed_strikes` incidents in a row, for `failed_quarantine_s`)."""
+        entry = self._entries.get(engine_id)
+        if entry is None:
+            return
+        now, quarantine = self.clock(), self.config.failed_quarantine_s
+        if not entry.failed:  # a new incident
+            if now - entry.last_failure > quarantine:
+                entry.strikes = 0
+            entry.strikes += 1
+            entry.failed = True
+            log.warning("engine %s marked failed (strike %d): %s", engine_id, entry.strikes, reason)
+        entry.last_failure = now
+        entry.failed_until = now + quarantine
+
+    def _readmit(self, engine_id: str, entry: _Entry, now: float) -> None:
+        """A heartbeat after a failure: back in routing, unless out of strikes."""
+        if entry.strikes >= self.config.failed_strikes and now < entry.failed_until:
+            return
+        entry.failed, entry.failed_until = False, 0.0
+        log.info("engine %s heartbeats after failing: back in routing", engine_id)
+
+    def account(self, engine_id: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request served by `engine_id`: counts toward its cache hit rate."""
         entry = self._entries.get(engine_id)
         if entry is not None:
-            entry.failed_until = self.clock() + self.config.failed_quarantine_s
-            log.warning("engine %s marked failed: %s", engine_id, reason)
+            entry.prompt_tokens += prompt_tokens
+            entry.cached_tokens += cached_tokens
 
     @contextmanager
     def lease(self, engine_id: str, tokens: int) -> Iterator[None]:
@@ -143,6 +187,15 @@ class EngineTable:
             and (role is None or e.heartbeat.role == role)
         ]
         return sorted(out, key=lambda v: v.engine_id)
+
+    def live_heartbeats(self) -> list[tuple[Heartbeat, float]]:
+        """(last heartbeat, cache hit rate seen by this router) of every live engine."""
+        now = self.clock()
+        return [
+            (e.heartbeat, e.cached_tokens / e.prompt_tokens if e.prompt_tokens else 0.0)
+            for e in self._entries.values()
+            if self._live(e, now)
+        ]
 
     def sweep(self) -> None:
         """Log liveness changes, update the gauge, forget long-gone engines."""
@@ -181,3 +234,49 @@ class EngineTable:
             load=max(entry.local_tokens, hb.inflight_tokens),
             role=hb.role,
         )
+
+
+class EngineCollector(Collector):
+    """Per-engine metrics from the live engines' last heartbeats, built at scrape time, so
+    an engine that left the table leaves no stale series. Names follow SGLang where the
+    concept is the same (`sglang:num_running_reqs`, ...), labels `model_name`, `engine_id`."""
+
+    GAUGES = (
+        ("sglang:num_running_reqs", "running requests", "running"),
+        ("sglang:num_queue_reqs", "queued requests", "waiting"),
+        ("sglang:token_usage", "device KV pages in use (cache included) / pages", "token_usage"),
+        ("hicache_engine_host_token_usage", "host KV pages in use / pages", "host_token_usage"),
+    )
+    COUNTERS = (
+        ("hicache_engine_cached_tokens", "prompt tokens reused from cache", "cached_tokens"),
+        ("hicache_engine_cache_loads", "host -> device loads", "num_loads"),
+        ("hicache_engine_cache_backups", "device -> host backups", "num_backups"),
+    )
+
+    def __init__(self, table: EngineTable) -> None:
+        self.table = table
+
+    def describe(self) -> list[Metric]:
+        return []  # the registry must not call collect() at registration
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "engine_id"]
+        live = self.table.live_heartbeats()
+        for name, doc, field in self.GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            for hb, _ in live:
+                g.add_metric([hb.model, hb.engine_id], float(getattr(hb, field)))
+            yield g
+        for name, doc, field in self.COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            for hb, _ in live:
+                c.add_metric([hb.model, hb.engine_id], float(getattr(hb, field)))
+            yield c
+        rate = GaugeMetricFamily(
+            "sglang:cache_hit_rate",
+            "cached / prompt tokens of this router's requests served by the engine",
+            labels=labels,
+        )
+        for hb, hit_rate in live:
+            rate.add_metric([hb.model, hb.engine_id], hit_rate)
+        yield rate

@@ -8,7 +8,10 @@ Colocated retry rule: when an engine fails before it delivered any chunk (a time
 heartbeats, a 503 "unavailable" reply), nothing has reached the client yet, so the request
 goes once more to the best other live engine. Once the engine has delivered a chunk the
 request has started there; a failure after that is reported (502/504), not replayed. An
-engine that timed out, went silent or sent garbage sits out (`EngineTable.mark_failed`).
+engine that timed out, went silent, sent garbage or crashed sits out
+(`EngineTable.mark_failed`). A request that was in an engine when its step loop crashed
+(kind "engine_crashed") is never retried, on either path: it may be what crashed it, and
+a retry would take down the next engine too (DESIGN.md 7a). The client gets a 500.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Outcome:
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" once finished
     ttft_s: float | None = None
+    queue_s: float | None = None  # arrival until first sent to an engine (routing, lookup)
     route_reason: str = ""
     disaggregation: PDInfo | None = None  # set by a P/D request's first chunk
 
@@ -159,8 +163,7 @@ class Generation:
                 return
             except EngineFailure as f:
                 self._count(f)
-                retriable = f.status >= 500 and f.num_chunks == 0
-                if not retriable or attempt + 1 == MAX_ATTEMPTS:
+                if not _retriable(f) or attempt + 1 == MAX_ATTEMPTS:
                     raise _client_error(f) from None
                 excluded.add(engine_id)
                 if not self.candidates(COLOCATED, excluded):
@@ -177,6 +180,7 @@ class Generation:
                     reply_to=stream.reply_to,
                     cache_salt=self.spec.cache_salt,
                 )
+                self._dispatched()
                 await stream.send(subjects.engine_generate(engine_id), request)
                 async for delta in self._consume(stream):
                     yield delta
@@ -264,6 +268,7 @@ class Generation:
                     reuse=reuse,
                     transfer_timeout_s=self.config.transfer_timeout_s,
                 )
+                self._dispatched()
                 admitted = await admit(stream, request, self.config.pd_admit_timeout_s)
                 self._pd = _PDAttempt(prefill, admitted)
                 prefill_request = PrefillRequest(
@@ -281,6 +286,10 @@ class Generation:
                     yield delta
 
     # ------------------------------------------------------------ both paths
+
+    def _dispatched(self) -> None:
+        if self.outcome.queue_s is None:
+            self.outcome.queue_s = asyncio.get_running_loop().time() - self.started_at
 
     def _count(self, f: EngineFailure) -> None:
         self.metrics.bus_errors.labels(f.kind).inc()
@@ -333,6 +342,12 @@ class Generation:
         self.metrics.pd_transferred_bytes.inc(max(info.transferred_bytes, 0))
 
 
+def _retriable(f: EngineFailure) -> bool:
+    """Whether a failed colocated attempt may go to another engine: the engine failed (5xx)
+    before the client saw anything, and the request did not crash it."""
+    return f.status >= 500 and f.num_chunks == 0 and f.kind != "engine_crashed"
+
+
 _CODE_SUFFIX = {  # EngineFailure.kind -> the error code, after "engine_" or "prefill_"
     "timeout": "timeout",
     "lost": "lost",
@@ -345,6 +360,7 @@ _CODES = {
     "bus": "bus_unavailable",
     "restore_failed": "restore_failed",
     "transfer_timeout": "kv_transfer_timeout",
+    "engine_crashed": "engine_crashed",
 }
 
 

@@ -11,6 +11,7 @@ from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from nats.errors import Error as NatsError
 
 from bus_schemas import (
@@ -35,6 +36,7 @@ from router.protocol import (
     read_json,
 )
 from router.responses import DONE, SSE_HEADERS, OpenAIShape, generate_body, sse
+from router.server import GUARD, read_body
 from router.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,8 @@ Parser = Callable[[Mapping[str, Any], Tokenizer, int], GenerationSpec]
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 ENGINE_HEADER = "X-Hicache-Engine"  # the engine that generated (P/D: the decode engine)
 PREFILL_HEADER = "X-Hicache-Prefill-Engine"  # P/D only: the engine that computed the prompt
+REDIS_DOWN = "redis is down: cache-aware routing is off, routing by load"
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before the answer
 
 
 # ------------------------------------------------------------------ middlewares
@@ -51,20 +55,54 @@ PREFILL_HEADER = "X-Hicache-Prefill-Engine"  # P/D only: the engine that compute
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as an OpenAI-style JSON body; every response is counted."""
+    """Every error leaves as an OpenAI-style JSON body; every response but /health's and
+    /metrics' (polls) is counted. A client that left mid-request (an aborted upload) is
+    a client error, 499 as nginx counts it, with one debug line and no traceback."""
     try:
         resp = await handler(request)
     except ApiError as e:
         resp = e.response()
     except web.HTTPException as e:
         resp = _http_error(e)
+    except (ConnectionResetError, RequestPayloadError) as e:
+        log.debug("client left during %s %s: %r", request.method, request.path, e)
+        resp = ApiError(CLIENT_CLOSED, "client closed the request", code="client_closed").response()
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         resp = ApiError(500, "internal error", code="internal_error").response()
-    resource = request.match_info.route.resource
-    endpoint = resource.canonical if resource is not None else "unmatched"
-    request.app[keys.METRICS].requests.labels(endpoint, str(resp.status)).inc()
+    if request.path not in OPEN_PATHS:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        request.app[keys.METRICS].requests.labels(endpoint, str(resp.status)).inc()
     return resp
+
+
+@web.middleware
+async def body_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Read the body within --read-timeout (408 and the connection closed when it is too
+    slow), then mark the connection as serving (never evicted, `router.server`)."""
+    config, guard = request.app[keys.CONFIG], request.app.get(GUARD)
+    if request.body_exists:
+        try:
+            await read_body(request, config.read_timeout_s)
+        except TimeoutError:
+            request.app[keys.METRICS].connections_closed.labels("read_timeout").inc()
+            raise ApiError(
+                408,
+                f"the request body did not arrive within {config.read_timeout_s:g} s",
+                code="request_timeout",
+            ) from None
+        except web.HTTPRequestEntityTooLarge as e:
+            raise ApiError(
+                413, f"request body too large: {e.text}", code="body_too_large"
+            ) from None
+    if guard is None:
+        return await handler(request)
+    guard.serving(request.protocol)
+    try:
+        return await handler(request)
+    finally:
+        guard.done(request.protocol)
 
 
 @web.middleware
@@ -114,12 +152,13 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
     spec = parse(body, app[keys.TOKENIZER], config.max_stop_strings)
     gen = _generation(app, spec, started_at)
     recorder = app.get(keys.RECORDER)
+    times = _TokenTimes()
     metrics.inflight.inc()
     try:
         if spec.stream:
-            resp = await _stream(request, gen)
+            resp = await _stream(request, gen, times)
         else:
-            resp = await _whole(request, gen)
+            resp = await _whole(request, gen, times)
     except ApiError as e:
         if recorder is not None:
             recorder.write(
@@ -134,7 +173,7 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
         raise
     finally:
         metrics.inflight.dec()
-    _account(app, spec, gen.outcome)
+    _account(app, gen, times)
     if recorder is not None:
         recorder.write(
             time_s=time_s,
@@ -180,16 +219,14 @@ def _generation(app: web.Application, spec: GenerationSpec, started_at: float) -
 
 
 def _shape(gen: Generation) -> OpenAIShape:
-    model = gen.spec.model or next(
-        (e.model for e in gen.table.live(gen.bucket) if e.engine_id == gen.outcome.engine_id),
-        "",
-    )
+    model = _model_name(gen)
     return OpenAIShape(gen.spec.endpoint == "chat", gen.outcome.request_id, model, int(time.time()))
 
 
-async def _whole(request: web.Request, gen: Generation) -> web.Response:
+async def _whole(request: web.Request, gen: Generation, times: _TokenTimes) -> web.Response:
     async with aclosing(gen.run()) as deltas:
-        async for _ in deltas:
+        async for delta in deltas:
+            times.tick(len(delta.token_ids))
             if request.transport is None or request.transport.is_closing():
                 break  # the client left: closing the iterator aborts the engine
     headers = _engine_headers(gen.outcome)
@@ -198,7 +235,7 @@ async def _whole(request: web.Request, gen: Generation) -> web.Response:
     return json_response(_shape(gen).whole(gen.outcome), headers=headers)
 
 
-async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
+async def _stream(request: web.Request, gen: Generation, times: _TokenTimes) -> web.StreamResponse:
     """SSE. Headers go out with the first engine chunk, so an engine that fails before it
     can still be retried or answered with a plain error status."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -207,6 +244,7 @@ async def _stream(request: web.Request, gen: Generation) -> web.StreamResponse:
     async with aclosing(gen.run()) as deltas:
         try:
             async for delta in deltas:
+                times.tick(len(delta.token_ids))
                 out = gen.outcome
                 if not resp.prepared:
                     resp.headers.update(_engine_headers(out))
@@ -243,14 +281,57 @@ def _engine_headers(out: Outcome) -> dict[str, str]:
     return headers
 
 
-def _account(app: web.Application, spec: GenerationSpec, out: Outcome) -> None:
-    metrics = app[keys.METRICS]
+class _TokenTimes:
+    """When output tokens reached the router: the inter-token gaps, per token (a delta of
+    n tokens after a gap g counts n gaps of g / n, as SGLang counts a batch)."""
+
+    __slots__ = ("gaps", "last")
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.gaps: list[float] = []
+
+    def tick(self, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        now = asyncio.get_running_loop().time()
+        if self.last is not None:
+            self.gaps.extend([(now - self.last) / num_tokens] * num_tokens)
+        self.last = now
+
+
+def _account(app: web.Application, gen: Generation, times: _TokenTimes) -> None:
+    metrics, spec, out = app[keys.METRICS], gen.spec, gen.outcome
     metrics.prompt_tokens.inc(out.prompt_tokens)
     metrics.completion_tokens.inc(len(out.output_ids))
     metrics.cached_tokens.labels("device").inc(out.cached_device)
     metrics.cached_tokens.labels("host").inc(out.cached_host)
+    app[keys.TABLE].account(out.engine_id, out.prompt_tokens, out.cached_tokens)
+    model = _model_name(gen)
+    metrics.sg_prompt_tokens.labels(model).inc(out.prompt_tokens)
+    metrics.sg_generation_tokens.labels(model).inc(len(out.output_ids))
+    metrics.sg_cached_tokens.labels(model).inc(out.cached_tokens)
+    e2e_s = asyncio.get_running_loop().time() - gen.started_at
+    metrics.sg_e2e.labels(model).observe(e2e_s)
+    if out.queue_s is not None:
+        metrics.sg_queue.labels(model).observe(out.queue_s)
     if out.ttft_s is not None:
         metrics.ttft.labels(spec.endpoint).observe(out.ttft_s)
+        metrics.sg_ttft.labels(model).observe(out.ttft_s)
+        if len(out.output_ids) > 1:
+            tpot = (e2e_s - out.ttft_s) / (len(out.output_ids) - 1)
+            metrics.sg_tpot.labels(model).observe(tpot)
+    itl = metrics.sg_itl.labels(model)
+    for gap in times.gaps:
+        itl.observe(gap)
+
+
+def _model_name(gen: Generation) -> str:
+    """The served model of the request: as asked, else the generating engine's."""
+    if gen.spec.model is not None:
+        return gen.spec.model
+    engines = gen.table.live(gen.bucket)
+    return next((e.model for e in engines if e.engine_id == gen.outcome.engine_id), "")
 
 
 # ------------------------------------------------------------------ the rest
@@ -269,20 +350,25 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """200 when NATS is up and some bucket can serve: a live colocated engine, or a live
-    prefill and decode engine pair."""
+    prefill and decode engine pair. The status is "degraded" (still 200: requests are
+    served) with `reasons` when a dependency is down that only costs cache reuse (Redis)."""
     nc = request.app[keys.NATS]
     live = request.app[keys.TABLE].live()
     buckets: dict[str, list[EngineView]] = {}
     for e in live:
         buckets.setdefault(e.bucket, []).append(e)
     serving = any(can_serve(engines) for engines in buckets.values())
+    redis_up = request.app[keys.ROUTER].index.up
     state = {
         "nats_connected": nc.is_connected,
+        "redis_connected": redis_up,
         "live_engines": [e.engine_id for e in live],
         "roles": {e.engine_id: e.role for e in live},
     }
     if nc.is_connected and serving:
-        return json_response({"status": "ok"} | state)
+        reasons = [] if redis_up else [REDIS_DOWN]
+        status = "degraded" if reasons else "ok"
+        return json_response({"status": status, "reasons": reasons} | state)
     why = "NATS is not connected" if not nc.is_connected else "no live engine can serve"
     return ApiError(503, why, code="unhealthy", retry_after_s=1).response(state)
 

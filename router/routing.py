@@ -10,13 +10,14 @@ candidate
 and the highest score wins (ties: less load, then round robin). A P/D request picks its
 decode and its prefill engine this way from the same lookup (`choose_pd`), each by its own
 cache: two routing decisions. Redis trouble never fails a request: on an error or a lookup
-slower than `redis_timeout_s` the choice is by load alone, the error is counted, and Redis is
-left alone for `redis_retry_s` (one warning per outage).
+slower than `redis_timeout_s` the choice is by load alone, and the failure is counted apart
+as `redis_down` or `redis_timeout` (see `PrefixIndex`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -48,12 +49,29 @@ class PrefixHit:
 @dataclass(frozen=True, slots=True)
 class RouteChoice:
     engine: EngineView
-    reason: str  # "cache" | "load" | "redis_down" | "retry"
+    reason: str  # "cache" | "load" | "redis_down" | "redis_timeout" | "retry"
     hit: PrefixHit  # what Redis said the engine holds (zero when unknown)
 
 
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """The answer of one prefix lookup: hits per engine, or why there are none."""
+
+    hits: dict[str, PrefixHit] | None  # None: Redis could not answer in time
+    failure: str = ""  # "redis_down" | "redis_timeout" when `hits` is None
+
+
 class PrefixIndex:
-    """Prefix lookups against the Redis index, with a time budget and an outage breaker."""
+    """Prefix lookups against the Redis index, with a time budget, an outage breaker and a
+    background health probe.
+
+    Redis is "up" until a lookup or a probe fails to connect, then "down" until a probe
+    (a PING every `redis_probe_s`, whether or not requests come) answers again: recovery is
+    seen even with no traffic, and `/health` and the `redis_up` gauge follow it. A lookup
+    over its budget is a timeout, not an outage: it is counted apart (`redis_timeout`), and
+    only `redis_timeout_trips` timeouts in a row open the breaker (route by load for
+    `redis_retry_s`), since one slow answer under load says nothing about the next one.
+    """
 
     def __init__(
         self,
@@ -66,8 +84,25 @@ class PrefixIndex:
         self.config = config
         self.metrics = metrics
         self.clock = clock
+        self.up = True  # optimistic until the first probe or lookup says otherwise
         self._skip_until = 0.0
+        self._timeouts_in_a_row = 0
         self._in_outage = False
+        self._probe: asyncio.Task[None] | None = None
+        metrics.redis_up.set(1)
+
+    async def start(self) -> None:
+        """Probe Redis once, register the lookup script, start the background probe."""
+        await self.probe()
+        await self.load_script()
+        self._probe = asyncio.create_task(self._run_probe(), name="redis-probe")
+
+    async def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+            self._probe = None
 
     async def load_script(self) -> None:
         """Register the lookup script (best effort: lookups reload it on NOSCRIPT)."""
@@ -77,31 +112,58 @@ class PrefixIndex:
         except (RedisError, OSError, TimeoutError) as e:
             log.warning("could not load the prefix lookup script into Redis: %s", e)
 
-    async def lookup(self, hashes: Sequence[str]) -> dict[str, PrefixHit] | None:
-        """engine id -> hit for every engine holding the first page; None when Redis is
-        unavailable (the caller routes by load)."""
+    async def probe(self) -> bool:
+        """One PING; updates `up` and the gauge. True when Redis answered."""
+        try:
+            async with asyncio.timeout(self.config.redis_probe_timeout_s):
+                await self.redis.ping()
+        except (RedisError, OSError, TimeoutError) as e:
+            self._set_down(e)
+            return False
+        if not self.up:
+            log.info("Redis answers again: routing by cache resumes")
+            self.up, self._in_outage, self._skip_until = True, False, 0.0
+            self._timeouts_in_a_row = 0
+            self.metrics.redis_up.set(1)
+        return True
+
+    async def _run_probe(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.redis_probe_s)
+            await self.probe()
+
+    async def lookup(self, hashes: Sequence[str]) -> Lookup:
+        """Hits per engine holding the first page; `hits` None when Redis is unavailable
+        (the caller routes by load)."""
         if not hashes:
-            return {}
+            return Lookup({})
+        if not self.up:
+            return Lookup(None, "redis_down")
         if self.clock() < self._skip_until:
-            return None
+            return Lookup(None, "redis_timeout")
         keys = [redis_keys.page(h) for h in hashes]
+        started = self.clock()
         try:
             async with asyncio.timeout(self.config.redis_timeout_s):
                 flat = await self._evalsha(keys)
-        except (RedisError, OSError, TimeoutError) as e:
-            self._on_error(e)
-            return None
-        if self._in_outage:
-            log.info("Redis answers again: routing by cache resumes")
-            self._in_outage = False
+        except TimeoutError:
+            return self._on_timeout()
+        except (RedisError, OSError) as e:
+            self._set_down(e)
+            return Lookup(None, "redis_down")
+        finally:
+            self.metrics.prefix_lookup.observe(self.clock() - started)
+        self._timeouts_in_a_row = 0
         try:
-            return {
+            hits = {
                 str(flat[i]): PrefixHit(int(flat[i + 1]), int(flat[i + 2]))
                 for i in range(0, len(flat) - 2, 3)
             }
         except (TypeError, ValueError, IndexError) as e:
-            self._on_error(e)
-            return None
+            self.metrics.store_errors.inc()
+            log.warning("malformed prefix lookup reply: %r", e)
+            return Lookup(None, "redis_down")
+        return Lookup(hits)
 
     async def _evalsha(self, keys: list[str]) -> list[Any]:
         try:
@@ -110,9 +172,24 @@ class PrefixIndex:
             await self.redis.script_load(redis_keys.PREFIX_LOOKUP_LUA)
             return list(await self.redis.evalsha(LOOKUP_SHA, len(keys), *keys))
 
-    def _on_error(self, e: BaseException) -> None:
+    def _on_timeout(self) -> Lookup:
+        self.metrics.store_timeouts.inc()
+        self._timeouts_in_a_row += 1
+        if self._timeouts_in_a_row >= self.config.redis_timeout_trips:
+            self._timeouts_in_a_row = 0
+            self._skip_until = self.clock() + self.config.redis_retry_s
+            log.warning(
+                "%d Redis prefix lookups in a row over %.0f ms: routing by load for %.1f s",
+                self.config.redis_timeout_trips,
+                1000 * self.config.redis_timeout_s,
+                self.config.redis_retry_s,
+            )
+        return Lookup(None, "redis_timeout")
+
+    def _set_down(self, e: BaseException) -> None:
         self.metrics.store_errors.inc()
-        self._skip_until = self.clock() + self.config.redis_retry_s
+        self.metrics.redis_up.set(0)
+        self.up = False
         if not self._in_outage:
             self._in_outage = True
             log.warning("Redis prefix lookup failed (%r): routing by load until it answers", e)
@@ -143,10 +220,10 @@ class Router:
         """The best of `candidates` (non-empty, one bucket) for this prompt."""
         if not candidates:
             raise ValueError("no candidates")
-        hits: dict[str, PrefixHit] | None = {}
+        found = Lookup({})
         if len(candidates) > 1:
-            hits = await self._lookup(candidates[0], input_ids, cache_salt)
-        return self._pick(candidates, hits, candidates[0].namespace, retry)
+            found = await self._lookup(candidates[0], input_ids, cache_salt)
+        return self._pick(candidates, found, candidates[0].namespace, retry)
 
     async def choose_pd(
         self,
@@ -160,18 +237,16 @@ class Router:
         the same score, from ONE lookup (decode engines publish their cache too)."""
         if not decodes or not prefills:
             raise ValueError("no candidates")
-        hits: dict[str, PrefixHit] | None = {}
+        found = Lookup({})
         if len(decodes) > 1 or len(prefills) > 1:
-            hits = await self._lookup(decodes[0], input_ids, cache_salt)
+            found = await self._lookup(decodes[0], input_ids, cache_salt)
         namespace = decodes[0].namespace
         return (
-            self._pick(decodes, hits, namespace, retry),
-            self._pick(prefills, hits, namespace, retry),
+            self._pick(decodes, found, namespace, retry),
+            self._pick(prefills, found, namespace, retry),
         )
 
-    async def _lookup(
-        self, first: EngineView, input_ids: Sequence[int], cache_salt: str
-    ) -> dict[str, PrefixHit] | None:
+    async def _lookup(self, first: EngineView, input_ids: Sequence[int], cache_salt: str) -> Lookup:
         """Hits per engine, for pages hashed as `first` (a candidate) hashes them."""
         hashes = page_hashes(input_ids, first.page_size, first.namespace, cache_salt)
         return await self.index.lookup(hashes)
@@ -179,13 +254,13 @@ class Router:
     def _pick(
         self,
         candidates: Sequence[EngineView],
-        hits: dict[str, PrefixHit] | None,
+        found: Lookup,
         namespace: str,
         retry: bool,
     ) -> RouteChoice:
         """The highest score (ties: less load, then round robin); counts the decision.
         Hits count only for engines of `namespace` (the one the page hashes were made in)."""
-        turn = next(self._turn)
+        turn, hits = next(self._turn), found.hits
         best_key: tuple[float, int, int] | None = None
         best: EngineView = candidates[0]
         for i, engine in enumerate(candidates):
@@ -197,7 +272,7 @@ class Router:
         if retry:
             reason = "retry"
         elif hits is None:
-            reason = "redis_down"
+            reason = found.failure or "redis_down"
         else:
             reason = "cache" if hit.pages > 0 else "load"
         self.metrics.routing.labels(reason).inc()

@@ -77,6 +77,8 @@ class FakeEngine:
     tokens_per_chunk: int = 1
     # --- knobs a test may change while running
     inflight_tokens: int = 0  # reported in heartbeats
+    waiting: int = 0  # reported in heartbeats (running: the requests being streamed)
+    token_usage: float = 0.0  # reported in heartbeats
     cached_device: int = 0  # reported in the first chunk
     cached_host: int = 0
     silent: bool = False  # no heartbeats, no chunks, no replies (a killed engine)
@@ -94,6 +96,7 @@ class FakeEngine:
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _aborted: set[str] = field(default_factory=set)
     _chunks_sent: int = 0
+    _running: int = 0
 
     @property
     def nc(self) -> NATS:
@@ -132,11 +135,12 @@ class FakeEngine:
             context_len=self.context_len,
             vocab_size=self.vocab_size,
             eos_token_ids=[EOS_ID],
-            running=0,
-            waiting=0,
+            running=self._running,
+            waiting=self.waiting,
             inflight_tokens=self.inflight_tokens,
             interval_s=self.interval_s,
             role=self.role,
+            token_usage=self.token_usage,
         )
         await self.nc.publish(subjects.HEARTBEAT, hb.encode())
 
@@ -169,7 +173,11 @@ class FakeEngine:
             self._spawn(self._generate(req))
 
     async def _generate(self, req: GenerateRequest) -> None:
-        await self._stream(req.request_id, req.input_ids, req.sampling, req.reply_to)
+        self._running += 1
+        try:
+            await self._stream(req.request_id, req.input_ids, req.sampling, req.reply_to)
+        finally:
+            self._running -= 1
 
     async def _stream(
         self,

@@ -7,11 +7,13 @@ fails a test. The lookup script runs on a real Redis against a brute-force Pytho
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import inspect
 import random
 import struct
+from array import array
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,6 +46,7 @@ from bus_schemas.messages import (
     TokenChunk,
 )
 from bus_schemas.page_hash import make_namespace, page_hashes
+from bus_schemas.token_ids import as_token_ids
 from services.launch.servers import ServerProcess
 
 NS = "tiny|float64|p4"
@@ -117,7 +120,25 @@ SAMPLES: dict[type[Message], Message] = {
     GenerateRequest: GenerateRequest("r1", [1, 2, 3], Sampling(seed=None), "inbox.1", "salt"),
     TokenChunk: TokenChunk("r1", 3, [5, 6], "e1", 3, 4, 0, True, "stop", None, 0),
     Heartbeat: Heartbeat(
-        "e1", "b0", "1700000000000000000", "tiny", NS, 4, 64, 260, [0], 1, 2, 30, 0.2, "decode"
+        "e1",
+        "b0",
+        "1700000000000000000",
+        "tiny",
+        NS,
+        4,
+        64,
+        260,
+        [0],
+        1,
+        2,
+        30,
+        0.2,
+        "decode",
+        0.25,
+        0.5,
+        96,
+        3,
+        4,
     ),
     KVEvent: KVEvent("removed", "host", ["ab" * 16]),
     KVEventBatch: KVEventBatch(
@@ -224,7 +245,8 @@ REJECTED: dict[str, tuple[type[Message], bytes]] = {
     "other type": (GEN, SAMPLES[Heartbeat].encode()),
     "no type": _bad(GEN, type=dataclasses.MISSING),
     "type not a string": _bad(GEN, type=1),
-    "unknown version": _bad(GEN, v=2),
+    "unknown version": _bad(GEN, v=3),
+    "version 1 (ids as a JSON list)": _bad(GEN, v=1, input_ids=[1, 2, 3]),
     "version as string": _bad(GEN, v="1"),
     "no version": _bad(GEN, v=dataclasses.MISSING),
     "missing field": _bad(GEN, input_ids=dataclasses.MISSING),
@@ -240,10 +262,19 @@ REJECTED: dict[str, tuple[type[Message], bytes]] = {
     "str for float": _bad(Heartbeat, interval_s="0.2"),
     "int for bool": _bad(BATCH, snapshot=1),
     "object for list": _bad(BATCH, events={}),
-    "str in list[int]": _bad(GEN, input_ids=[1, "2"]),
-    "bool in list[int]": _bad(GEN, input_ids=[1, False]),
-    "float in list[int]": _bad(GEN, input_ids=[1.5]),
-    "null list": _bad(GEN, input_ids=None),
+    "str in list[int]": _bad(TokenChunk, token_ids=[1, "2"]),
+    "bool in list[int]": _bad(TokenChunk, token_ids=[1, False]),
+    "float in list[int]": _bad(TokenChunk, token_ids=[1.5]),
+    "null list": _bad(TokenChunk, token_ids=None),
+    "list for token ids": _bad(GEN, input_ids=[1, 2, 3]),
+    "null token ids": _bad(GEN, input_ids=None),
+    "int for token ids": _bad(GEN, input_ids=7),
+    "token ids not base64": _bad(GEN, input_ids="AQAA!AAA"),
+    "token ids unpadded base64": _bad(GEN, input_ids="AQAAAAI"),
+    "token ids base64 with a newline": _bad(GEN, input_ids="AQAA\nAAA="),
+    "token ids non-ascii": _bad(GEN, input_ids="AQAAAAé="),
+    "token ids 3 bytes": _bad(DecodeAdmit, input_ids="AQID"),
+    "token ids 5 bytes": _bad(PrefillRequest, input_ids="AQIDBAU="),
     "nested wrong type": _bad(GEN, sampling={"max_new_tokens": "8"}),
     "nested unknown field": _bad(GEN, sampling={"beam": 2}),
     "nested not an object": _bad(GEN, sampling=[1]),
@@ -446,3 +477,64 @@ async def test_lookup_script_matches_brute_force(r: aioredis.Redis, seed: int) -
         keys = [redis_keys.page(p) for p in query]
         got = parse_lookup(await r.evalsha(sha, len(keys), *keys))
         assert got == brute_force_lookup(query, table), (seed, len(query))
+
+
+# ----------------------------------------------------------------- compact token ids
+
+TOKEN_ID_MESSAGES = [GenerateRequest, DecodeAdmit, PrefillRequest]
+
+
+def test_token_ids_are_array_uint32_without_copies() -> None:
+    ids = as_token_ids([1, 2, 2**32 - 1])
+    assert isinstance(ids, array) and ids.typecode == "I" and ids.itemsize == 4
+    assert as_token_ids(ids) is ids  # already compact: no copy
+    assert list(as_token_ids(range(3))) == [0, 1, 2]
+    assert list(as_token_ids(b"\x01\x00\x00\x00\xff\xff\xff\xff")) == [1, 2**32 - 1]
+    assert list(as_token_ids(array("i", [5]))) == [5]
+    for bad in ([-1], [2**32], [1.5], ["1"], b"\x01\x02\x03", array("i", [-1])):
+        with pytest.raises(ValueError):
+            as_token_ids(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cls", TOKEN_ID_MESSAGES, ids=lambda c: c.__name__)
+def test_input_ids_travel_as_base64_uint32_le(cls: type[Message]) -> None:
+    msg = SAMPLES[cls]
+    assert isinstance(msg.input_ids, array) and msg.input_ids.typecode == "I"  # type: ignore[attr-defined]
+    body = body_of(msg)
+    raw = base64.b64decode(body["input_ids"], validate=True)
+    assert raw == struct.pack(f"<{len(raw) // 4}I", *msg.input_ids)  # type: ignore[attr-defined]
+    assert cls.VERSION == 2
+    decoded = cls.decode(msg.encode())
+    assert decoded.input_ids.typecode == "I"  # type: ignore[attr-defined]
+
+
+def test_input_ids_wire_bytes_are_pinned() -> None:
+    body = body_of(GenerateRequest("r", [1, 2, 3, 2**32 - 1], Sampling(), "inbox"))
+    assert body["input_ids"] == "AQAAAAIAAAADAAAA/////w=="
+    assert body["v"] == 2
+
+
+def test_message_constructors_convert_lists_once_and_reject_bad_ids() -> None:
+    ids = array("I", [4, 5])
+    assert GenerateRequest("r", ids, Sampling(), "inbox").input_ids is ids
+    assert GenerateRequest("r", [4, 5], Sampling(), "inbox") == GenerateRequest(
+        "r", ids, Sampling(), "inbox"
+    )
+    for bad in ([-1], [2**32], [0.5]):
+        with pytest.raises(ValueError):
+            GenerateRequest("r", bad, Sampling(), "inbox")
+
+
+def test_long_prompt_round_trips_exactly() -> None:
+    rng = random.Random(7)
+    ids = [rng.randrange(2**32) for _ in range(32768)]
+    msg = PrefillRequest("r", ids, Sampling(), "", 64, "kv", "inbox")
+    assert list(PrefillRequest.decode(msg.encode()).input_ids) == ids
+
+
+@pytest.mark.parametrize("salt", ["", "s"])
+def test_page_hashes_of_an_array_equal_the_pinned_vectors(salt: str) -> None:
+    assert page_hashes(array("I", range(8)), 4, NS, salt) == PINNED[salt]
+    assert page_hashes(array("I", range(10)), 4, NS, salt) == PINNED[salt]  # partial page
+    with pytest.raises(ValueError):
+        page_hashes([2**32, 0, 0, 0], 4, NS)

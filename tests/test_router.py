@@ -146,7 +146,7 @@ async def test_completions_text_ids_and_cached_tokens(
             },
         }
         engine = mesh.engines[0]
-        assert engine.received[0].input_ids == ids
+        assert engine.received[0].input_ids.tolist() == ids
         assert engine.received[0].sampling.max_new_tokens == 5
         # token ids, and a batch of one id list; default max_tokens is 16
         for prompt in ([5, 6, 7], [[5, 6, 7]]):
@@ -168,7 +168,7 @@ async def test_chat_uses_the_template(
         assert r.status == 200, await r.text()
         body = await r.json()
         ids = list(b"<|system|>\nsys\n<|user|>\nhey\n<|assistant|>\n")
-        assert mesh.engines[0].received[0].input_ids == ids
+        assert mesh.engines[0].received[0].input_ids.tolist() == ids
         assert body["object"] == "chat.completion"
         msg = body["choices"][0]["message"]
         assert msg == {"role": "assistant", "content": text_of(expected_tokens(ids, 4))}
@@ -361,7 +361,10 @@ async def test_redis_down_routes_by_load_and_counts_errors(
                 r = await mesh.client.post("/v1/completions", json={"prompt": PROMPT})
                 assert r.status == 200, await r.text()
                 assert time.monotonic() - t0 < 1.0
-        assert await metric(mesh, "hicache_router_store_errors_total") == 3
+        # the first lookup finds Redis down; the next ones skip it until a probe answers
+        assert await metric(mesh, "hicache_router_store_errors_total") >= 1
+        assert await metric(mesh, "hicache_router_store_timeouts_total") == 0
+        assert await metric(mesh, "hicache_router_redis_up") == 0
         assert (
             await metric(mesh, "hicache_router_routing_decisions_total", 'reason="redis_down"') == 3
         )
@@ -429,12 +432,11 @@ async def test_failure_before_first_chunk_retries_on_another_engine(
         assert len(a.received) == 1 and len(b.received) == 1
         assert await metric(mesh, "hicache_router_bus_errors_total", 'kind="timeout"') == 1
         assert await metric(mesh, "hicache_router_routing_decisions_total", 'reason="retry"') == 1
-        # a still heartbeats but sits out after failing
-        r = await mesh.client.post("/generate", json={"text": PROMPT})
-        assert (await r.json())["meta_info"]["engine_id"] == b.engine_id
-        assert len(a.received) == 1
-        # with b gone too, nothing is live: 503 with Retry-After
-        b.silent = True
+        # a sits out until its next heartbeat, then is back in routing (strike 1 of 3)
+        table = mesh.client.app[TABLE]
+        await wait_until(lambda: table.is_alive(a.engine_id))
+        # with both gone, nothing is live: 503 with Retry-After
+        a.silent = b.silent = True
         await wait_until(lambda: not mesh.client.app[TABLE].live())
         r = await mesh.client.post("/generate", json={"text": PROMPT})
         assert r.status == 503 and r.headers["Retry-After"] == "1"
@@ -484,7 +486,7 @@ async def test_auth(nats_server: ServerProcess, redis_server: ServerProcess) -> 
         r = await c.post("/v1/completions", json={"prompt": "hi"}, headers=mesh.auth)
         assert r.status == 200
         assert (await c.get("/v1/models", headers=mesh.auth)).status == 200
-        assert mesh.engines[0].received[0].input_ids == list(b"hi")
+        assert mesh.engines[0].received[0].input_ids.tolist() == list(b"hi")
         assert len(mesh.engines[0].received) == 1
 
 

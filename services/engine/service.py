@@ -6,7 +6,16 @@ answers flush/stats, publishes heartbeats and KV events (with an epoch that chan
 every start and a per-epoch batch sequence), and answers the index's snapshot requests.
 
 Shutdown: stop taking work, let running requests finish for a grace period, fail the rest
-with a clear error, then drain NATS.
+with a clear error, then drain NATS. Every step of it has a deadline, so SIGTERM stops the
+engine within `shutdown_grace_s` plus a few seconds even while NATS is unreachable.
+
+Crash: when the engine's step loop dies (`crashed`), the service stops heartbeating at
+once, fails every request it holds with an error chunk marked `engine_crashed` (the router
+retries none of them), and sets `crashed_reason`: the process then exits non-zero, and its
+supervisor starts a fresh engine (new epoch).
+
+NATS: the first connect is retried with backoff until it succeeds (a supervisor may start
+engines before nats-server), as are reconnects; each failed attempt logs one line.
 """
 
 from __future__ import annotations
@@ -17,8 +26,8 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -42,12 +51,14 @@ from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import CachedTokens, KVExport
 from services.engine.pd import DecodeSide, PDConfig, PrefillSide
-from services.engine.runner import EngineRunner, TokenUpdate
+from services.engine.runner import EngineCrashedError, EngineRunner, TokenUpdate
 from services.tasks import OwnedTasks
 
 log = logging.getLogger(__name__)
 
 ROLES = ("colocated", "prefill", "decode")
+NATS_BACKOFF_S = (0.1, 5.0)  # first and longest wait between NATS connect attempts
+STOP_STEP_TIMEOUT_S = 2.0  # the longest one bus step of shutdown may take (flush, close)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +70,7 @@ class EngineServiceConfig:
     heartbeat_interval_s: float = 1.0
     shutdown_grace_s: float = 10.0
     pd: PDConfig = field(default_factory=PDConfig)
+    debug_crash_on_prompt_token: int | None = None  # test hook: the step loop dies on it
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -94,23 +106,27 @@ class EngineService:
         self._meta: dict[str, int] = {}
         self._decode: DecodeSide | None = None
         self._prefill: PrefillSide | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._reconnect_wait_s = NATS_BACKOFF_S[0]
+        self.crashed_reason: str | None = None
+        self.crashed_event = asyncio.Event()
 
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._runner = EngineRunner(self.engine_config, loop, self)
+        self._runner = EngineRunner(
+            self.engine_config,
+            loop,
+            self,
+            debug_crash_on_token=self.config.debug_crash_on_prompt_token,
+        )
         await asyncio.wrap_future(self._runner.start())
         engine = self._engine_now()
         mc = engine.model_config
         self._meta = {"context_len": engine.context_len, "vocab_size": mc.vocab_size}
         self._eos = list(mc.eos_token_ids)
-        self._nc = await nats.connect(
-            self.config.nats_url,
-            name=f"engine-{self.config.engine_id}",
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-        )
+        self._nc = await self._connect()
         nc, eid = self._nc, self.config.engine_id
         self._work_subs = await self._subscribe_work(nc, eid)
         await nc.subscribe(subj.engine_abort(eid), cb=self._on_abort)
@@ -120,9 +136,44 @@ class EngineService:
         await nc.subscribe(subj.engine_snapshot(eid), cb=self._on_snapshot)
         self._accepting = True
         self._tasks.spawn(self._publisher(), "publisher")
-        self._tasks.spawn(self._heartbeats(), "heartbeats")
+        self._heartbeat_task = self._tasks.spawn(self._heartbeats(), "heartbeats")
         await self._publish_snapshot()  # epoch starts with what the engine holds (nothing)
         log.info("engine %s up (bucket %s, epoch %s)", eid, self.config.bucket, self.epoch)
+
+    async def _connect(self) -> NATS:
+        """Connect to NATS, retrying (first connect and reconnects alike) with a doubling
+        wait up to `NATS_BACKOFF_S[1]`; the wait starts over once connected."""
+        nc = NATS()
+        self._nc = nc
+        await nc.connect(
+            self.config.nats_url,
+            name=f"engine-{self.config.engine_id}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=NATS_BACKOFF_S[0],  # type: ignore[arg-type]  # a float works
+            error_cb=self._on_nats_error,
+            disconnected_cb=self._on_nats_disconnected,
+            reconnected_cb=self._on_nats_reconnected,
+            drain_timeout=int(STOP_STEP_TIMEOUT_S),
+        )
+        self._reconnect_wait_s = NATS_BACKOFF_S[0]
+        return nc
+
+    async def _on_nats_error(self, e: Exception) -> None:
+        """One line per failed attempt (nats.py's default logs a traceback), and back off."""
+        wait = self._reconnect_wait_s
+        log.warning("NATS %s: %s (next attempt in %.1f s)", self.config.nats_url, _brief(e), wait)
+        if self._nc is not None:
+            self._nc.options["reconnect_time_wait"] = wait  # read before every attempt
+        self._reconnect_wait_s = min(wait * 2, NATS_BACKOFF_S[1])
+
+    async def _on_nats_disconnected(self) -> None:
+        log.warning("NATS disconnected; reconnecting")
+
+    async def _on_nats_reconnected(self) -> None:
+        log.info("NATS reconnected")
+        self._reconnect_wait_s = NATS_BACKOFF_S[0]
+        if self._nc is not None:
+            self._nc.options["reconnect_time_wait"] = NATS_BACKOFF_S[0]
 
     async def _subscribe_work(self, nc: NATS, eid: str) -> list[Subscription]:
         role, runner = self.config.role, self._runner
@@ -168,14 +219,16 @@ class EngineService:
     def _close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def _fail_stream(self, request_id: str, message: str, code: int) -> None:
+    def _fail_stream(
+        self, request_id: str, message: str, code: int, crashed: bool = False
+    ) -> None:
         """End a request with an error chunk (or silently, with an empty message)."""
         if not message:
             self._streams.pop(request_id, None)
             if self._runner is not None:
                 self._runner.abort(request_id)
             return
-        self._send_error(request_id, message, code)
+        self._send_error(request_id, message, code, crashed)
 
     def exported(self, request_id: str, export: KVExport, cached: CachedTokens) -> None:
         """Runner callback (on the loop): P/D prefill KV is packed."""
@@ -183,26 +236,56 @@ class EngineService:
             self._prefill.exported(request_id, export, cached)
 
     async def stop(self) -> None:
-        """Stop taking work, finish or fail in-flight requests, drain NATS."""
+        """Stop taking work, finish or fail in-flight requests, drain NATS.
+
+        Running requests get `shutdown_grace_s`; every bus step after that has its own
+        short timeout, so this returns even when NATS is unreachable."""
         self._accepting = False
         for sub in self._work_subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await _bounded(sub.unsubscribe(), "unsubscribe")
         deadline = time.monotonic() + self.config.shutdown_grace_s
-        while self._streams and time.monotonic() < deadline:
+        while self._streams and time.monotonic() < deadline and self.crashed_reason is None:
             await asyncio.sleep(0.05)
         for request_id in list(self._streams):
             self._send_error(request_id, "engine shutting down", 503)
         for side in (self._decode, self._prefill):
             if side is not None:
-                await side.stop()
+                await _bounded(side.stop(), "P/D shutdown")
         if self._runner is not None:
-            await asyncio.to_thread(self._runner.stop)
-        await self._outbound.join()
+            await asyncio.to_thread(self._runner.stop, STOP_STEP_TIMEOUT_S)
+        await self._close_bus()
+
+    async def _close_bus(self) -> None:
+        """Publish what is queued, then drain NATS; each step bounded in time."""
+        await _bounded(self._outbound.join(), "publishing the last messages")
         await self._tasks.cancel_all()
-        if self._nc is not None:
-            with contextlib.suppress(Exception):
-                await self._nc.drain()
+        nc = self._nc
+        if nc is None or nc.is_closed:
+            return
+        if nc.is_connected and await _bounded(nc.drain(), "NATS drain"):
+            return
+        await _bounded(nc.close(), "NATS close")
+
+    def crashed(self, reason: str) -> None:
+        """Runner callback (on the loop): the step loop died. Stop heartbeating now, fail
+        every request held with an `engine_crashed` error, and let the process exit."""
+        if self.crashed_reason is not None:
+            return
+        log.error("engine %s crashed, failing all requests: %s", self.config.engine_id, reason)
+        self.crashed_reason = reason
+        self._accepting = False
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        for request_id in list(self._streams):
+            self._send_error(request_id, reason, 500, crashed=True)
+        self.crashed_event.set()
+
+    async def abandon(self) -> None:
+        """After a crash: deliver the error chunks (bounded in time) and close the bus."""
+        for side in (self._decode, self._prefill):
+            if side is not None:
+                await _bounded(side.stop(), "P/D shutdown")
+        await self._close_bus()
 
     def _engine_now(self) -> Engine:
         assert self._runner is not None and self._runner.engine is not None
@@ -219,7 +302,11 @@ class EngineService:
                 await self._publish_now(msg.reply, ErrorReply(str(e)).encode())
             return
         if not self._accepting:
-            self._send_chunk(req.reply_to, req.request_id, 0, error=("engine shutting down", 503))
+            reason = self.crashed_reason
+            error = ("engine shutting down", 503) if reason is None else (reason, 500)
+            self._send_chunk(
+                req.reply_to, req.request_id, 0, error=error, crashed=reason is not None
+            )
             return
         if req.request_id in self._streams:
             self._send_chunk(req.reply_to, req.request_id, 0, error=("duplicate id", 400))
@@ -245,6 +332,10 @@ class EngineService:
             )
         except InvalidRequestError as e:
             self._send_error(req.request_id, str(e), 400)
+        except EngineCrashedError as e:
+            self._send_error(req.request_id, str(e), 500, crashed=True)
+        except Exception as e:  # the runner isolated it to this request's command
+            self._send_error(req.request_id, f"engine error: {e}", 500)
 
     async def _on_abort(self, msg: Msg) -> None:
         try:
@@ -294,7 +385,14 @@ class EngineService:
                 if self._decode is not None:
                     self._decode.finished(u.request_id)
 
-    def _send_chunk(self, reply_to: str, request_id: str, seq: int, error: tuple[str, int]) -> None:
+    def _send_chunk(
+        self,
+        reply_to: str,
+        request_id: str,
+        seq: int,
+        error: tuple[str, int],
+        crashed: bool = False,
+    ) -> None:
         chunk = TokenChunk(
             request_id,
             seq,
@@ -303,13 +401,14 @@ class EngineService:
             finished=True,
             error=error[0],
             error_code=error[1],
+            engine_crashed=crashed,
         )
         self._outbound.put_nowait((reply_to, chunk.encode()))
 
-    def _send_error(self, request_id: str, message: str, code: int) -> None:
+    def _send_error(self, request_id: str, message: str, code: int, crashed: bool = False) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            self._send_chunk(stream.reply_to, request_id, stream.seq, (message, code))
+            self._send_chunk(stream.reply_to, request_id, stream.seq, (message, code), crashed)
             if self._runner is not None:
                 self._runner.abort(request_id)
 
@@ -374,15 +473,32 @@ class EngineService:
             subject, data = await self._outbound.get()
             try:
                 await self._nc.publish(subject, data)
-            except Exception:
-                log.exception("publish to %s failed", subject)
+            except Exception as e:  # NATS down and its buffer full: this message is lost
+                log.warning("publish to %s failed: %s", subject, _brief(e))
             finally:
                 self._outbound.task_done()
+
+    def _cache_gauges(self) -> dict[str, Any]:
+        """The heartbeat's cache fields, from `engine.cache_stats()`: plain counters the
+        runner thread keeps, read here without a lock (a heartbeat may be one step stale)."""
+        engine = self._runner.engine if self._runner is not None else None
+        if engine is None:
+            return {}
+        s = engine.cache_stats()
+        device_used = s["device_pages"] - s["device_pages_free"]
+        host_pages = s["host_pages"]
+        return {
+            "token_usage": device_used / max(1, s["device_pages"]),
+            "host_token_usage": s["host_pages_cached"] / host_pages if host_pages else 0.0,
+            "cached_tokens": s["cached_tokens_device"] + s["cached_tokens_host"],
+            "num_loads": s["loads"],
+            "num_backups": s["backups"],
+        }
 
     async def _heartbeats(self) -> None:
         assert self._nc is not None and self._runner is not None
         cfg = self.config
-        while True:
+        while self.crashed_reason is None:  # a crashed engine never announces itself
             load = self._runner.load
             hb = Heartbeat(
                 cfg.engine_id,
@@ -399,7 +515,23 @@ class EngineService:
                 load.inflight_tokens,
                 cfg.heartbeat_interval_s,
                 cfg.role,
+                **self._cache_gauges(),
             )
             with contextlib.suppress(Exception):
                 await self._nc.publish(subj.HEARTBEAT, hb.encode())
             await asyncio.sleep(cfg.heartbeat_interval_s)
+
+
+def _brief(e: BaseException) -> str:
+    """An exception in one line (nats.py errors often have an empty str())."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+async def _bounded(aw: Any, what: str, timeout_s: float = STOP_STEP_TIMEOUT_S) -> bool:
+    """Await `aw` for at most `timeout_s`; False (logged in one line) when it failed."""
+    try:
+        await asyncio.wait_for(aw, timeout_s)
+        return True
+    except Exception as e:
+        log.warning("%s did not complete: %s", what, _brief(e))
+        return False
