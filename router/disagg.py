@@ -14,7 +14,9 @@ engine D, watching the prefill engine P):
 Retries (`retry_kind`), each kind at most once per request and only before the first chunk:
 "restore" (D could not restore the prefix it promised: the same engines again, with
 `reuse=False`), "prefill" (P failed or its KV never arrived: another prefill engine if one is
-live, else the same), "decode" (D refused or failed: another decode engine).
+live, else the same), "decode" (D refused or failed: another decode engine). Never retried:
+a request either engine was running when its step loop crashed ("engine_crashed": an error
+chunk so marked, or an admit refused with code 500), since it may be the cause.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ async def admit(stream: EngineStream, request: DecodeAdmit, timeout_s: float) ->
 def retry_kind(failure: EngineFailure, prefill_engine: str) -> str | None:
     """The retry a failed P/D attempt calls for: "restore", "prefill", "decode", or None
     when it must not be retried (the client saw output, or the request itself is bad)."""
-    if failure.num_chunks > 0 or failure.status < 500:
+    if failure.num_chunks > 0 or failure.status < 500 or failure.kind == "engine_crashed":
         return None
     if failure.kind == "restore_failed":
         return "restore"
@@ -113,7 +115,9 @@ def _error_reply(data: bytes) -> tuple[int, str] | None:
 
 
 def _refusal(engine_id: str, code: int, message: str) -> EngineFailure:
-    kind = "rejected" if code == 400 else "unavailable"
+    """400: the request is invalid; 500: the engine crashed while admitting it (not to be
+    retried); anything else: the engine cannot take it now."""
+    kind = {400: "rejected", 500: "engine_crashed"}.get(code, "unavailable")
     return EngineFailure(kind, engine_id, f"decode engine {engine_id}: {message}", 0)
 
 

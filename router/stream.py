@@ -42,6 +42,7 @@ FAILURE_STATUS = {  # EngineFailure.kind -> the HTTP status the client sees
     "bus": 503,  # NATS itself is unusable
     "restore_failed": 502,  # P/D: decode could not restore the prefix it promised
     "transfer_timeout": 504,  # P/D: decode gave up waiting for the prefill engine's KV
+    "engine_crashed": 500,  # the engine's step loop died with this request: never retried
 }
 
 # error chunk's error_code -> EngineFailure.kind (anything else: "engine_error")
@@ -68,7 +69,7 @@ class EngineFailure(Exception):
     @property
     def engine_broken(self) -> bool:
         """Whether the engine itself should sit out (not just this request failed)."""
-        return self.kind in ("timeout", "lost", "bad_message", "unavailable")
+        return self.kind in ("timeout", "lost", "bad_message", "unavailable", "engine_crashed")
 
 
 class ReplyHub:
@@ -244,6 +245,8 @@ class EngineStream:
         if chunk.error is not None:
             self.finished = True
             kind = self.errors.get(chunk.error_code, "engine_error")
+            if chunk.engine_crashed:
+                kind = "engine_crashed"
             raise self._failure(kind, f"engine {self.engine_id}: {chunk.error}")
         self.num_chunks += 1
         self.finished = chunk.finished
@@ -279,6 +282,8 @@ class EngineStream:
         if chunk.request_id != self.request_id or chunk.error is None:
             return
         kind = ENGINE_ERRORS.get(chunk.error_code, "engine_error")
+        if chunk.engine_crashed:
+            kind = "engine_crashed"
         raise self._failure(kind, f"prefill engine {self._watched}: {chunk.error}", self._watched)
 
     def _failure(self, kind: str, message: str, engine_id: str | None = None) -> EngineFailure:

@@ -85,6 +85,7 @@ class FakeEngine:
     silent_after_chunks: int | None = None  # go silent after sending this many chunks
     mute_generate: bool = False  # heartbeats continue, generate requests go unanswered
     error: tuple[int, str] | None = None  # answer every request with this error chunk
+    crashed: bool = False  # mark error chunks engine_crashed (its step loop died)
     flush_success: bool = True
     # --- what it saw
     received: list[GenerateRequest] = field(default_factory=list)
@@ -190,7 +191,9 @@ class FakeEngine:
         """Send the tokens of one request (`first`: extra fields of chunk 0)."""
         if self.error is not None:
             code, text = self.error
-            await self._send(reply_to, _error_chunk(request_id, self.engine_id, code, text))
+            await self._send(
+                reply_to, _error_chunk(request_id, self.engine_id, code, text, self.crashed)
+            )
             return
         tokens = expected_tokens(input_ids, sampling.max_new_tokens, self.vocab_size)
         stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else {EOS_ID})
@@ -253,8 +256,19 @@ class FakeEngine:
         await msg.respond(reply.encode())
 
 
-def _error_chunk(request_id: str, engine_id: str, code: int, text: str) -> TokenChunk:
-    return TokenChunk(request_id, 0, [], engine_id, finished=True, error=text, error_code=code)
+def _error_chunk(
+    request_id: str, engine_id: str, code: int, text: str, crashed: bool = False
+) -> TokenChunk:
+    return TokenChunk(
+        request_id,
+        0,
+        [],
+        engine_id,
+        finished=True,
+        error=text,
+        error_code=code,
+        engine_crashed=crashed,
+    )
 
 
 @dataclass
@@ -279,7 +293,8 @@ class FakePrefill(FakeEngine):
         if self.prefill_error is not None:
             code, text = self.prefill_error
             await self.nc.publish(
-                req.reply_to, _error_chunk(req.request_id, self.engine_id, code, text).encode()
+                req.reply_to,
+                _error_chunk(req.request_id, self.engine_id, code, text, self.crashed).encode(),
             )
             return
         first_token = expected_tokens(req.input_ids, 1, self.vocab_size)[0]

@@ -4,13 +4,30 @@ stops an engine while NATS is unreachable."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
+import nats
 import torch
+from bus_helpers import spawn_engine, wait_heartbeats
+from fake_engine import running_mesh
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from test_router import set_load
 
+from bus_schemas import GenerateRequest, Heartbeat, Sampling, TokenChunk
+from bus_schemas import subjects as subj
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import ReqState
+from router.keys import TABLE
+from services.launch.servers import ServerProcess, free_port, start_nats
 
 POISON = 7  # an embedding row set to NaN: a prompt holding it yields NaN logits
 
@@ -43,3 +60,187 @@ def test_a_request_that_fails_in_sampling_fails_alone() -> None:
     assert engine.cache.num_free_device_pages + engine.cache.tree.num_device_pages == free_before
     assert engine.generate(good[0], sp).output_ids == alone[0]  # still serving
     engine.check_integrity()
+
+
+# --------------------------------------------------------------- a step loop that dies
+
+CRASH_TOKEN = 3
+FLAGS = ["--page-size", "4", "--max-total-tokens", "2048", "--heartbeat-interval", "0.2"]
+
+
+class Collector:
+    """Every TokenChunk on one inbox, and every heartbeat of one engine, with arrival times."""
+
+    def __init__(self, nc: NATS, engine_id: str) -> None:
+        self.nc = nc
+        self.engine_id = engine_id
+        self.chunks: dict[str, list[TokenChunk]] = {}
+        self.heartbeats: list[float] = []
+        self.inbox = nc.new_inbox()
+
+    async def start(self) -> None:
+        await self.nc.subscribe(self.inbox, cb=self._on_chunk)
+        await self.nc.subscribe(subj.HEARTBEAT, cb=self._on_heartbeat)
+
+    async def _on_chunk(self, msg: Msg) -> None:
+        chunk = TokenChunk.decode(msg.data)
+        self.chunks.setdefault(chunk.request_id, []).append(chunk)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        if Heartbeat.decode(msg.data).engine_id == self.engine_id:
+            self.heartbeats.append(time.monotonic())
+
+    async def send(self, ids: list[int], max_new: int) -> str:
+        rid = uuid.uuid4().hex
+        req = GenerateRequest(rid, ids, Sampling(max_new, ignore_eos=True), self.inbox)
+        await self.nc.publish(subj.engine_generate(self.engine_id), req.encode())
+        return rid
+
+    def finished(self, rid: str) -> TokenChunk | None:
+        last = self.chunks.get(rid, [])[-1:]
+        return last[0] if last and last[0].finished else None
+
+
+async def test_a_step_loop_crash_fails_every_request_stops_heartbeats_and_exits(
+    nats_server: ServerProcess,
+) -> None:
+    """Requests running and queued when the step loop dies all get an error chunk marked
+    `engine_crashed`; heartbeats stop at once; the process exits non-zero."""
+    eid = "crashy"
+    flags = [*FLAGS, "--max-running-requests", "2", "--debug-crash-on-prompt-token"]
+    proc = spawn_engine(nats_server.url, eid, *flags, str(CRASH_TOKEN))
+    nc = await nats.connect(nats_server.url)
+    try:
+        await wait_heartbeats(nc, {eid})
+        col = Collector(nc, eid)
+        await col.start()
+        running = [await col.send(list(range(20 + i, 40 + i)), 500) for i in range(3)]
+        while not all(col.chunks.get(r) for r in running[:2]):  # two run, one is queued
+            await asyncio.sleep(0.02)
+        poison = await col.send([CRASH_TOKEN, 9, 10, 11], 4)
+        rids = [*running, poison]
+        for _ in range(500):
+            if all(col.finished(r) for r in rids):
+                break
+            await asyncio.sleep(0.02)
+        crashed_at = time.monotonic()
+        for rid in rids:
+            last = col.finished(rid)
+            assert last is not None, f"request {rid} got no final chunk"
+            assert last.engine_crashed and last.error_code == 500
+            assert last.error is not None and "crashed" in last.error
+        assert proc.wait(10) == 1
+        await asyncio.sleep(0.6)  # three heartbeat intervals
+        assert not [t for t in col.heartbeats if t > crashed_at], "heartbeats went on"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await nc.close()
+
+
+# --------------------------------------------------------------- SIGTERM with NATS down
+
+
+class LoggedEngine:
+    """An engine process whose stderr goes to a file the test can read while it runs."""
+
+    def __init__(self, tmp_path: Path, nats_url: str, engine_id: str, *flags: str) -> None:
+        self.log = tmp_path / f"{engine_id}.stderr"
+        argv = [sys.executable, "-m", "services.engine", "--engine-id", engine_id]
+        with self.log.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [*argv, "--nats-url", nats_url, *flags], stdout=subprocess.DEVNULL, stderr=err
+            )
+
+    @property
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def wait_for_log(self, text: str, timeout_s: float = 60) -> None:
+        for _ in range(int(timeout_s / 0.1)):
+            if text in self.stderr:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{text!r} never logged:\n{self.stderr[-3000:]}")
+
+    def terminate(self, deadline_s: float) -> int:
+        """SIGTERM; the exit code, or -1 when it did not exit within `deadline_s`."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(deadline_s)
+        except subprocess.TimeoutExpired:
+            return -1
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def test_sigterm_stops_an_engine_while_nats_is_down(tmp_path: Path) -> None:
+    """NATS dies under a running engine: reconnect attempts log one line each (no
+    traceback), with backoff, and SIGTERM still stops the engine within its grace period
+    plus a margin."""
+    server = start_nats()
+    grace = 1.0
+    engine = LoggedEngine(tmp_path, server.url, "lonely", *FLAGS, "--shutdown-grace", str(grace))
+    try:
+        nc = await nats.connect(server.url)
+        await wait_heartbeats(nc, {"lonely"})
+        await nc.close()
+        server.stop()
+        await engine.wait_for_log("next attempt in")
+        await asyncio.sleep(2.5)  # several more attempts
+        code = engine.terminate(grace + 8)
+    finally:
+        server.stop()
+        engine.kill()
+    err = engine.stderr
+    assert code == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    attempts = [line for line in err.splitlines() if "next attempt in" in line]
+    assert 2 <= len(attempts) <= 12, err[-3000:]  # backs off: not one every 0.1 s
+
+
+async def test_engine_starts_before_nats_and_stops_on_sigterm_without_it(tmp_path: Path) -> None:
+    """An engine started with no nats-server keeps retrying (one line per attempt), serves
+    once NATS comes up; and a SIGTERM while it waits for NATS stops it at once."""
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    early = LoggedEngine(tmp_path, url, "early", *FLAGS)
+    waiting = LoggedEngine(tmp_path, url, "never", *FLAGS)
+    server: ServerProcess | None = None
+    try:
+        await waiting.wait_for_log("next attempt in")
+        assert waiting.terminate(8) == 0, waiting.stderr[-3000:]
+        assert "Traceback" not in waiting.stderr, waiting.stderr[-3000:]
+        await early.wait_for_log("next attempt in")
+        server = start_nats(port)
+        nc = await nats.connect(url)
+        await wait_heartbeats(nc, {"early"}, timeout_s=30)
+        await nc.close()
+        assert early.terminate(15) == 0, early.stderr[-3000:]
+        assert "Traceback" not in early.stderr, early.stderr[-3000:]
+    finally:
+        early.kill()
+        waiting.kill()
+        if server is not None:
+            server.stop()
+
+
+async def test_router_never_retries_a_request_that_crashed_an_engine(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """A crash-marked error chunk before any token: 500 "engine_crashed", and the other
+    engine never sees the request (an unmarked 500 is still retried elsewhere)."""
+    async with running_mesh(nats_server.url, redis_server.url, 2) as mesh:
+        a, b = mesh.engines
+        await set_load(mesh, b, 100_000)
+        a.error, a.crashed = (500, "engine step loop crashed: boom"), True
+        r = await mesh.client.post("/v1/completions", json={"prompt": "hello"})
+        assert r.status == 500, await r.text()
+        err = (await r.json())["error"]
+        assert err["code"] == "engine_crashed" and "crashed" in err["message"]
+        assert len(a.received) == 1 and b.received == []
+        assert not mesh.client.app[TABLE].is_alive(a.engine_id)  # sits out at once

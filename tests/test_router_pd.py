@@ -72,6 +72,8 @@ def test_retry_kind_by_failure() -> None:
     assert retry_kind(f("rejected"), "p") is None  # a bad request: never retried
     assert retry_kind(f("rejected", "p"), "p") is None
     assert retry_kind(f("restore_failed", chunks=1), "p") is None  # the client saw output
+    assert retry_kind(f("engine_crashed"), "p") is None  # it may have crashed the engine
+    assert retry_kind(f("engine_crashed", "p"), "p") is None
 
 
 # ------------------------------------------------------------------ serving
@@ -100,11 +102,11 @@ async def test_pd_path_when_both_roles_are_live(
         }
         assert body["usage"]["disaggregation"] == want_pd
         (admit,) = dec.admits
-        assert admit.input_ids == IDS and admit.sampling.max_new_tokens == 5
+        assert admit.input_ids.tolist() == IDS and admit.sampling.max_new_tokens == 5
         assert admit.reuse is True and admit.transfer_timeout_s == mesh.config.transfer_timeout_s
         (prefill,) = pre.prefills
         assert prefill.request_id == admit.request_id == body["id"].removeprefix("cmpl-")
-        assert prefill.decode_prefix_len == 8 and prefill.input_ids == IDS
+        assert prefill.decode_prefix_len == 8 and prefill.input_ids.tolist() == IDS
         assert prefill.kv_subject == subjects.engine_kv(dec.engine_id)
         assert prefill.reply_to != admit.reply_to
         assert col.received == [] and no_generate_requests(mesh)
@@ -373,3 +375,36 @@ async def test_health_flush_and_stats_with_roles(
         r = await mesh.client.post("/v1/completions", json={"prompt": "hi"})
         assert r.status == 503 and (await r.json())["error"]["code"] == "no_live_engine"
         assert pre.prefills == [] and pre.received == []
+
+
+async def test_a_request_that_crashed_an_engine_is_never_retried(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """Crash-marked errors from decode (chunk or admit refusal 500) or prefill end the
+    request with a 500 "engine_crashed"; no other engine of either role gets it."""
+    roles = ("prefill", "prefill", "decode", "decode")
+    async with running_mesh(nats_server.url, redis_server.url, roles=roles) as mesh:
+        pres, decs = mesh.prefills, mesh.decodes
+        for e in (*pres, *decs):
+            e.crashed = True
+        for e in decs:
+            e.error = (500, "engine step loop crashed: boom")
+        r = await mesh.client.post("/v1/completions", json={"prompt": PROMPT})
+        assert r.status == 500, await r.text()
+        assert (await r.json())["error"]["code"] == "engine_crashed"
+        assert sum(len(d.admits) for d in decs) == 1
+        assert sum(len(p.prefills) for p in pres) == 1
+    async with running_mesh(nats_server.url, redis_server.url, roles=roles) as mesh:
+        pres, decs = mesh.prefills, mesh.decodes
+        for e in pres:
+            e.crashed = True
+            e.prefill_error = (500, "engine step loop crashed: boom")
+        r = await mesh.client.post("/v1/completions", json={"prompt": PROMPT})
+        assert r.status == 500 and (await r.json())["error"]["code"] == "engine_crashed"
+        assert sum(len(p.prefills) for p in pres) == 1
+        assert sum(len(d.admits) for d in decs) == 1
+        for e in decs:
+            e.admit_error = (500, "engine step loop crashed: boom")
+        r = await mesh.client.post("/v1/completions", json={"prompt": PROMPT})
+        assert r.status == 500 and (await r.json())["error"]["code"] == "engine_crashed"
+        assert sum(len(d.admits) for d in decs) == 2  # one more, not two

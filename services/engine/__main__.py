@@ -1,12 +1,19 @@
-"""`python -m services.engine`: one engine service (role colocated) on NATS."""
+"""`python -m services.engine`: one engine service (colocated, prefill or decode) on NATS.
+
+Exit status: 0 after SIGTERM/SIGINT, 1 when the engine's step loop crashed (its supervisor
+restarts it), 2 for bad flags.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from gpu_worker.engine.args import add_engine_args, engine_config_from_args
 from services.engine.pd import PDConfig
@@ -52,11 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="test hook: die after sending N KV frames",
     )
+    parser.add_argument(
+        "--debug-crash-on-prompt-token",
+        type=int,
+        default=None,
+        help="test hook: the step loop dies when a running request's prompt holds this token",
+    )
     add_engine_args(parser)
     return parser
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace) -> int:
+    """Run the engine until a signal (returns 0) or a crash of its step loop (returns 1)."""
     pd = PDConfig(
         chunk_pages=args.disaggregation_chunk_pages,
         window=args.disaggregation_window,
@@ -73,16 +87,41 @@ async def serve(args: argparse.Namespace) -> None:
         bucket=args.bucket,
         heartbeat_interval_s=args.heartbeat_interval,
         shutdown_grace_s=args.shutdown_grace,
+        debug_crash_on_prompt_token=args.debug_crash_on_prompt_token,
     )
     service = EngineService(config, engine_config_from_args(args))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await service.start()
+    if not await _until(service.start(), stop):  # SIGTERM while NATS was not up yet
+        await service.stop()
+        return 0
     print(f"engine {args.engine_id} ready", flush=True)
-    await stop.wait()
+    await _until(service.crashed_event.wait(), stop)
+    if service.crashed_reason is not None:
+        await service.abandon()
+        return 1
     await service.stop()
+    return 0
+
+
+async def _until(aw: Coroutine[Any, Any, Any], stop: asyncio.Event) -> bool:
+    """Await `aw` unless `stop` is set first (then cancel it); whether `aw` completed."""
+    work = asyncio.ensure_future(aw)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, stopped):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    if work.done() and not work.cancelled():
+        work.result()  # raises what start raised
+        return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,11 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        uvloop.run(serve(args))
+        return uvloop.run(serve(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from nats.aio.msg import Msg
 
@@ -34,12 +35,19 @@ from bus_schemas.kv_frame import KVFrameHeader, decode_frame, encode_frame, peek
 from gpu_worker.engine.engine import InvalidRequestError
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import CachedTokens, KVExport
-from services.engine.runner import Admission, EngineRunner
+from services.engine.runner import Admission, EngineCrashedError, EngineRunner
 from services.tasks import OwnedTasks
 
 log = logging.getLogger(__name__)
 
 Publish = Callable[..., Awaitable[None]]  # (subject, data, reply="") -> None
+
+
+class FailStream(Protocol):
+    """End a request's stream with an error chunk (silently with an empty message);
+    `crashed`: the engine's step loop died with it (the router retries it nowhere)."""
+
+    def __call__(self, request_id: str, message: str, code: int, crashed: bool = False) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +87,7 @@ class DecodeSide:
         runner: EngineRunner,
         publish: Publish,
         open_stream: Callable[[str, str], None],
-        fail_stream: Callable[[str, str, int], None],
+        fail_stream: FailStream,
     ) -> None:
         self.engine_id = engine_id
         self.runner = runner
@@ -109,6 +117,10 @@ class DecodeSide:
         except InvalidRequestError as e:
             self.fail_stream(req.request_id, "", 0)
             await self._reply(msg, self._refusal(req.request_id, str(e), 400))
+            return
+        except EngineCrashedError as e:  # 500: the router must not retry it elsewhere
+            self.fail_stream(req.request_id, "", 0)
+            await self._reply(msg, self._refusal(req.request_id, str(e), 500))
             return
         except RuntimeError as e:
             self.fail_stream(req.request_id, "", 0)
@@ -211,7 +223,7 @@ class PrefillSide:
         publish: Publish,
         config: PDConfig,
         open_stream: Callable[[str, str], None],
-        fail_stream: Callable[[str, str, int], None],
+        fail_stream: FailStream,
         close_stream: Callable[[str], None],
     ) -> None:
         self.engine_id = engine_id
@@ -251,6 +263,9 @@ class PrefillSide:
         except InvalidRequestError as e:
             self.jobs.pop(req.request_id, None)
             self.fail_stream(req.request_id, str(e), 400)
+        except EngineCrashedError as e:
+            self.jobs.pop(req.request_id, None)
+            self.fail_stream(req.request_id, str(e), 500, True)
 
     async def on_ack(self, msg: Msg) -> None:
         try:

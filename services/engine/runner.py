@@ -5,6 +5,11 @@ thread-safe queue (`submit`, `abort`, `call`), and the runner reports back throu
 `Outbox` callbacks that it schedules onto the service's event loop: new tokens per request,
 KV events, and answers to calls. One thread owns the engine, so the scheduler stays the one
 writer of the tree.
+
+A request's own failure (e.g. in its sampling) is the scheduler's to isolate: it finishes
+that request with an error. Anything that escapes `engine.step()` kills the step loop: the
+runner fails every pending command, then tells the service (`Outbox.crashed`), which stops
+heartbeating, fails every request it holds and exits the process.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -67,6 +72,14 @@ class Outbox(Protocol):
 
     def kv_events(self, events: list[tuple[str, str, list[str]]]) -> None: ...
 
+    def crashed(self, reason: str) -> None:
+        """The step loop died: this runner takes no more work."""
+        ...
+
+
+class EngineCrashedError(RuntimeError):
+    """The engine's step loop died; no command runs any more."""
+
 
 @dataclass(slots=True)
 class _Tracked:
@@ -74,6 +87,17 @@ class _Tracked:
     req: Req
     sent: int = 0
     admitted: Future[Admission] | None = None  # P/D decode: resolves on admission
+
+
+def _run_command(command: Callable[[], None], done: Future[Any]) -> None:
+    """Run one command between steps; an error it did not expect goes to its caller (one
+    request's submit or write), not to the step loop."""
+    try:
+        command()
+    except Exception as e:
+        log.exception("engine command failed")
+        if not done.done():
+            done.set_exception(e)
 
 
 def _received(req: Req) -> tuple[int, int, int] | None:
@@ -92,12 +116,16 @@ class EngineRunner:
         loop: asyncio.AbstractEventLoop,
         outbox: Outbox,
         idle_wait_s: float = 0.02,
+        debug_crash_on_token: int | None = None,
     ) -> None:
         self._config = config
         self._loop = loop
         self._outbox = outbox
         self._idle_wait_s = idle_wait_s
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._debug_crash_on_token = debug_crash_on_token
+        self._commands: queue.Queue[tuple[Callable[[], None], Future[Any]]] = queue.Queue()
+        self._dead: str | None = None  # why the step loop died; guarded by _lock
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._tracked: dict[int, _Tracked] = {}
         self._by_request: dict[str, int] = {}
@@ -116,7 +144,7 @@ class EngineRunner:
     def submit(
         self,
         request_id: str,
-        input_ids: list[int],
+        input_ids: Sequence[int],
         sampling: SamplingParams,
         cache_salt: str,
         *,
@@ -152,7 +180,7 @@ class EngineRunner:
             else:
                 done.set_result(None)
 
-        self._commands.put(command)
+        self._put(command, done)
         return done
 
     def write_kv(
@@ -179,7 +207,7 @@ class EngineRunner:
             except ValueError as e:
                 done.set_exception(e)
 
-        self._commands.put(command)
+        self._put(command, done)
         return done
 
     def abort(self, request_id: str) -> None:
@@ -188,7 +216,7 @@ class EngineRunner:
             if rid is not None and self.engine is not None:
                 self.engine.abort(rid)
 
-        self._commands.put(command)
+        self._put(command, Future())
 
     def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
         """Run `fn(engine)` on the runner thread between steps (flush, stats, snapshot)."""
@@ -201,8 +229,17 @@ class EngineRunner:
             except Exception as e:  # the caller gets the error through the future
                 done.set_exception(e)
 
-        self._commands.put(command)
+        self._put(command, done)
         return done
+
+    def _put(self, command: Callable[[], None], done: Future[Any]) -> None:
+        """Queue `command`, whose result goes to `done`; fails `done` at once when dead."""
+        with self._lock:
+            if self._dead is None:
+                self._commands.put((command, done))
+                return
+            reason = self._dead
+        done.set_exception(EngineCrashedError(reason))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
@@ -220,39 +257,53 @@ class EngineRunner:
         except Exception as e:
             self._ready.set_exception(e)
             return
-        self._ready.set_result(None)
         engine = self.engine
+        if self._ready.cancelled():  # the service stopped while the engine was being built
+            engine.close()
+            return
+        self._ready.set_result(None)
         try:
-            worked = True
-            while not self._stop.is_set():
-                # Block briefly when there is nothing to compute (idle, or only waiting for
-                # loads / P/D KV): commands wake it at once, copies finish within the wait.
-                self._run_commands(block=engine.scheduler.idle or not worked)
-                if engine.scheduler.idle and not engine.has_pending:
-                    self._publish_events()
-                    continue
-                engine.step()
-                worked = engine.scheduler.last_step_worked
-                self._publish_tokens()
-                self._publish_events()
-        except Exception:
-            log.exception("engine runner crashed")
-            self._fail_all("engine failure")
-            raise
+            self._loop_steps(engine)
+        except Exception as e:
+            log.exception("engine step loop crashed")
+            self._die(f"engine step loop crashed: {type(e).__name__}: {e}")
         finally:
             engine.close()
 
+    def _loop_steps(self, engine: Engine) -> None:
+        worked = True
+        while not self._stop.is_set():
+            # Block briefly when there is nothing to compute (idle, or only waiting for
+            # loads / P/D KV): commands wake it at once, copies finish within the wait.
+            self._run_commands(block=engine.scheduler.idle or not worked)
+            if engine.scheduler.idle and not engine.has_pending:
+                self._publish_events()
+                continue
+            self._debug_crash()
+            engine.step()
+            worked = engine.scheduler.last_step_worked
+            self._publish_tokens()
+            self._publish_events()
+
+    def _debug_crash(self) -> None:
+        """Test hook (`--debug-crash-on-prompt-token`): a step with a request whose prompt
+        holds the token raises, as a bug in the batched forward would."""
+        token = self._debug_crash_on_token
+        if token is not None and any(token in t.req.prompt_ids for t in self._tracked.values()):
+            raise RuntimeError(f"debug crash: a prompt holds token {token}")
+
     def _run_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=self._idle_wait_s if block else 0)
+            item = self._commands.get(timeout=self._idle_wait_s if block else 0)
         except queue.Empty:
             return
-        command()
+        _run_command(*item)
         while True:
             try:
-                self._commands.get_nowait()()
+                item = self._commands.get_nowait()
             except queue.Empty:
                 return
+            _run_command(*item)
 
     def _publish_tokens(self) -> None:
         updates = []
@@ -318,11 +369,21 @@ class EngineRunner:
         if events:
             self._loop.call_soon_threadsafe(self._outbox.kv_events, events)
 
-    def _fail_all(self, reason: str) -> None:
-        updates = [
-            TokenUpdate(t.request_id, [], t.req.prompt_len, 0, 0, True, None, (reason, 500))
-            for t in self._tracked.values()
-        ]
+    def _die(self, reason: str) -> None:
+        """Refuse all further commands, fail the queued ones and every admission still
+        awaited, then tell the service (after any token updates already scheduled)."""
+        with self._lock:
+            self._dead = reason
+        while True:
+            try:
+                _, done = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if not done.done():
+                done.set_exception(EngineCrashedError(reason))
+        for t in self._tracked.values():
+            if t.admitted is not None and not t.admitted.done():
+                t.admitted.set_exception(EngineCrashedError(reason))
         self._tracked.clear()
-        if updates:
-            self._loop.call_soon_threadsafe(self._outbox.tokens, updates)
+        self._by_request.clear()
+        self._loop.call_soon_threadsafe(self._outbox.crashed, reason)
