@@ -3,18 +3,24 @@
 A message is a frozen dataclass deriving from `Message`. `encode()` writes its fields plus
 `"type"` and `"v"`; `decode()` rejects an unknown type or version, a missing or unknown
 field, or a value of the wrong type with `SchemaError` (never a crash in the consumer).
-Field types allowed: int, float, str, bool, None, `X | None`, `list[X]`, `dict[str, X]`
-and nested `Message` subclasses.
+Field types allowed: int, float, str, bool, None, `X | None`, `list[X]`, `dict[str, X]`,
+nested `Message` subclasses, and `TokenIds` (array('I')), which travels as one base64 string of
+its uint32 little-endian bytes: 4 bytes per id before base64 instead of a JSON list, encoded
+and decoded in C, strictly (bad base64 or a length not a multiple of 4 is a SchemaError).
 """
 
 from __future__ import annotations
 
+import binascii
 import dataclasses
 import types
 import typing
+from array import array
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import orjson
+
+from bus_schemas.token_ids import TYPECODE, TokenIds, as_token_ids
 
 M = TypeVar("M", bound="Message")
 
@@ -95,6 +101,8 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _to_plain(value: Any) -> Any:
+    if isinstance(value, array):
+        return binascii.b2a_base64(as_token_ids(value).tobytes(), newline=False).decode("ascii")
     if isinstance(value, Message):
         return value.to_dict()
     if isinstance(value, list | tuple):
@@ -154,6 +162,23 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise SchemaError(f"{where}: expected an object, got {type(value).__name__}")
         return hint.from_dict(value, where)
+    if hint is TokenIds:
+        return _token_ids(value, where)
     if hint is typing.Any:
         return value
     raise SchemaError(f"{where}: unsupported schema type {hint}")
+
+
+def _token_ids(value: Any, where: str) -> array:
+    """A base64 string of uint32 little-endian bytes -> array('I')."""
+    if not isinstance(value, str):
+        raise SchemaError(f"{where}: expected base64 token ids, got {type(value).__name__}")
+    try:
+        raw = binascii.a2b_base64(value, strict_mode=True)
+    except (binascii.Error, ValueError) as e:
+        raise SchemaError(f"{where}: bad base64 token ids: {e}") from None
+    if len(raw) % 4:
+        raise SchemaError(f"{where}: token id bytes must be a multiple of 4, got {len(raw)}")
+    out = array(TYPECODE)
+    out.frombytes(raw)
+    return out

@@ -9,6 +9,7 @@ response's usage). Lines are written and flushed as requests finish.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,7 +31,7 @@ class Recorder:
         endpoint: str,
         status: int,
         body: Any,
-        input_ids: list[int],
+        input_ids: Sequence[int],
         outcome: Outcome | None,
         error: str | None = None,
     ) -> None:
@@ -39,7 +40,7 @@ class Recorder:
             "endpoint": endpoint,
             "status": status,
             "request": body,
-            "input_ids": input_ids,
+            "input_ids": list(input_ids),
             "output_ids": outcome.output_ids if outcome else [],
             "text": outcome.text if outcome else "",
             "finish_reason": outcome.finish_reason if outcome else None,
