@@ -2,23 +2,61 @@
 
 Greedy generation on the float64 tiny model, cold with the radix cache off, must give the
 same tokens with device hits and with hits forced into the host tier, for every write policy
-and host layout. Cached-token counts are checked against an independent brute-force model
-of what each tier holds, not against the tree itself.
+and host layout. Tokens alone are a weak oracle (a model that keeps repeating a few tokens can
+hide KV written a page off), so every step's float64 logits must equal the cold run's
+exactly (`Req.logits_trace`). Cached-token counts are checked against an independent
+brute-force model of what each tier holds, not against the tree itself.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pytest
+import torch
 
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.scheduler.request import GenerateOutput
 from gpu_worker.scheduler.scheduler import SchedulerConfig
 
 PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Cold:
+    """The cold reference of one prompt: its tokens and each step's logits (steps, vocab)."""
+
+    output_ids: list[int]
+    logits: torch.Tensor
+
+
+def generate_traced(
+    eng: Engine, prompts: Sequence[list[int]]
+) -> list[tuple[GenerateOutput, torch.Tensor]]:
+    """Run `prompts` together, keeping each step's logits: [(output, (steps, vocab))]."""
+    reqs = [eng.submit(p, GREEDY) for p in prompts]
+    for req in reqs:
+        req.logits_trace = []
+    outs = eng.run(reqs)
+    return [(o, torch.stack(r.logits_trace or [])) for o, r in zip(outs, reqs, strict=True)]
+
+
+def traced(eng: Engine, prompt: list[int]) -> tuple[GenerateOutput, torch.Tensor]:
+    return generate_traced(eng, [prompt])[0]
+
+
+def assert_matches_cold(out: GenerateOutput, logits: torch.Tensor, want: Cold) -> None:
+    """Same tokens and bit-identical float64 logits at every step."""
+    assert out.output_ids == want.output_ids
+    assert logits.dtype == torch.float64 and logits.shape == want.logits.shape
+    assert torch.equal(logits, want.logits), (
+        f"logits differ from the cold run by up to {(logits - want.logits).abs().max().item():.3g}"
+    )
 
 
 def make_prompts(seed: int = 7) -> list[list[int]]:
@@ -52,7 +90,10 @@ def expected_hit(prompt: list[int], held: list[list[int]]) -> int:
 
 
 def engine(cache: CacheConfig, chunk: int = 512) -> Engine:
-    return Engine(EngineConfig(cache=cache, scheduler=SchedulerConfig(chunked_prefill_size=chunk)))
+    """A float64 tiny engine whose rows are batch-invariant, so logits can be compared exactly."""
+    eng = Engine(EngineConfig(cache=cache, scheduler=SchedulerConfig(chunked_prefill_size=chunk)))
+    eng.model.set_batch_invariant(True)
+    return eng
 
 
 @pytest.fixture(scope="module")
@@ -61,21 +102,29 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cold(prompts: list[list[int]]) -> list[list[int]]:
+def cold(prompts: list[list[int]]) -> list[Cold]:
     eng = engine(CacheConfig(page_size=PAGE, num_device_pages=256, enable_radix_cache=False))
-    outs = [eng.generate(p, GREEDY) for p in prompts]
-    assert all(o.cached.total == 0 for o in outs)
+    runs = [traced(eng, p) for p in prompts]
+    assert all(o.cached.total == 0 for o, _ in runs)
     assert eng.cache.num_free_device_pages == 256
-    return [o.output_ids for o in outs]
+    return [Cold(o.output_ids, logits) for o, logits in runs]
 
 
-def test_device_hits_match_cold(prompts: list[list[int]], cold: list[list[int]]) -> None:
+def test_cold_reference_is_varied(cold: list[Cold]) -> None:
+    """The oracle is only as strong as the outputs are varied: no prompt's continuation is one
+    repeated token, and prompts with different suffixes continue differently."""
+    assert all(len(set(c.output_ids)) >= 4 for c in cold), [c.output_ids for c in cold]
+    assert len({tuple(c.output_ids) for c in cold}) == len(cold)
+    assert all(c.logits.shape == (GREEDY.max_new_tokens, 260) for c in cold)
+
+
+def test_device_hits_match_cold(prompts: list[list[int]], cold: list[Cold]) -> None:
     eng = engine(CacheConfig(page_size=PAGE, num_device_pages=256), chunk=8)
     held: list[list[int]] = []
     for turn in range(2):
         for p, want in zip(prompts, cold, strict=True):
-            out = eng.generate(p, GREEDY)
-            assert out.output_ids == want
+            out, logits = traced(eng, p)
+            assert_matches_cold(out, logits, want)
             assert out.cached.host == 0
             assert out.cached.device == expected_hit(p, held), f"turn {turn}"
             held.append(kv_tokens(p, out.output_ids))
@@ -84,12 +133,13 @@ def test_device_hits_match_cold(prompts: list[list[int]], cold: list[list[int]])
     assert eng.cache_stats()["cached_tokens_device"] > 0
 
 
-def test_batched_requests_match_cold(prompts: list[list[int]], cold: list[list[int]]) -> None:
+def test_batched_requests_match_cold(prompts: list[list[int]], cold: list[Cold]) -> None:
     eng = engine(CacheConfig(page_size=PAGE, num_device_pages=256), chunk=16)
-    outs = eng.generate_batch(prompts, GREEDY)
-    assert [o.output_ids for o in outs] == cold
-    outs = eng.generate_batch(prompts, GREEDY)  # everything now cached
-    assert [o.output_ids for o in outs] == cold
+    for _ in range(2):  # the second time everything is cached
+        runs = generate_traced(eng, prompts)
+        for (out, logits), want in zip(runs, cold, strict=True):
+            assert_matches_cold(out, logits, want)
+    outs = [o for o, _ in runs]
     assert [o.cached.device for o in outs] == [(len(p) - 1) // PAGE * PAGE for p in prompts]
     eng.check_integrity()
 
@@ -97,7 +147,7 @@ def test_batched_requests_match_cold(prompts: list[list[int]], cold: list[list[i
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 def test_host_hits_match_cold(
-    prompts: list[list[int]], cold: list[list[int]], policy: str, layout: str
+    prompts: list[list[int]], cold: list[Cold], policy: str, layout: str
 ) -> None:
     cfg = CacheConfig(
         page_size=PAGE,
@@ -113,7 +163,8 @@ def test_host_hits_match_cold(
     # back the matched paths up). Then the device cache is emptied: what was backed up stays
     # on the host.
     for _ in range(2):
-        assert [eng.generate(p, GREEDY).output_ids for p in prompts] == cold
+        for p, want in zip(prompts, cold, strict=True):
+            assert_matches_cold(*traced(eng, p), want)
     eng.cache.drain()
     eng.cache.evict_device(eng.cache.tree.num_device_pages)
     assert eng.cache.tree.num_device_pages == 0
@@ -122,8 +173,8 @@ def test_host_hits_match_cold(
 
     on_device: list[list[int]] = []  # what pass 3 puts back on the device, request by request
     for p, want in zip(prompts, cold, strict=True):
-        out = eng.generate(p, GREEDY)
-        assert out.output_ids == want
+        out, logits = traced(eng, p)
+        assert_matches_cold(out, logits, want)
         device = expected_hit(p, on_device)
         total = (len(p) - 1) // PAGE * PAGE  # every prompt's prefix was backed up in pass 2
         assert (out.cached.device, out.cached.host) == (device, total - device)
@@ -135,7 +186,7 @@ def test_host_hits_match_cold(
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_small_device_pool_spills_to_host(
-    prompts: list[list[int]], cold: list[list[int]], policy: str
+    prompts: list[list[int]], cold: list[Cold], policy: str
 ) -> None:
     """A device pool of a few requests: LRU eviction pushes prefixes to the host, reused later."""
     cfg = CacheConfig(
@@ -147,7 +198,8 @@ def test_small_device_pool_spills_to_host(
     )
     eng = engine(cfg, chunk=8)
     for _ in range(2):
-        assert [eng.generate(p, GREEDY).output_ids for p in prompts] == cold
+        for p, want in zip(prompts, cold, strict=True):
+            assert_matches_cold(*traced(eng, p), want)
     assert eng.cache.stats.host_hit_tokens > 0
     eng.cache.drain()
     eng.check_integrity()

@@ -194,3 +194,42 @@ def test_byte_tokenizer_round_trips_utf8() -> None:
     assert tok.decode([tok.bos_token_id, *ids, *tok.eos_token_ids]) == text
     assert tok.decode(ids[:-1]).endswith("\ufffd")  # a cut multi-byte character
     assert tok.vocab_size == PRESETS["tiny"].vocab_size
+
+
+@torch.no_grad()
+def test_greedy_continuations_are_varied_and_differ_between_prompts() -> None:
+    """The float64 oracle compares outputs: they must carry information. Greedy continuations
+    of several prompts use many distinct tokens, and no two prompts continue alike."""
+    _, model = build_model("tiny", DEVICE, DTYPE, seed=0)
+    continuations = []
+    for seed in range(6):
+        tokens = prompt(20, seed=seed + 10)
+        cache, slots = DenseKVCache(model, 64), torch.arange(64)
+        logits = run_chunks(model, cache, tokens, [20], slots)[-1]
+        generated = []
+        for _ in range(16):
+            generated.append(int(logits.argmax()))
+            tokens.append(generated[-1])
+            logits = run_chunks(model, cache, tokens, [len(tokens) - 1, 1], slots)[-1]
+        continuations.append(generated)
+    assert all(len(set(g)) >= 8 for g in continuations), continuations
+    assert len({tuple(g[:4]) for g in continuations}) == len(continuations), continuations
+
+
+@torch.no_grad()
+def test_batch_invariant_rows_are_bit_identical() -> None:
+    """With batch invariance a token's logits do not depend on how its sequence was chunked or
+    what else shares the batch (torch's own matmul/SDPA differ in the last bits)."""
+    _, model = build_model("tiny", DEVICE, DTYPE, seed=0, batch_invariant=True)
+    tokens = prompt(20)
+    slots = torch.arange(len(tokens))
+    whole = run_chunks(model, DenseKVCache(model, 32), tokens, [20], slots)[-1]
+    chunked = run_chunks(model, DenseKVCache(model, 32), tokens, [7, 5, 8], slots)[-1]
+    decoded = run_chunks(model, DenseKVCache(model, 32), tokens, [12] + [1] * 8, slots)[-1]
+    assert torch.equal(whole, chunked) and torch.equal(whole, decoded)
+    # the same request next to another in one ragged batch
+    other = prompt(9, seed=9)
+    cache = DenseKVCache(model, 64)
+    seqs = [(other, 0, torch.arange(32, 41)), (tokens, 0, slots)]
+    assert torch.equal(model(ForwardBatch.build(seqs, DEVICE), cache)[1], whole)
+    torch.testing.assert_close(whole, reference_logits(model, tokens)[-1], atol=ATOL, rtol=0)

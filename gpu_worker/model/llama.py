@@ -2,6 +2,12 @@
 
 All linear layers run once over the concatenated new tokens of the batch (T, hidden);
 attention runs per request, its new queries over the request's whole cached sequence.
+
+With `batch_invariant` (SGLang's `--enable-deterministic-inference`), every row's result is
+bit-identical whatever else is in the batch: torch's CPU matmul and SDPA pick kernels by
+shape, so a token computed in a 1-row decode step and in a 64-row prefill chunk differ in
+the last bits. The float64 cache oracle needs that invariance to demand identical logits
+from a cache hit and a cold run; it costs speed and is off by default.
 Module names follow Hugging Face (`layers.{i}.self_attn.q_proj`, ...) so that a checkpoint
 maps onto this model by dropping the `model.` prefix.
 """
@@ -16,6 +22,49 @@ from torch import nn
 
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.forward_batch import ForwardBatch, KVCache
+
+_INVARIANT_ROWS = 64  # rows per block in the batch-invariant ops: bounds their temporaries
+
+
+def batch_invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (T, in) @ weight (out, in).T + bias, each output row reduced on its own, in a fixed
+    order, so it does not depend on T (an elementwise product and a last-dim sum per row)."""
+    out = torch.cat(
+        [
+            (x[i : i + _INVARIANT_ROWS, None, :] * weight).sum(-1)
+            for i in range(0, len(x), _INVARIANT_ROWS)
+        ]
+    )  # (T, out)
+    return out if bias is None else out + bias
+
+
+def batch_invariant_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Like `causal_attention` (q (n, H, D), k/v (S, H, D) with heads already repeated, mask
+    (n, S)), each query row on its own: the result of a row does not depend on n."""
+    scale = q.shape[-1] ** -0.5
+    rows = []
+    for i in range(0, q.shape[0], _INVARIANT_ROWS):
+        qb, mb = q[i : i + _INVARIANT_ROWS], mask[i : i + _INVARIANT_ROWS]
+        scores = (qb[:, None] * k[None]).sum(-1) * scale  # (b, S, H)
+        scores = scores.masked_fill(~mb[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=1)  # (b, S, H)
+        rows.append((probs[..., None] * v[None]).sum(1))  # (b, H, D)
+    return torch.cat(rows)  # (n, H, D)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters and names) that can run batch-invariantly."""
+
+    batch_invariant: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return batch_invariant_linear(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -118,12 +167,18 @@ class AttentionPlan:
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """One request: q (n, n_heads, D), k/v (S, n_kv_heads, D), mask (n, S) -> (n, n_heads, D)."""
     group_size = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group_size, dim=1)  # (S, n_heads, D)
     v = v.repeat_interleave(group_size, dim=1)  # (S, n_heads, D)
+    if batch_invariant:
+        return batch_invariant_attention(q, k, v, mask)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
     )  # (n_heads, n, D)
@@ -134,6 +189,8 @@ class Attention(nn.Module):
     """GQA self-attention. Head counts are this module's own (local), so a tensor-parallel
     shard only needs to construct it with fewer heads and slice the weights."""
 
+    batch_invariant: bool = False
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -142,10 +199,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, q_size, bias=bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
 
     def forward(
         self,
@@ -165,7 +222,7 @@ class Attention(nn.Module):
         for span in plan.spans:
             k_seq, v_seq = kv_cache.get_kv(self.layer_id, span.slot_ids)  # (S, n_kv_heads, D)
             out[span.start : span.end] = causal_attention(
-                q[span.start : span.end], k_seq, v_seq, span.mask
+                q[span.start : span.end], k_seq, v_seq, span.mask, self.batch_invariant
             )
         return self.o_proj(out.view(T, self.num_heads * self.head_dim))  # (T, hidden)
 
@@ -175,9 +232,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -214,14 +271,22 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied: the logits reuse `embed_tokens.weight`, so there is no second parameter
         # whose sharing a device move or `to_empty` could silently break.
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.context_len, config.rope_theta)
+        self.batch_invariant = False  # set_batch_invariant()
 
     @property
     def num_layers(self) -> int:
         return self.config.num_layers
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Make every row's result independent of the batch around it (see the module doc)."""
+        self.batch_invariant = enabled
+        for module in self.modules():
+            if isinstance(module, Linear | Attention):
+                module.batch_invariant = enabled
 
     @property
     def num_kv_heads(self) -> int:
@@ -246,15 +311,23 @@ class LlamaModel(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normed hidden states (n, hidden) -> logits (n, vocab_size)."""
         if self.lm_head is None:
+            if self.batch_invariant:
+                return batch_invariant_linear(h, self.embed_tokens.weight, None)
             return F.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)
 
 
-def create_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> LlamaModel:
+def create_model(
+    config: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    batch_invariant: bool = False,
+) -> LlamaModel:
     """An inference-only model on `device` in `dtype` whose parameters are NOT initialised:
     the caller must fill every parameter (see `weights.py`). Nothing is allocated twice."""
     with torch.device("meta"):
         model = LlamaModel(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.rotary.reset_tables()
+    model.set_batch_invariant(batch_invariant)
     return model.eval().requires_grad_(False)

@@ -15,22 +15,36 @@ from gpu_worker.model.llama import LlamaModel, create_model
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
+# Random weights: how much larger q/k projections are than 1/sqrt(fan_in) (sharp attention).
+QK_SCALE = 3.0
+
 # Checkpoint tensors that carry no weights of ours (old Llama exports store RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def build_model(
-    name_or_path: str | Path, device: torch.device | str, dtype: torch.dtype, seed: int = 0
+    name_or_path: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    batch_invariant: bool = False,
+    context_len: int | None = None,
 ) -> tuple[ModelConfig, LlamaModel]:
     """A preset name (e.g. "tiny") gives seeded random weights; a directory is loaded as a
-    Hugging Face checkpoint (`seed` is then unused)."""
+    Hugging Face checkpoint (`seed` is then unused). `batch_invariant`: see `llama.py`.
+    `context_len` sets a preset's context length (random weights have no trained limit, so
+    `--context-length` may raise it, e.g. for 32K-token benchmarks); a checkpoint keeps its own."""
     if str(name_or_path) in PRESETS:
         config = PRESETS[str(name_or_path)]
-        model = create_model(config, device, dtype)
+        if context_len is not None:
+            config = config.replace(context_len=context_len)
+        model = create_model(config, device, dtype, batch_invariant)
         init_random_weights(model, seed)
         return config, model
     if Path(name_or_path).is_dir():
-        return load_hf_checkpoint(name_or_path, device, dtype)
+        config, model = load_hf_checkpoint(name_or_path, device, dtype)
+        model.set_batch_invariant(batch_invariant)
+        return config, model
     raise ValueError(
         f"{str(name_or_path)!r} is neither a preset ({sorted(PRESETS)}) nor a directory"
     )
@@ -44,7 +58,10 @@ def init_random_weights(model: LlamaModel, seed: int) -> None:
     device/dtype. Scales keep activations near unit size at any depth and make logits
     non-degenerate: embeddings ~N(0, 1); input projections ~N(0, 1/fan_in); the residual
     outputs (`o_proj`, `down_proj`) a further 1/sqrt(2 * num_layers) smaller; q/k/v biases
-    ~N(0, 0.02); norm weights 1.
+    ~N(0, 0.02); norm weights 1. Queries and keys are `QK_SCALE` larger: with near-uniform
+    attention the next token depends on little but the current one, and greedy output falls
+    into one repeated token, which would hide KV read from the wrong place; sharp attention
+    makes continuations depend on the context (tests/test_model.py checks they are varied).
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     residual_scale = 1.0 / math.sqrt(2 * model.num_layers)
@@ -60,6 +77,8 @@ def init_random_weights(model: LlamaModel, seed: int) -> None:
             std = 1.0 / math.sqrt(param.shape[1])
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 std *= residual_scale
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                std *= QK_SCALE
         values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
         param.copy_(values)
 
