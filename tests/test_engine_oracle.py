@@ -154,9 +154,9 @@ def test_host_hits_match_cold(
         num_device_pages=256,
         enable_hierarchical_cache=True,
         hicache_ratio=2.0,
-        hicache_write_policy=policy,
-        hicache_mem_layout=layout,
-        write_through_threshold=1,  # type: ignore[arg-type]
+        hicache_write_policy=policy,  # type: ignore[arg-type]
+        hicache_mem_layout=layout,  # type: ignore[arg-type]
+        write_through_threshold=1,
     )
     eng = engine(cfg, chunk=8)
     # Pass 1 fills the device cache; pass 2 hits it (the hit makes write_through_selective
