@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,23 +25,31 @@ from hypothesis.stateful import (
     rule,
 )
 
-from gpu_worker.cache.radix import EvictResult, MatchResult, RadixTree, Tier, TreeNode
+from gpu_worker.cache.radix import (
+    EvictResult,
+    MatchResult,
+    PageIds,
+    RadixTree,
+    Tier,
+    TreeNode,
+)
 from gpu_worker.memory.allocator import HostPageId, PageAllocator, PageId
 
 
-def dev(*ids: int) -> list[PageId]:
-    return [PageId(i) for i in ids]
+def dev(*ids: int) -> PageIds:
+    """Device page ids as the tree holds them (array('q'): compares equal to an array)."""
+    return array("q", [PageId(i) for i in ids])
 
 
-def host(*ids: int) -> list[HostPageId]:
-    return [HostPageId(i) for i in ids]
+def host(*ids: int) -> PageIds:
+    return array("q", [HostPageId(i) for i in ids])
 
 
 def num_nodes(tree: RadixTree) -> int:
     return sum(1 for _ in tree.iter_nodes())
 
 
-def backup(tree: RadixTree, node: TreeNode, host_ids: list[HostPageId]) -> None:
+def backup(tree: RadixTree, node: TreeNode, host_ids: Sequence[HostPageId]) -> None:
     """A whole backup round trip of the path to `node`, as HiCache does it."""
     start = tree.host_covered_len(node)
     assert tree.mark_backup_pending(node, start) == len(host_ids)
@@ -59,7 +68,12 @@ def test_match_on_empty_tree(page_size: int) -> None:
     tree = RadixTree(page_size)
     for query in ([], [1, 2, 3, 4, 5, 6, 7, 8]):
         m = tree.match_prefix(query)
-        assert (m.device_len, m.host_len, m.device_page_ids, m.host_page_ids) == (0, 0, [], [])
+        assert (m.device_len, m.host_len, m.device_page_ids, m.host_page_ids) == (
+            0,
+            0,
+            dev(),
+            host(),
+        )
         assert m.last_device_node is tree.root and m.last_node is tree.root
     assert num_nodes(tree) == 0
     tree.check_integrity()
@@ -76,11 +90,11 @@ def test_insert_then_match_exact_pages(page_size: int) -> None:
     ids = list(range(100, 112))  # 12 tokens: 12 pages at size 1, 3 pages at size 4
     pages = dev(*range(7, 7 + 12 // page_size))
     r = tree.insert(ids, pages)
-    assert r.dup_len == 0 and r.last_node.key == ids and r.last_node.device_page_ids == pages
+    assert r.dup_len == 0 and list(r.last_node.key) == ids and r.last_node.device_page_ids == pages
     assert tree.num_device_pages == len(pages) and tree.num_host_pages == 0
 
     m = tree.match_prefix(ids)
-    assert (m.device_len, m.host_len, m.device_page_ids, m.host_page_ids) == (12, 0, pages, [])
+    assert (m.device_len, m.host_len, m.device_page_ids, m.host_page_ids) == (12, 0, pages, host())
     assert m.last_node is r.last_node and m.last_device_node is r.last_node
     tree.check_integrity()
 
@@ -96,7 +110,7 @@ def test_partial_pages_are_truncated() -> None:
     with pytest.raises(ValueError, match="needs 2 pages"):
         tree.insert(ids, dev(5))
     r = tree.insert(ids, dev(5, 6, 99))  # extra pages are ignored
-    assert r.last_node.key == list(range(8)) and r.last_node.device_page_ids == dev(5, 6)
+    assert list(r.last_node.key) == list(range(8)) and r.last_node.device_page_ids == dev(5, 6)
     assert tree.num_device_pages == 2
 
     assert tree.match_prefix(ids[:3]).device_len == 0  # less than a page
@@ -125,8 +139,8 @@ def test_match_ending_inside_a_node_splits_it(page_size: int) -> None:
     assert (m.device_len, m.device_page_ids) == (2 * ps, dev(0, 1))
     # The new object is the upper half and ends the match; the original keeps the lower half.
     assert upper is not original and m.last_device_node is upper
-    assert upper.key == ids[: 2 * ps] and upper.device_page_ids == dev(0, 1)
-    assert original.key == ids[2 * ps :] and original.device_page_ids == dev(2, 3)
+    assert list(upper.key) == ids[: 2 * ps] and upper.device_page_ids == dev(0, 1)
+    assert list(original.key) == ids[2 * ps :] and original.device_page_ids == dev(2, 3)
     assert upper.parent is tree.root and original.parent is upper
     assert list(upper.children.values()) == [original]
     assert (original.id, upper.id) == (1, 2)  # the root is node 0
@@ -139,8 +153,8 @@ def test_match_ending_inside_a_node_splits_it(page_size: int) -> None:
     # A query that diverges inside the lower half splits it again, where the match ends.
     m = tree.match_prefix([*ids[: 3 * ps], 999])
     assert (m.device_len, m.device_page_ids) == (3 * ps, dev(0, 1, 2))
-    assert num_nodes(tree) == 3 and m.last_node.key == ids[2 * ps : 3 * ps]
-    assert original.key == ids[3 * ps :] and original.device_page_ids == dev(3)
+    assert num_nodes(tree) == 3 and list(m.last_node.key) == ids[2 * ps : 3 * ps]
+    assert list(original.key) == ids[3 * ps :] and original.device_page_ids == dev(3)
     tree.unlock(original)
     assert tree.num_locked_device_pages == 0
     tree.check_integrity()
@@ -152,7 +166,7 @@ def test_match_diverging_mid_page_splits_at_the_page_boundary() -> None:
     original = tree.insert(ids, dev(0, 1, 2, 3)).last_node
     m = tree.match_prefix([0, 1, 2, 3, 4, 5, 99, 7])  # page 2 differs inside
     assert (m.device_len, m.device_page_ids) == (4, dev(0))
-    assert m.last_node.key == [0, 1, 2, 3] and original.key == list(range(4, 16))
+    assert list(m.last_node.key) == [0, 1, 2, 3] and list(original.key) == list(range(4, 16))
     assert original.device_page_ids == dev(1, 2, 3)
 
 
@@ -164,7 +178,7 @@ def test_match_finds_the_first_differing_page_of_a_long_node(page_size: int) -> 
         tree = RadixTree(ps)
         tree.insert(ids, dev(*range(13)))
         query = list(ids)
-        query[differ * ps + ps - 1] = -1  # the last token of page `differ`
+        query[differ * ps + ps - 1] = 2**32 - 1  # the last token of page `differ`
         m = tree.match_prefix(query)
         assert (m.device_len, m.device_page_ids) == (differ * ps, dev(*range(differ)))
         r = RadixTree(ps)
@@ -176,20 +190,24 @@ def test_insert_dup_len_and_last_node_when_partly_present() -> None:
     tree = RadixTree(1)
     a = tree.insert([1, 2, 3, 4], dev(10, 11, 12, 13)).last_node
     r = tree.insert([1, 2, 3, 4, 5, 6], dev(20, 21, 22, 23, 24, 25))
-    assert r.dup_len == 4 and r.last_node.key == [5, 6] and r.last_node.parent is a
+    assert r.dup_len == 4 and list(r.last_node.key) == [5, 6] and r.last_node.parent is a
     assert r.last_node.device_page_ids == dev(24, 25)
     assert tree.match_prefix([1, 2, 3, 4, 5, 6]).device_page_ids == dev(10, 11, 12, 13, 24, 25)
 
     r = tree.insert([1, 2, 7], dev(30, 31, 32))  # diverges inside [1, 2, 3, 4]: split at 2
-    assert r.dup_len == 2 and r.last_node.key == [7] and r.last_node.device_page_ids == dev(32)
+    assert (
+        r.dup_len == 2 and list(r.last_node.key) == [7] and r.last_node.device_page_ids == dev(32)
+    )
     top = r.last_node.parent
-    assert top is not None and top.key == [1, 2] and top.device_page_ids == dev(10, 11)
-    assert a.key == [3, 4] and a.parent is top and num_nodes(tree) == 4
+    assert top is not None and list(top.key) == [1, 2] and top.device_page_ids == dev(10, 11)
+    assert list(a.key) == [3, 4] and a.parent is top and num_nodes(tree) == 4
 
     r = tree.insert([1, 2], dev(40, 41))  # wholly present: nothing taken, no new node
     assert r.dup_len == 2 and r.last_node is top and num_nodes(tree) == 4
     r = tree.insert([1, 2, 3], dev(50, 51, 52))  # ends inside [3, 4]: split, last_node is [3]
-    assert r.dup_len == 3 and r.last_node.key == [3] and r.last_node.device_page_ids == dev(12)
+    assert (
+        r.dup_len == 3 and list(r.last_node.key) == [3] and r.last_node.device_page_ids == dev(12)
+    )
     assert num_nodes(tree) == 5 and tree.num_device_pages == 7
     assert tree.insert([], []).last_node is tree.root
     tree.check_integrity()
@@ -289,13 +307,13 @@ def test_evicted_backed_up_leaf_stays_on_host() -> None:
     assert n.tier is Tier.HOST and tree.num_device_pages == 0 and num_nodes(tree) == 1
     m = tree.match_prefix([*ids, 9, 9])
     assert (m.device_len, m.host_len) == (0, 4)
-    assert (m.device_page_ids, m.host_page_ids) == ([], host(5, 6))
+    assert (m.device_page_ids, m.host_page_ids) == (dev(), host(5, 6))
     assert m.last_device_node is tree.root and m.last_node is n
     tree.check_integrity()
 
     # A longer insert revives the host-only node with the caller's pages and extends it.
     r = tree.insert([*ids, 5, 6], dev(10, 11, 12))
-    assert r.dup_len == 0 and r.last_node.key == [5, 6] and r.last_node.parent is n
+    assert r.dup_len == 0 and list(r.last_node.key) == [5, 6] and r.last_node.parent is n
     assert n.tier is Tier.BOTH and n.device_page_ids == dev(10, 11)
     assert n.host_page_ids == host(5, 6) and tree.num_device_pages == 3
     m = tree.match_prefix([*ids, 5, 6])
@@ -310,9 +328,9 @@ def test_insert_revives_part_of_a_host_only_node() -> None:
     tree.evict_device(3)
     m = tree.match_prefix([1, 2, 3])
     r = tree.insert([1], dev(20))
-    assert r.dup_len == 0 and r.last_node.key == [1] and r.last_node.tier is Tier.BOTH
+    assert r.dup_len == 0 and list(r.last_node.key) == [1] and r.last_node.tier is Tier.BOTH
     assert r.last_node.device_page_ids == dev(20) and r.last_node.host_page_ids == host(3)
-    assert n.key == [2, 3] and n.tier is Tier.HOST and tree.num_device_pages == 1
+    assert list(n.key) == [2, 3] and n.tier is Tier.HOST and tree.num_device_pages == 1
     m = tree.match_prefix([1, 2, 3])
     assert (m.device_len, m.host_len, m.device_page_ids, m.host_page_ids) == (
         1,
@@ -366,7 +384,7 @@ def test_commit_load_after_split_and_revival() -> None:
 
     unused = tree.commit_load(m.last_node, 0, dev(20, 21, 22, 23))
     tree.unref_host(m.last_node)
-    assert unused == dev(20, 21)
+    assert unused == list(dev(20, 21))
     assert upper.device_page_ids == dev(30, 31) and n.device_page_ids == dev(22, 23)
     assert n.tier is Tier.BOTH and tree.num_device_pages == 4 and n.host_ref == 0
     m = tree.match_prefix([1, 2, 3, 4])
@@ -412,10 +430,12 @@ def _host_tree() -> tuple[RadixTree, TreeNode, TreeNode, TreeNode]:
 def test_evict_host_lru_order_keeps_device_copies() -> None:
     tree, a, b, c = _host_tree()
     tree.match_prefix([5])  # c is the most recent
-    assert tree.evict_host(1) == host(2)  # b: the older leaf; a is not a leaf while b is on host
+    assert array("q", tree.evict_host(1)) == host(
+        2
+    )  # b: the older leaf; a is not a leaf while b is on host
     assert b.tier is Tier.DEVICE and tree.num_host_pages == 3
-    assert tree.evict_host(1) == host(0, 1)
-    assert tree.evict_host(1) == host(3)
+    assert array("q", tree.evict_host(1)) == host(0, 1)
+    assert array("q", tree.evict_host(1)) == host(3)
     assert tree.evict_host(1) == []
     assert all(n.tier is Tier.DEVICE for n in (a, b, c)) and num_nodes(tree) == 3
     assert tree.num_device_pages == 4 and tree.num_host_pages == 0
@@ -427,7 +447,7 @@ def test_evict_host_is_prefix_closed() -> None:
     a.last_access, b.last_access, c.last_access = 1, 100, 50  # the parent a is the oldest
     tree.evict_device(10)  # all three drop to HOST
     assert tree.num_device_pages == 0 and num_nodes(tree) == 3
-    assert tree.evict_host(10) == host(3, 2, 0, 1)  # a only after its child b has gone
+    assert array("q", tree.evict_host(10)) == host(3, 2, 0, 1)  # a only after its child b has gone
     assert num_nodes(tree) == 0 and tree.num_host_pages == 0
     tree.check_integrity()
 
@@ -442,7 +462,7 @@ def test_evict_host_skips_a_parent_with_a_backup_in_flight_below() -> None:
     assert tree.evict_host(10) == []
     tree.commit_backup(b, 1, host(1))
     tree.unlock(b)
-    assert tree.evict_host(10) == host(1, 0)
+    assert array("q", tree.evict_host(10)) == host(1, 0)
 
 
 def test_a_backup_must_pin_the_covered_prefix_while_it_makes_room() -> None:
@@ -457,7 +477,7 @@ def test_a_backup_must_pin_the_covered_prefix_while_it_makes_room() -> None:
     tree.ref_host(b)
     assert tree.evict_host(1) == []  # pinned: no room is made from the path itself
     tree.unref_host(b)
-    assert tree.evict_host(1) == host(0)  # unpinned, a's copy is the LRU host leaf
+    assert array("q", tree.evict_host(1)) == host(0)  # unpinned, a's copy is the LRU host leaf
     tree.mark_backup_pending(b, 1)  # what an unpinned caller would go on to do
     tree.lock(b)
     with pytest.raises(AssertionError, match="backup gap"):
@@ -469,12 +489,12 @@ def test_ref_host_pins_against_evict_host() -> None:
     tree.evict_device(10)
     tree.ref_host(b)
     assert a.host_ref == 1 and b.host_ref == 1
-    assert tree.evict_host(10) == host(3)  # only c is unpinned
+    assert array("q", tree.evict_host(10)) == host(3)  # only c is unpinned
     assert num_nodes(tree) == 2
     tree.unref_host(b)
     with pytest.raises(RuntimeError, match="unref_host of an unpinned node"):
         tree.unref_host(b)
-    assert tree.evict_host(10) == host(2, 0, 1)
+    assert array("q", tree.evict_host(10)) == host(2, 0, 1)
     assert num_nodes(tree) == 0
     tree.check_integrity()
 
@@ -533,10 +553,10 @@ def test_check_integrity_catches_drifted_counters() -> None:
 def test_check_integrity_catches_structural_damage() -> None:
     tree = RadixTree(2)
     n = tree.insert([1, 2, 3, 4], dev(0, 1)).last_node
-    n.key = [1, 2, 3]
+    n.key = array("I", [1, 2, 3])
     with pytest.raises(AssertionError, match="key not whole pages"):
         tree.check_integrity()
-    n.key = [1, 2, 3, 4]
+    n.key = array("I", [1, 2, 3, 4])
     child = tree.insert([1, 2, 3, 4, 5, 6], dev(0, 1, 2)).last_node
     child.host_ref = 1  # pinned without its parent
     with pytest.raises(AssertionError, match="host_ref below"):
@@ -545,6 +565,92 @@ def test_check_integrity_catches_structural_damage() -> None:
     child.backup_pending = True
     with pytest.raises(AssertionError, match="pending backup not locked"):
         tree.check_integrity()
+
+
+# ----------------------------------------------------------------- incremental eviction
+
+
+def test_eviction_examines_a_few_candidates_not_every_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 7, defect 10: an eviction must not scan the whole tree (it rebuilt a heap from
+    every node: 51 ms at 50k nodes). Counted, not timed: eligibility checks per eviction."""
+    calls = Counter[str]()
+    device_leaf, host_leaf = RadixTree._device_leaf, RadixTree._host_leaf
+
+    def counting_device(self: RadixTree, n: TreeNode) -> bool:
+        calls["device"] += 1
+        return device_leaf(self, n)
+
+    def counting_host(self: RadixTree, n: TreeNode) -> bool:
+        calls["host"] += 1
+        return host_leaf(self, n)
+
+    monkeypatch.setattr(RadixTree, "_device_leaf", counting_device)
+    monkeypatch.setattr(RadixTree, "_host_leaf", counting_host)
+    tree = RadixTree(2)
+    for i in range(500):  # 500 leaves under 10 shared pages: 510 nodes
+        tree.insert([i % 10, 0, i, 1], dev(2 * i, 2 * i + 1))
+    tree.match_prefix([3, 0, 3, 1])  # the oldest leaf becomes the newest
+    calls.clear()
+    freed = [tree.evict_device(1).freed_page_ids for _ in range(3)]
+    assert freed == [[1], [3], [5]]  # leaves 0, 1, 2 (leaf 3 was touched)
+    assert calls["device"] <= 3 * 8, calls
+    for _ in range(6):
+        tree.evict_device(1)
+    assert tree.evict_device(1).freed_page_ids == [21]  # leaf 10: leaf 3 was skipped
+    tree.check_integrity()
+
+
+def test_eviction_order_follows_later_accesses_and_unlocks() -> None:
+    """Entries are re-keyed lazily: a leaf touched after it became a candidate, and a leaf
+    unlocked after others, are evicted in (last_access, id) order all the same."""
+    tree = RadixTree(1)
+    a = tree.insert([1, 2], dev(0, 1)).last_node
+    b = tree.insert([3], dev(2)).last_node
+    c = tree.insert([4], dev(3)).last_node
+    tree.lock(b)
+    tree.match_prefix([1, 2])  # a is now the newest
+    tree.unlock(b)  # b keeps its old last_access: the oldest again
+    tree.check_integrity()
+    assert tree.evict_device(1).freed_page_ids == [2]  # b
+    assert tree.evict_device(1).freed_page_ids == [3]  # c
+    assert tree.evict_device(1).freed_page_ids == [0, 1]  # a: one node, both pages
+    assert a.device_page_ids is None and c.device_page_ids is None and num_nodes(tree) == 0
+    tree.check_integrity()
+
+
+def test_check_integrity_catches_a_lost_eviction_candidate() -> None:
+    tree = RadixTree(1)
+    n = tree.insert([1, 2], dev(0, 1)).last_node
+    tree.check_integrity()
+    heap = tree._device_heap
+    heap.entries.clear()
+    heap.members.discard(n)
+    with pytest.raises(AssertionError, match="device heap"):
+        tree.check_integrity()
+
+
+# ----------------------------------------------------------------- compact token ids
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_keys_and_results_are_compact(page_size: int) -> None:
+    """Token ids are TokenIds (array('I')) inside the tree; a list query is converted once and
+    matches exactly like the array; page ids come back as array('q')."""
+    tree = RadixTree(page_size)
+    ids = [7, 8, 2**32 - 1, 0] * 4
+    tree.insert(array("I", ids), dev(*range(16 // page_size)))
+    tree.insert(ids[:8] + [5] * 8, dev(*range(100, 100 + 16 // page_size)))
+    for n in tree.iter_nodes():
+        assert isinstance(n.key, array) and n.key.typecode == "I"
+        assert n.device_page_ids is not None and n.device_page_ids.typecode == "q"
+    m_list, m_array = tree.match_prefix(ids), tree.match_prefix(array("I", ids))
+    assert m_list.device_page_ids == m_array.device_page_ids == dev(*range(16 // page_size))
+    assert m_array.device_page_ids.typecode == "q" and m_array.device_len == 16
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        tree.match_prefix([1, 2**32])
+    tree.check_integrity()
 
 
 # ----------------------------------------------------------------- stateful test
@@ -688,7 +794,8 @@ class RadixMachine(RuleBasedStateMachine):
     def match(self, ids: list[int]) -> MatchResult:
         m = self.tree.match_prefix(ids)
         expected = self.model.match(ids)
-        assert (m.device_len, m.host_len, m.device_page_ids, m.host_page_ids) == expected
+        got = (m.device_len, m.host_len, list(m.device_page_ids), list(m.host_page_ids))
+        assert got == expected
         assert self.tree.path_len(m.last_node) == m.total_len
         assert self.tree.path_len(m.last_device_node) == m.device_len
         return m
@@ -720,13 +827,13 @@ class RadixMachine(RuleBasedStateMachine):
         if self.device.num_free < n:
             self.evict_device_checked(n - self.device.num_free, True)
         pages = self.device.alloc(n)
-        return None if pages is None else dev(*pages)
+        return None if pages is None else [PageId(p) for p in pages]
 
     def alloc_host(self, n: int) -> list[HostPageId] | None:
         if self.host.num_free < n:
             self.evict_host_checked(n - self.host.num_free)
         pages = self.host.alloc(n)
-        return None if pages is None else host(*pages)
+        return None if pages is None else [HostPageId(p) for p in pages]
 
     def evict_device_checked(self, num_pages: int, delete_unbacked: bool) -> EvictResult:
         locks, _ = self.pin_counts()
@@ -804,7 +911,7 @@ class RadixMachine(RuleBasedStateMachine):
         end = len(ids) - len(ids) % self.ps
         m = self.match(ids) if cached else None
         hit_len = 0 if m is None else m.device_len
-        hit_pages: list[PageId] = [] if m is None else m.device_page_ids
+        hit_pages: list[PageId] = [] if m is None else list(m.device_page_ids)
         if m is not None:
             self.tree.lock(m.last_device_node)
             self.held_locks = [tuple(ids[:hit_len])]
@@ -1042,7 +1149,8 @@ class RadixMachine(RuleBasedStateMachine):
         locked += [(op.device_node, op.device_prefix) for op in self.ops if isinstance(op, LoadOp)]
         for node, prefix in locked:
             expected = [self.model.pages[p].device for p in self.model.prefixes(prefix)]
-            assert self.tree.path_device_page_ids(node) == expected and None not in expected
+            assert list(self.tree.path_device_page_ids(node)) == expected
+            assert None not in expected
         for op in self.ops:
             if isinstance(op, LoadOp):
                 assert self.tree.path_len(op.node) == len(op.prefix)

@@ -11,10 +11,16 @@ import time
 import pytest
 import torch
 
-from gpu_worker.cache.hicache import CacheConfig, PrefixCache
-from gpu_worker.cache.transfer import DelayInjection, TransferEngine, TransferKind
+from gpu_worker.cache.hicache import RECENT_ACKS, CacheConfig, PrefixCache
+from gpu_worker.cache.transfer import (
+    COMPLETION_LOG_LEN,
+    DelayInjection,
+    TransferEngine,
+    TransferKind,
+)
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.kernels.page_transfer import PageView
+from gpu_worker.memory.allocator import PageId
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.scheduler import Scheduler
@@ -49,8 +55,44 @@ def test_out_of_order_completion_is_consumed_in_order() -> None:
         time.sleep(0.002)
     assert consumed == list(range(12))
     assert sorted(engine.completion_log) == list(range(12))
-    assert engine.completion_log != list(range(12)), "delays should reorder completions"
+    assert list(engine.completion_log) != list(range(12)), "delays should reorder completions"
+    assert engine.num_completed == 12
     engine.close()
+
+
+def test_completion_log_stays_bounded() -> None:
+    """A long-running engine must not keep one entry per transfer forever (issue 7, defect 9):
+    the completion log is a window over the latest transfers, beside a counter."""
+    cfg = CacheConfig(page_size=4, num_device_pages=8, enable_hierarchical_cache=True)
+    cache = PrefixCache(cfg, SPEC, CPU)
+    assert cache.transfers is not None and cache.host_pool is not None
+    device, host = cache.device_pool.page_view(), cache.host_pool.page_view()
+    n = 3 * max(COMPLETION_LOG_LEN, RECENT_ACKS)
+    for i in range(n):
+        cache.transfers.submit(TransferKind.BACKUP, device, host, [i % 8], [i % 8], op=None)
+        cache.transfers.pop(1)
+    assert cache.transfers.num_completed == n
+    assert len(cache.transfers.completion_log) == COMPLETION_LOG_LEN
+    assert list(cache.transfers.completion_log) == list(range(n - COMPLETION_LOG_LEN, n))
+    cache.close()
+
+
+def test_consumed_acks_stay_bounded() -> None:
+    """The consumed-ACK record is a window too; the count of consumed ACKs stays exact."""
+    cfg = CacheConfig(page_size=4, num_device_pages=8, enable_hierarchical_cache=True)
+    cache = PrefixCache(cfg, SPEC, CPU)
+    rounds = RECENT_ACKS + 40
+    for i in range(rounds):  # each insert backs up one new page (write_through): one ACK
+        pages = cache.alloc(1)
+        assert pages is not None
+        cache.insert([i, 1, 2, 3], pages, cached_len=0)
+        cache.drain()
+        cache.evict_device(1)
+    assert cache.stats.num_consumed_acks == rounds
+    assert len(cache.stats.consumed_acks) == RECENT_ACKS
+    assert list(cache.stats.consumed_acks) == list(range(rounds - RECENT_ACKS, rounds))
+    cache.check_integrity()
+    cache.close()
 
 
 def test_pop_waits_for_unfinished_copies() -> None:
@@ -91,7 +133,7 @@ def test_backup_bookkeeping_changes_only_on_consume() -> None:
         cache.consume(1)
         assert [n.on_host for n in nodes] == [True] * k + [False] * (4 - k)
         assert cache.tree.num_host_pages == 2 * k
-    assert cache.stats.consumed_acks == [0, 1, 2, 3]
+    assert list(cache.stats.consumed_acks) == [0, 1, 2, 3]
     assert all(n.lock_ref == 0 for n in nodes)
     cache.check_integrity()
     cache.close()
@@ -101,11 +143,11 @@ def test_read_guard_rejects_pending_pages() -> None:
     cfg = CacheConfig(page_size=4, num_device_pages=8, check_reads=True)
     cache = PrefixCache(cfg, SPEC, CPU)
     pool = cache.device_pool
-    pool.mark_pending([3], True)
+    pool.mark_pending([PageId(3)], True)
     pool.get_kv(0, torch.arange(0, 12))  # pages 0-2: fine
     with pytest.raises(RuntimeError, match="load has not completed"):
         pool.get_kv(0, torch.arange(8, 16))
-    pool.mark_pending([3], False)
+    pool.mark_pending([PageId(3)], False)
     pool.get_kv(0, torch.arange(8, 16))
 
 
@@ -131,7 +173,7 @@ def test_loads_with_delays_keep_outputs_and_order() -> None:
     again = eng.generate(prompt, sampling)  # waits for its load ACK before prefill
     assert again.output_ids == first.output_ids
     assert again.cached.host == 48 and again.cached.device == 0
-    acks = eng.cache.stats.consumed_acks
+    acks = list(eng.cache.stats.consumed_acks)
     assert acks == sorted(acks) and acks == list(range(acks[0], acks[0] + len(acks)))
     eng.close()
 

@@ -13,13 +13,17 @@ times, `write_back` backs up only what device eviction is about to drop.
 from __future__ import annotations
 
 import logging
+from array import array
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from bus_schemas.token_ids import TokenIds
 from gpu_worker.cache.load_cost import LoadCostModel
-from gpu_worker.cache.radix import KVEventRecord, MatchResult, RadixTree, TreeNode
+from gpu_worker.cache.radix import KVEventRecord, MatchResult, PageIds, RadixTree, TreeNode
 from gpu_worker.cache.transfer import DelayInjection, TransferAck, TransferEngine, TransferKind
 from gpu_worker.memory.allocator import HostPageId, PageId
 from gpu_worker.memory.device_pool import DeviceKVPool
@@ -32,6 +36,7 @@ WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 LoadPolicy = Literal["always", "cost"]
 LOAD_POLICIES: tuple[LoadPolicy, ...] = ("always", "cost")
 WRITE_POLICIES: tuple[WritePolicy, ...] = ("write_through", "write_through_selective", "write_back")
+RECENT_ACKS = 256  # consumed ACK seqs kept for tests and debugging (a window, not a history)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +116,9 @@ class CacheStats:
     backed_up_pages: int = 0
     loaded_pages: int = 0
     loads_skipped: int = 0  # host hits recomputed because loading looked slower
-    consumed_acks: list[int] = field(default_factory=list)  # ACK seq numbers, in consume order
+    num_consumed_acks: int = 0
+    # the last RECENT_ACKS consumed ACK seqs, in consume order: bounded, it grows with nothing
+    consumed_acks: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_ACKS))
 
 
 class PrefixCache:
@@ -152,10 +159,12 @@ class PrefixCache:
     # ----------------------------------------------------------------- match / lock
 
     def no_match(self) -> MatchResult:
-        return MatchResult(0, 0, [], [], self.tree.root, self.tree.root)
+        return MatchResult(0, 0, array("q"), array("q"), self.tree.root, self.tree.root)
 
-    def match(self, ids: list[int], salt: str = "") -> MatchResult:
+    def match(self, ids: TokenIds | Sequence[int], salt: str = "") -> MatchResult:
         """The cached prefix of `ids` (nothing when the radix cache is off).
+
+        `ids` is a request's `prompt_ids` (TokenIds): it reaches the tree without conversion.
 
         The last page-aligned token is never matched in full: a request must compute at least
         one token to get logits, so a full-prompt hit is cut back by one page.
@@ -207,8 +216,12 @@ class PrefixCache:
     # ----------------------------------------------------------------- insert
 
     def insert(
-        self, ids: list[int], page_ids: list[PageId], cached_len: int, salt: str = ""
-    ) -> tuple[list[PageId], TreeNode]:
+        self,
+        ids: TokenIds | Sequence[int],
+        page_ids: Sequence[PageId],
+        cached_len: int,
+        salt: str = "",
+    ) -> tuple[PageIds, TreeNode]:
         """Put the page-aligned prefix of `ids` (KV in `page_ids`) into the tree.
 
         `cached_len` tokens at the front are pages the request got from the tree. The request's
@@ -219,7 +232,7 @@ class PrefixCache:
         ps = self.page_size
         aligned = len(ids) - len(ids) % ps
         result = self.tree.insert(ids[:aligned], page_ids[: aligned // ps], salt)
-        self.free(page_ids[cached_len // ps : result.dup_len // ps])
+        self.free(list(page_ids[cached_len // ps : result.dup_len // ps]))
         if self.host_pool is not None and self.config.hicache_write_policy == "write_through":
             self._backup(result.last_node)
         return self.tree.path_device_page_ids(result.last_node), result.last_node
@@ -318,6 +331,7 @@ class PrefixCache:
     def _apply(self, ack: TransferAck) -> None:
         """Commit one consumed ACK; a failed copy changes nothing but releases its pins."""
         self.stats.consumed_acks.append(ack.seq)
+        self.stats.num_consumed_acks += 1
         error = ack.completion.wait()
         if error is not None:
             log.warning("%s transfer %d failed: %r", ack.kind.value, ack.seq, error)

@@ -13,25 +13,41 @@ part, so a node held as "the end of a path" by a lock or an in-flight transfer s
 the same token path after any split.
 
 LRU order uses a logical clock, never wall-clock time, so every rank evicts the same nodes.
+
+Keys are compact (`bus_schemas.token_ids`): a node's `key` is an `array('I')` and a query
+is turned into `bytes` once per call, so comparing a node's tokens is one `startswith` (a
+memcmp) and a child is found by its first token (page 1) or its first page's 4 * page_size
+bytes. Page ids are `array('q')`, so a match concatenates them at C speed.
+
+Eviction candidates are kept incrementally (`_EvictionHeap`), one lazy heap per tier, so an
+eviction costs O(log n), not a scan of every node.
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from bus_schemas.page_hash import chain_hashes, root_hash
+from bus_schemas.token_ids import TokenIds, as_token_ids
 from gpu_worker.memory.allocator import HostPageId, PageId
 
 KVEventRecord = tuple[str, str, list[str]]  # (stored | removed, device | host, page hashes)
 
+PageIds = array
+"""An `array('q')` of page ids (device or host): compact, concatenated at C speed, and the
+dtype of a torch int64 index tensor."""
 
-def _page_list(page_ids: Sequence[int]) -> list[PageId]:
-    """`[PageId(p) for p in page_ids]` without a call per page (NewType is the identity)."""
-    return cast("list[PageId]", list(page_ids))
+
+def page_ids_of(page_ids: Sequence[int]) -> PageIds:
+    """`page_ids` as an `array('q')` (no copy when it already is one)."""
+    if isinstance(page_ids, array) and page_ids.typecode == "q":
+        return page_ids
+    return array("q", page_ids)
 
 
 class Tier(enum.Enum):
@@ -45,26 +61,26 @@ class TreeNode:
 
     __slots__ = (
         "backup_pending",  # a backup to host is in flight (issued, ACK not yet consumed)
-        "children",  # first page of the child's key -> child
-        "device_page_ids",  # one device page per page of `key`, or None
+        "children",  # first token (page 1) or first page's bytes of the child's key -> child
+        "device_page_ids",  # array('q'): one device page per page of `key`, or None
         "hit_count",  # matches that reached this node (write_through_selective)
-        "host_page_ids",  # one host page per page of `key`, or None
+        "host_page_ids",  # array('q'): one host page per page of `key`, or None
         "host_ref",  # host pins: in-flight loads/backups that read the host copy
         "id",  # creation order; breaks LRU ties deterministically
-        "key",  # token ids, len % page_size == 0
+        "key",  # array('I') of token ids, len % page_size == 0
         "last_access",  # logical clock of the last match/insert through this node
         "lock_ref",  # device pins: running requests (and backups) reading the device pages
         "page_hashes",  # chained page hashes of `key` (when the tree tracks them)
         "parent",
     )
 
-    def __init__(self, node_id: int, parent: TreeNode | None, key: list[int]) -> None:
+    def __init__(self, node_id: int, parent: TreeNode | None, key: TokenIds) -> None:
         self.id = node_id
         self.parent = parent
         self.key = key
         self.children: dict[Any, TreeNode] = {}
-        self.device_page_ids: list[PageId] | None = None
-        self.host_page_ids: list[HostPageId] | None = None
+        self.device_page_ids: PageIds | None = None
+        self.host_page_ids: PageIds | None = None
         self.lock_ref = 0
         self.host_ref = 0
         self.last_access = 0
@@ -98,13 +114,14 @@ class MatchResult:
     """The longest cached page-aligned prefix of a query.
 
     Tokens `[0, device_len)` are on the device in `device_page_ids`; tokens
-    `[device_len, device_len + host_len)` are only on the host, in `host_page_ids`.
+    `[device_len, device_len + host_len)` are only on the host, in `host_page_ids`. Both are
+    `array('q')` (a fresh one per match: the caller may keep it).
     """
 
     device_len: int
     host_len: int
-    device_page_ids: list[PageId]
-    host_page_ids: list[HostPageId]
+    device_page_ids: PageIds  # of PageId
+    host_page_ids: PageIds  # of HostPageId
     last_device_node: TreeNode  # end of the device part (the root when device_len == 0)
     last_node: TreeNode  # end of the whole match
 
@@ -127,6 +144,81 @@ class EvictResult:
     unbacked: list[TreeNode] = field(default_factory=list)  # leaves kept: need a backup first
 
 
+class EvictionHeap:
+    """The eviction candidates of one tier, kept incrementally: a heap with lazy invalidation.
+
+    Rebuilding a heap from every node on each eviction cost 51 ms at 50k nodes; this costs
+    O(log n) per eviction and nothing per match. Invariant (checked by `check`): every node
+    that is `eligible` now is in `members` and has exactly one entry `(key, id, node)` in
+    `entries`, with `key <= node.last_access`; no node has two entries. An entry may be
+    stale: its node is no longer eligible (dropped when popped), or was accessed since it
+    was pushed (pushed again with its current `last_access` when popped). `last_access` only
+    grows, so the first fresh entry popped is the eligible node with the smallest
+    `(last_access, id)`: exactly the order of a heap built from scratch. The tree calls
+    `offer` wherever a node may have *become* eligible; losing eligibility needs no call.
+    """
+
+    __slots__ = ("eligible", "entries", "members")
+
+    def __init__(self, eligible: Callable[[TreeNode], bool]) -> None:
+        self.eligible = eligible
+        self.entries: list[tuple[int, int, TreeNode]] = []
+        self.members: set[TreeNode] = set()
+
+    def offer(self, node: TreeNode) -> None:
+        """Give `node` an entry if it is eligible and has none."""
+        if node not in self.members and self.eligible(node):
+            self.members.add(node)
+            heapq.heappush(self.entries, (node.last_access, node.id, node))
+
+    def pop(self) -> TreeNode | None:
+        """Remove and return the eligible node with the smallest (last_access, id), or None."""
+        entries, eligible = self.entries, self.eligible
+        while entries:
+            key, node_id, node = entries[0]
+            if not eligible(node):
+                heapq.heappop(entries)
+                self.members.discard(node)
+            elif key != node.last_access:
+                heapq.heapreplace(entries, (node.last_access, node_id, node))
+            else:
+                heapq.heappop(entries)
+                self.members.discard(node)
+                return node
+        return None
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.members.clear()
+
+    def order(self) -> list[TreeNode]:
+        """The eligible nodes in the order `pop` would return them (on a copy; nothing moves)."""
+        entries, out = list(self.entries), []
+        while entries:
+            key, node_id, node = heapq.heappop(entries)
+            if not self.eligible(node):
+                continue
+            if key != node.last_access:
+                heapq.heappush(entries, (node.last_access, node_id, node))
+            else:
+                out.append(node)
+        return out
+
+    def check(self, nodes: list[TreeNode], tier: str) -> None:
+        """Assert that this incremental structure agrees with a from-scratch computation."""
+        in_entries = [n for _, _, n in self.entries]
+        assert len(set(in_entries)) == len(in_entries), f"{tier} heap: a node twice"
+        assert set(in_entries) == self.members, f"{tier} heap: members differ from entries"
+        assert self.members <= set(nodes), f"{tier} heap: holds a node not in the tree"
+        assert all(k <= n.last_access for k, _, n in self.entries), f"{tier} heap: key ahead"
+        for i in range(1, len(self.entries)):
+            assert self.entries[(i - 1) // 2][:2] <= self.entries[i][:2], f"{tier} heap: order"
+        scratch = sorted(
+            (n for n in nodes if self.eligible(n)), key=lambda n: (n.last_access, n.id)
+        )
+        assert self.order() == scratch, f"{tier} heap: eviction order differs from a rebuild"
+
+
 class RadixTree:
     """Page-aligned radix tree. See the module docstring for the invariants."""
 
@@ -140,6 +232,8 @@ class RadixTree:
         self.events: list[KVEventRecord] = []
         self._next_id = 0
         self._clock = 0
+        self._device_heap = EvictionHeap(self._device_leaf)
+        self._host_heap = EvictionHeap(self._host_leaf)
         self.roots: dict[str, TreeNode] = {}  # one root per cache_salt: salts never share KV
         self.root = self._root_for("")
         self.num_device_pages = 0  # device pages held by the tree
@@ -148,7 +242,7 @@ class RadixTree:
 
     # ----------------------------------------------------------------- helpers
 
-    def _new_node(self, parent: TreeNode | None, key: list[int]) -> TreeNode:
+    def _new_node(self, parent: TreeNode | None, key: TokenIds) -> TreeNode:
         node = TreeNode(self._next_id, parent, key)
         self._next_id += 1
         return node
@@ -156,7 +250,7 @@ class RadixTree:
     def _root_for(self, salt: str) -> TreeNode:
         root = self.roots.get(salt)
         if root is None:
-            root = self._new_node(None, [])
+            root = self._new_node(None, array("I"))
             root.lock_ref = 1  # a root is never evicted
             if self.namespace is not None:
                 root.page_hashes = [root_hash(self.namespace, salt)]
@@ -177,25 +271,29 @@ class RadixTree:
         self._clock += 1
         return self._clock
 
-    def _child_key(self, ids: Sequence[int], pos: int) -> Any:
+    def _child_key(self, key: Sequence[int]) -> Any:
+        """The children-dict key of a node whose key is `key`: its first token at page 1,
+        else the bytes of its first page (the same bytes a query's slice gives)."""
         if self.page_size == 1:
-            return ids[pos]
-        return tuple(ids[pos : pos + self.page_size])
+            return key[0]
+        return as_token_ids(key[: self.page_size]).tobytes()
 
-    def _common_len(self, key: list[int], ids: Sequence[int], pos: int, end: int) -> int:
-        """Page-aligned length of the common prefix of `key` and `ids[pos:end]`."""
+    def _common_len(self, key: TokenIds, qb: bytes, pos: int, end: int) -> int:
+        """Page-aligned length of the common prefix of `key` and tokens `[pos, end)` of the
+        query whose bytes are `qb`: C-level `startswith` on byte views, binary search on pages."""
         limit = min(len(key), end - pos)
-        if ids[pos : pos + limit] == (key if limit == len(key) else key[:limit]):
+        kb = memoryview(key).cast("B")
+        off, pb = 4 * pos, 4 * self.page_size
+        if qb.startswith(kb[: 4 * limit], off):
             return limit
-        ps = self.page_size
-        lo, hi = 0, limit // ps  # pages: [0, lo) equal; the first differing page is < hi
-        while lo < hi:  # binary search on page count; slices compare at C speed
+        lo, hi = 0, limit // self.page_size  # pages [0, lo) equal; the first differing < hi
+        while lo < hi:
             mid = (lo + hi + 1) // 2
-            if ids[pos : pos + mid * ps] == key[: mid * ps]:
+            if qb.startswith(kb[: mid * pb], off):
                 lo = mid
             else:
                 hi = mid - 1
-        return lo * ps
+        return lo * self.page_size
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut `node` at token offset `at`; the new *upper* node is returned.
@@ -221,10 +319,11 @@ class RadixTree:
         if node.page_hashes is not None:
             upper.page_hashes = node.page_hashes[:pages]
             node.page_hashes = node.page_hashes[pages:]
-        parent.children[self._child_key(node.key, 0)] = upper
+        parent.children[self._child_key(node.key)] = upper
         node.key = node.key[at:]
         node.parent = upper
-        upper.children[self._child_key(node.key, 0)] = node
+        upper.children[self._child_key(node.key)] = node
+        self._device_heap.offer(upper)  # on device above a host-only lower part
         return upper
 
     def _aligned_len(self, ids: Sequence[int]) -> int:
@@ -232,32 +331,35 @@ class RadixTree:
 
     # ----------------------------------------------------------------- verbs
 
-    def match_prefix(self, ids: Sequence[int], salt: str = "") -> MatchResult:
+    def match_prefix(self, ids: Sequence[int] | TokenIds, salt: str = "") -> MatchResult:
         """Longest cached page-aligned prefix of `ids`; marks the path as recently used.
 
         Splits a node where the match ends inside it, so `last_node` ends exactly at the match.
-        Counts a hit on every matched node (for write_through_selective).
+        Counts a hit on every matched node (for write_through_selective). Pass an
+        `array('I')` (TokenIds): a list is converted first, once per call.
         """
-        if not isinstance(ids, list):
-            ids = list(ids)
-        ps = self.page_size
-        end = len(ids) - len(ids) % ps
+        q = as_token_ids(ids)
+        qb = q.tobytes()
+        ps, pb = self.page_size, 4 * self.page_size
+        end = len(q) - len(q) % ps
         self._clock += 1
         clock = self._clock
         node = last_device = self._root_for(salt)
         pos = device_len = 0
-        device_pages: list[PageId] = []
-        host_pages: list[HostPageId] = []
+        device_pages: PageIds = array("q")
+        host_pages: PageIds = array("q")
         while pos < end:
-            # `_child_key` inlined: this loop runs for every request.
-            child = node.children.get(ids[pos] if ps == 1 else tuple(ids[pos : pos + ps]))
+            off = 4 * pos
+            # the child key inlined (`_child_key`): this loop runs for every request
+            child = node.children.get(q[pos] if ps == 1 else qb[off : off + pb])
             if child is None:
                 break
-            klen = len(child.key)
-            if pos + klen <= end and ids[pos : pos + klen] == child.key:
+            key = child.key
+            klen = len(key)
+            if pos + klen <= end and qb.startswith(key, off):
                 matched = klen
             else:
-                matched = self._common_len(child.key, ids, pos, end)
+                matched = self._common_len(key, qb, pos, end)
                 child = self._split(child, matched)
             child.last_access = clock
             child.hit_count += 1
@@ -275,48 +377,63 @@ class RadixTree:
             device_len, pos - device_len, device_pages, host_pages, last_device, node
         )
 
-    def insert(self, ids: Sequence[int], page_ids: Sequence[int], salt: str = "") -> InsertResult:
+    def insert(
+        self, ids: Sequence[int] | TokenIds, page_ids: Sequence[int], salt: str = ""
+    ) -> InsertResult:
         """Insert a page-aligned prefix of `ids` whose KV is in device pages `page_ids`.
 
-        Returns `dup_len` and the path's last node: the tree already held device pages for tokens `[0, dup_len)`, so the
-        caller's pages for that range are not taken (the caller frees those it allocated
-        itself). Every page past `dup_len` now belongs to the tree: host-only nodes on the
-        path take the caller's pages as their device copy, new nodes are created for the rest.
+        Returns `dup_len` and the path's last node: the tree already held device pages for
+        tokens `[0, dup_len)`, so the caller's pages for that range are not taken (the caller
+        frees those it allocated itself). Every page past `dup_len` now belongs to the tree:
+        host-only nodes on the path take the caller's pages as their device copy, new nodes
+        are created for the rest.
         """
-        if not isinstance(ids, list):
-            ids = list(ids)
-        ps = self.page_size
-        end = self._aligned_len(ids)
+        q = as_token_ids(ids)
+        qb = q.tobytes()
+        ps, pb = self.page_size, 4 * self.page_size
+        end = self._aligned_len(q)
         if len(page_ids) < end // ps:
             raise ValueError(
                 f"insert needs {end // ps} pages for {end} tokens, got {len(page_ids)}"
             )
+        pages = page_ids_of(page_ids[: end // ps])
         clock = self._tick()
         node, pos, dup_len = self._root_for(salt), 0, 0
         while pos < end:
-            child = node.children.get(self._child_key(ids, pos))
+            off = 4 * pos
+            child_key = q[pos] if ps == 1 else qb[off : off + pb]
+            child = node.children.get(child_key)
             if child is None:
-                new = self._new_node(node, ids[pos:end])
-                new.device_page_ids = _page_list(page_ids[pos // ps : end // ps])
-                new.last_access = clock
-                node.children[self._child_key(ids, pos)] = new
-                self.num_device_pages += len(new.device_page_ids)
-                self._hash_new(new)
-                self._record("stored", "device", new)
-                node = new
+                node = self._add_leaf(node, child_key, q[pos:end], pages[pos // ps :], clock)
                 break
-            matched = self._common_len(child.key, ids, pos, end)
-            if matched < len(child.key):
+            if pos + len(child.key) <= end and qb.startswith(child.key, off):
+                matched = len(child.key)
+            else:
+                matched = self._common_len(child.key, qb, pos, end)
                 child = self._split(child, matched)
             child.last_access = clock
             if child.device_page_ids is None:  # host-only: the caller's pages revive it
-                child.device_page_ids = _page_list(page_ids[pos // ps : (pos + matched) // ps])
+                child.device_page_ids = pages[pos // ps : (pos + matched) // ps]
                 self._add_device_pages(child, len(child.device_page_ids))
                 self._record("stored", "device", child)
+                self._device_heap.offer(child)
             else:
                 dup_len = pos + matched
             node, pos = child, pos + matched
         return InsertResult(dup_len, node)
+
+    def _add_leaf(
+        self, parent: TreeNode, child_key: Any, key: TokenIds, pages: PageIds, clock: int
+    ) -> TreeNode:
+        new = self._new_node(parent, key)
+        new.device_page_ids = pages
+        new.last_access = clock
+        parent.children[child_key] = new
+        self.num_device_pages += len(pages)
+        self._hash_new(new)
+        self._record("stored", "device", new)
+        self._device_heap.offer(new)
+        return new
 
     def _add_device_pages(self, node: TreeNode, n: int) -> None:
         self.num_device_pages += n
@@ -339,6 +456,7 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0 and node.device_page_ids is not None:
                 self.num_locked_device_pages -= len(node.device_page_ids)
+                self._device_heap.offer(node)
             assert node.parent is not None
             node = node.parent
 
@@ -354,6 +472,8 @@ class RadixTree:
             if node.host_ref <= 0:
                 raise RuntimeError(f"unref_host of an unpinned node {node!r}")
             node.host_ref -= 1
+            if node.host_ref == 0:
+                self._host_heap.offer(node)
             assert node.parent is not None
             node = node.parent
 
@@ -381,9 +501,9 @@ class RadixTree:
             node = node.parent
         return total
 
-    def path_device_page_ids(self, node: TreeNode) -> list[PageId]:
+    def path_device_page_ids(self, node: TreeNode) -> PageIds:
         """Device pages of the path to `node`; every node on it must be on the device."""
-        pages: list[PageId] = []
+        pages: PageIds = array("q")
         for _, n in self.path(node):
             if n.device_page_ids is None:
                 raise RuntimeError(f"{n!r} on the path is not on the device")
@@ -423,18 +543,25 @@ class RadixTree:
     ) -> None:
         """A backup's ACK was consumed: the nodes from `start_len` get their host pages."""
         ps = self.page_size
+        host = page_ids_of(host_page_ids)
         for pos, n in self.path_range(last_node, start_len):
             assert n.backup_pending and n.host_page_ids is None
             lo = (pos - start_len) // ps
-            n.host_page_ids = list(host_page_ids[lo : lo + len(n.key) // ps])
+            n.host_page_ids = host[lo : lo + len(n.key) // ps]
             n.backup_pending = False
             self.num_host_pages += len(n.host_page_ids)
             self._record("stored", "host", n)
+            self._host_heap.offer(n)
 
     def abort_backup(self, last_node: TreeNode, start_len: int) -> None:
         """A backup's copy failed: the nodes from `start_len` are no longer pending."""
-        for _, n in self.path_range(last_node, start_len):
+        nodes = self.path_range(last_node, start_len)
+        for _, n in nodes:
             n.backup_pending = False
+        if nodes:  # a pending child no longer keeps the covered part from eviction
+            parent = nodes[0][1].parent
+            assert parent is not None
+            self._host_heap.offer(parent)
 
     def commit_load(
         self, last_node: TreeNode, start_len: int, page_ids: Sequence[PageId]
@@ -445,24 +572,21 @@ class RadixTree:
         in the meantime, through `insert`, keeps its own pages): the caller frees them.
         """
         ps = self.page_size
+        loaded = page_ids_of(page_ids)
         unused: list[PageId] = []
         for pos, n in self.path_range(last_node, start_len):
             lo = (pos - start_len) // ps
-            pages = list(page_ids[lo : lo + len(n.key) // ps])
+            pages = loaded[lo : lo + len(n.key) // ps]
             if n.device_page_ids is None:
                 n.device_page_ids = pages
                 self._add_device_pages(n, len(pages))
                 self._record("stored", "device", n)
+                self._device_heap.offer(n)
             else:
                 unused += pages
         return unused
 
     # ----------------------------------------------------------------- eviction
-
-    def _lru_heap(self, eligible: Callable[[TreeNode], bool]) -> list[tuple[int, int, TreeNode]]:
-        heap = [(n.last_access, n.id, n) for n in self.iter_nodes() if eligible(n)]
-        heapq.heapify(heap)
-        return heap
 
     def _device_leaf(self, n: TreeNode) -> bool:
         return (
@@ -480,9 +604,11 @@ class RadixTree:
         back up first.
         """
         result = EvictResult()
-        heap = self._lru_heap(self._device_leaf)
-        while heap and len(result.freed_page_ids) < num_pages:
-            _, _, node = heapq.heappop(heap)
+        heap = self._device_heap
+        while len(result.freed_page_ids) < num_pages:
+            node = heap.pop()
+            if node is None:
+                break
             assert node.device_page_ids is not None
             if node.host_page_ids is None and not delete_unbacked:
                 result.unbacked.append(node)
@@ -495,9 +621,10 @@ class RadixTree:
             assert parent is not None
             if node.host_page_ids is None:
                 assert not node.children and node.host_ref == 0
-                del parent.children[self._child_key(node.key, 0)]
-            if self._device_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                del parent.children[self._child_key(node.key)]
+            heap.offer(parent)
+        for node in result.unbacked:  # still candidates once backed up
+            heap.offer(node)
         return result
 
     def _host_leaf(self, n: TreeNode) -> bool:
@@ -516,9 +643,11 @@ class RadixTree:
         A node that is also on the device keeps its device copy; a host-only node is deleted.
         """
         freed: list[HostPageId] = []
-        heap = self._lru_heap(self._host_leaf)
-        while heap and len(freed) < num_pages:
-            _, _, node = heapq.heappop(heap)
+        heap = self._host_heap
+        while len(freed) < num_pages:
+            node = heap.pop()
+            if node is None:
+                break
             assert node.host_page_ids is not None
             freed += node.host_page_ids
             self.num_host_pages -= len(node.host_page_ids)
@@ -528,9 +657,8 @@ class RadixTree:
             assert parent is not None
             if node.device_page_ids is None:
                 assert not node.children and node.lock_ref == 0
-                del parent.children[self._child_key(node.key, 0)]
-            if parent.parent is not None and self._host_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                del parent.children[self._child_key(node.key)]
+            heap.offer(parent)
         return freed
 
     # ----------------------------------------------------------------- inspection
@@ -581,6 +709,8 @@ class RadixTree:
                 self._record("removed", "host", n)
         for root in self.roots.values():
             root.children.clear()
+        self._device_heap.clear()
+        self._host_heap.clear()
         self.num_device_pages = self.num_locked_device_pages = self.num_host_pages = 0
         return device, host
 
@@ -590,11 +720,13 @@ class RadixTree:
         device_seen: set[int] = set()
         host_seen: set[int] = set()
         num_device = num_locked = num_host = 0
-        for n in self.iter_nodes():
+        nodes = list(self.iter_nodes())
+        for n in nodes:
             parent = n.parent
             assert parent is not None
             assert n.key and len(n.key) % ps == 0, f"{n!r}: key not whole pages"
-            assert parent.children.get(self._child_key(n.key, 0)) is n, f"{n!r}: bad child link"
+            assert isinstance(n.key, array) and n.key.typecode == "I", f"{n!r}: key not TokenIds"
+            assert parent.children.get(self._child_key(n.key)) is n, f"{n!r}: bad child link"
             assert n.on_device or n.on_host, f"{n!r}: holds no KV"
             child_locks = sum(c.lock_ref for c in n.children.values())
             assert n.lock_ref >= child_locks, f"{n!r}: lock_ref below its children's"
@@ -625,6 +757,8 @@ class RadixTree:
             self.num_locked_device_pages,
             self.num_host_pages,
         ), "page counters drifted"
+        self._device_heap.check(nodes, "device")
+        self._host_heap.check(nodes, "host")
 
     def device_page_set(self) -> set[int]:
         return {p for n in self.iter_nodes() for p in (n.device_page_ids or [])}

@@ -24,6 +24,8 @@ import torch
 
 from gpu_worker.kernels.page_transfer import PageView, transfer_pages
 
+COMPLETION_LOG_LEN = 256  # completion order kept for tests and debugging (a window)
+
 
 class TransferKind(enum.Enum):
     BACKUP = "backup"  # device -> host
@@ -108,7 +110,10 @@ class TransferEngine:
         self._delay = delay
         self._rng = random.Random(delay.seed if delay else 0)
         self._lock = threading.Lock()
-        self.completion_log: list[int] = []  # ACK seqs in the order their copies finished
+        # the last COMPLETION_LOG_LEN ACK seqs in the order their copies finished: bounded,
+        # so a long-running engine does not grow it with every transfer
+        self.completion_log: collections.deque[int] = collections.deque(maxlen=COMPLETION_LOG_LEN)
+        self.num_completed = 0  # copies finished (successfully) since start
         self._stream: torch.cuda.Stream | None = None
         self._pool: ThreadPoolExecutor | None = None
         if device.type == "cuda":
@@ -166,6 +171,7 @@ class TransferEngine:
         elapsed = time.perf_counter() - start
         with self._lock:
             self.completion_log.append(seq)
+            self.num_completed += 1
         return elapsed
 
     def _submit_cuda(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bus_schemas.page_hash import make_namespace
+from bus_schemas.token_ids import as_token_ids
 from gpu_worker.cache.hicache import CacheConfig, PrefixCache
 from gpu_worker.engine.world import broadcast_work, init_single_rank_world
 from gpu_worker.memory.kv_spec import KVSpec
@@ -107,7 +108,7 @@ class Engine:
         ids = self.validate(prompt_ids, sampling)
         if not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
-        req = Req(self._next_rid, ids, sampling, cache_salt)
+        req = Req(self._next_rid, as_token_ids(ids), sampling, cache_salt)
         self._next_rid += 1
         self._inbox.append(req)
         return req

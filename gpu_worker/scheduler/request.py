@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bus_schemas.token_ids import TokenIds, as_token_ids
 from gpu_worker.cache.hicache import LoadTicket
 from gpu_worker.cache.radix import TreeNode
 from gpu_worker.memory.allocator import PageId
@@ -70,7 +71,7 @@ class KVExport:
 @dataclass(eq=False, slots=True)
 class Req:
     rid: int
-    prompt_ids: list[int]
+    prompt_ids: TokenIds  # array('I'): reaches the radix tree as is (a list is converted once)
     sampling: SamplingParams
     cache_salt: str = ""  # requests share cached KV only with the same salt
     state: ReqState = ReqState.WAITING
@@ -90,6 +91,15 @@ class Req:
     # test/debug hook: set to [] to collect the logits (vocab,) each sampled token came from,
     # a copy per step, before sampling (the cache oracle compares them to a cold run)
     logits_trace: list[torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = as_token_ids(self.prompt_ids)
+
+    def token_ids(self, n: int) -> TokenIds:
+        """The first `n` tokens of prompt + output, compact (what the tree inserts)."""
+        if n <= len(self.prompt_ids):
+            return self.prompt_ids[:n]
+        return self.prompt_ids + as_token_ids(self.output_ids[: n - len(self.prompt_ids)])
 
     @property
     def prompt_len(self) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bus_schemas.token_ids import TokenIds
 from gpu_worker.cache.hicache import PrefixCache
 from gpu_worker.kernels.page_transfer import PageView, transfer_pages
 from gpu_worker.model.forward_batch import ForwardBatch
@@ -207,7 +208,7 @@ class Scheduler:
         for req in self.running:
             if req.state is not ReqState.PREFILL or budget == 0:
                 continue
-            chunk = req.prompt_ids[req.computed_len : req.computed_len + budget]
+            chunk = req.prompt_ids[req.computed_len : req.computed_len + budget].tolist()
             budget -= len(chunk)
             plan.append((req, chunk))
         return plan
@@ -295,7 +296,7 @@ class Scheduler:
             return
         self._insert(req, req.prompt_ids)
 
-    def _insert(self, req: Req, ids: list[int]) -> None:
+    def _insert(self, req: Req, ids: TokenIds) -> None:
         prefix, node = self.cache.insert(ids, req.page_ids, req.cached_len, req.cache_salt)
         self.cache.lock(node)
         assert req.last_node is not None
@@ -311,7 +312,7 @@ class Scheduler:
         kv_len = req.kv_len
         req.state = ReqState.FINISHED
         if self.cache.config.enable_radix_cache:
-            self._insert(req, (req.prompt_ids + req.output_ids)[:kv_len])
+            self._insert(req, req.token_ids(kv_len))
         assert req.last_node is not None
         self.cache.unlock(req.last_node)
         self.cache.free(req.page_ids[req.cached_len // self.cache.page_size :])
