@@ -11,9 +11,13 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import nats
+import pytest
 import torch
 from bus_helpers import spawn_engine, wait_heartbeats
 from fake_engine import running_mesh
@@ -27,7 +31,9 @@ from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import ReqState
 from router.keys import TABLE
+from services.cli import build_parser
 from services.launch.servers import ServerProcess, free_port, start_nats
+from services.launch.up import Mesh
 
 POISON = 7  # an embedding row set to NaN: a prompt holding it yields NaN logits
 
@@ -204,17 +210,14 @@ async def test_sigterm_stops_an_engine_while_nats_is_down(tmp_path: Path) -> Non
 
 
 async def test_engine_starts_before_nats_and_stops_on_sigterm_without_it(tmp_path: Path) -> None:
-    """An engine started with no nats-server keeps retrying (one line per attempt), serves
-    once NATS comes up; and a SIGTERM while it waits for NATS stops it at once."""
+    """An engine started with no nats-server keeps retrying (one line per attempt) and
+    serves once NATS comes up; an engine whose NATS never comes stops at once on SIGTERM."""
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
-    early = LoggedEngine(tmp_path, url, "early", *FLAGS)
-    waiting = LoggedEngine(tmp_path, url, "never", *FLAGS)
+    early = LoggedEngine(tmp_path, url, "early", *FLAGS, "--shutdown-grace", "1")
+    waiting = LoggedEngine(tmp_path, f"nats://127.0.0.1:{free_port()}", "never", *FLAGS)
     server: ServerProcess | None = None
     try:
-        await waiting.wait_for_log("next attempt in")
-        assert waiting.terminate(8) == 0, waiting.stderr[-3000:]
-        assert "Traceback" not in waiting.stderr, waiting.stderr[-3000:]
         await early.wait_for_log("next attempt in")
         server = start_nats(port)
         nc = await nats.connect(url)
@@ -222,6 +225,9 @@ async def test_engine_starts_before_nats_and_stops_on_sigterm_without_it(tmp_pat
         await nc.close()
         assert early.terminate(15) == 0, early.stderr[-3000:]
         assert "Traceback" not in early.stderr, early.stderr[-3000:]
+        await waiting.wait_for_log("next attempt in")
+        assert waiting.terminate(8) == 0, waiting.stderr[-3000:]
+        assert "Traceback" not in waiting.stderr, waiting.stderr[-3000:]
     finally:
         early.kill()
         waiting.kill()
@@ -232,8 +238,8 @@ async def test_engine_starts_before_nats_and_stops_on_sigterm_without_it(tmp_pat
 async def test_router_never_retries_a_request_that_crashed_an_engine(
     nats_server: ServerProcess, redis_server: ServerProcess
 ) -> None:
-    """A crash-marked error chunk before any token: 500 "engine_crashed", and the other
-    engine never sees the request (an unmarked 500 is still retried elsewhere)."""
+    """A crash-marked error chunk before any token: 500 "engine_crashed", the other engine
+    never sees the request, and the crashed engine sits out at once."""
     async with running_mesh(nats_server.url, redis_server.url, 2) as mesh:
         a, b = mesh.engines
         await set_load(mesh, b, 100_000)
@@ -243,4 +249,96 @@ async def test_router_never_retries_a_request_that_crashed_an_engine(
         err = (await r.json())["error"]
         assert err["code"] == "engine_crashed" and "crashed" in err["message"]
         assert len(a.received) == 1 and b.received == []
-        assert not mesh.client.app[TABLE].is_alive(a.engine_id)  # sits out at once
+        assert not mesh.client.app[TABLE].is_alive(a.engine_id)
+
+
+# --------------------------------------------------------------- poison requests, real mesh
+
+U64 = 2**64
+# (endpoint, body beyond the prompt): every numeric extreme of every sampling parameter,
+# the accepted ones and the ones just past each range
+POISON_REQUESTS: list[tuple[str, dict[str, Any]]] = [
+    *[("/v1/completions", {"temperature": t}) for t in (1e-320, 1e-310, 5e-324, 0, -0.0)],
+    *[("/v1/completions", {"temperature": t}) for t in (1e-5, 1e300, 1.7976931348623157e308)],
+    *[("/v1/completions", {"temperature": t}) for t in (-5e-324, -1, U64)],
+    *[("/v1/completions", {"temperature": 1.0, "top_p": p}) for p in (5e-324, 1e-300, 1.0)],
+    *[("/v1/completions", {"temperature": 1.0, "top_p": p}) for p in (0, -0.0, 1.0000001, 2)],
+    *[("/v1/completions", {"temperature": 0.7, "seed": s}) for s in (0, 2**63 - 1)],
+    *[("/v1/completions", {"temperature": 0.7, "seed": s}) for s in (-1, 2**63, U64, -(2**63))],
+    *[("/v1/completions", {"max_tokens": n}) for n in (0, 1, 2**31, 2**63, -1)],
+    *[("/v1/completions", {"stop_token_ids": ids}) for ids in ([0], [259], [260], [-1])],
+    ("/v1/completions", {"stop_token_ids": [2**63]}),
+    ("/v1/completions", {"temperature": 1e-320, "top_p": 5e-324, "stream": True}),
+    ("/v1/completions", {"temperature": 1e300, "top_p": 5e-324, "seed": 2**63 - 1}),
+    ("/v1/chat/completions", {"temperature": 1e-310, "top_p": 1e-300, "seed": 0}),
+    *[
+        ("/generate", {"sampling_params": sp})
+        for sp in (
+            {"temperature": 1e-320, "max_new_tokens": 4},
+            {"temperature": 1e300, "top_p": 5e-324, "seed": 2**63 - 1, "max_new_tokens": 4},
+            {"max_new_tokens": 0},
+            {"stop_token_ids": [0, 259], "max_new_tokens": 4},
+            {"seed": -1},
+        )
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def up_mesh() -> Iterator[Mesh]:
+    argv = ["up", "--port", str(free_port()), "--engines", "2", "--page-size", "4"]
+    argv += ["--max-total-tokens", "2048", "--heartbeat-interval", "0.2"]
+    mesh = Mesh(build_parser().parse_args([*argv, "--startup-timeout", "120"]))
+    mesh.start()
+    yield mesh
+    mesh.stop()
+
+
+def _body(endpoint: str, extra: dict[str, Any]) -> dict[str, Any]:
+    if endpoint == "/generate":
+        return {"input_ids": [5, 6, 7, 8, 9, 10], **extra}
+    if endpoint == "/v1/chat/completions":
+        return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    return {"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 4, **extra}
+
+
+async def test_poison_requests_through_the_mesh_leave_every_engine_serving(
+    up_mesh: Mesh,
+) -> None:
+    """The reported request (temperature 1e-320) and every numeric extreme, concurrently:
+    each gets a 200 or a 4xx, no engine dies, and each engine still serves afterwards."""
+    base = f"http://{up_mesh.args.host}:{up_mesh.args.port}"
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+
+        async def send(endpoint: str, extra: dict[str, Any]) -> tuple[int, str]:
+            async with http.post(base + endpoint, json=_body(endpoint, extra)) as r:
+                return r.status, await r.text()
+
+        results = await asyncio.gather(*(send(e, x) for e, x in POISON_REQUESTS))
+        for (endpoint, extra), (status, text) in zip(POISON_REQUESTS, results, strict=True):
+            assert status == 200 or 400 <= status < 500, (endpoint, extra, status, text)
+        statuses = [s for s, _ in results]
+        assert statuses.count(200) >= 25 and any(400 <= s < 500 for s in statuses)
+        async with http.get(base + "/health") as r:
+            health = await r.json()
+            assert r.status == 200 and len(health["live_engines"]) == 2, health
+    engines = [(n, p) for n, p in up_mesh.procs if n.startswith("engine-")]
+    assert [p.poll() for _, p in engines] == [None, None]
+    nats_url = next(s.url for s in up_mesh.servers if s.name == "nats")
+    nc = await nats.connect(nats_url)
+    try:
+        col = Collector(nc, "")
+        await col.start()
+        for name, _ in engines:  # each engine, straight over the bus
+            col.engine_id = name
+            rid = await col.send([5, 6, 7, 8, 9, 10], 4)
+            for _ in range(500):
+                if col.finished(rid):
+                    break
+                await asyncio.sleep(0.02)
+            last = col.finished(rid)
+            assert last is not None and last.error is None and last.finish_reason == "length"
+            assert sum(len(c.token_ids) for c in col.chunks[rid]) == 4
+    finally:
+        await nc.close()

@@ -167,7 +167,8 @@ class EngineService:
         self._reconnect_wait_s = min(wait * 2, NATS_BACKOFF_S[1])
 
     async def _on_nats_disconnected(self) -> None:
-        log.warning("NATS disconnected; reconnecting")
+        if self._nc is not None and not (self._nc.is_closed or self._nc.is_draining):
+            log.warning("NATS disconnected; reconnecting")
 
     async def _on_nats_reconnected(self) -> None:
         log.info("NATS reconnected")
