@@ -1,0 +1,539 @@
+"""A real `hicache-mesh up` under concurrent clients, for the fault matrix (issue 7).
+
+`UpMesh` runs `python -m services.cli up` as a subprocess in its own session and finds its
+children (nats-server, redis-server, index, engines, router) by walking /proc for the
+descendants of `up` and reading their command lines, so a child restarted by the supervisor
+is found again under its new pid. `Load` runs N client loops (a mix of plain and streamed
+greedy completions) and classifies every answer; `wait_healed` polls until every part of the
+mesh serves again; `pools` flushes and reads every engine's page pools.
+
+An answer is one of:
+- "ok": 200 with the expected greedy tokens (a stream: no error event, then `[DONE]`);
+- "error": a clear failure: a 5xx with an OpenAI-style JSON error body, or a stream that
+  carries an error event and then `[DONE]`;
+- "bad": anything else (a 4xx, a refused connection, a malformed body, a stream cut short,
+  wrong tokens): a fault must never produce one;
+- "hang": no answer within the per-request bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import redis.asyncio as aioredis
+
+from bus_schemas import redis_keys as rk
+from services.launch.servers import free_port
+
+REQUEST_TIMEOUT_S = 60.0  # the hang bound: every request is answered within it
+PAGE = 4
+
+
+# ------------------------------------------------------------------ processes
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    """One process of the mesh: its role ("nats", "redis", "index", "router" or an engine id)."""
+
+    role: str
+    pid: int
+    argv: tuple[str, ...]
+
+
+def _argv(pid: int) -> tuple[str, ...]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ()
+    return tuple(a.decode(errors="replace") for a in raw.split(b"\0") if a)
+
+
+def _ppid_and_state(pid: int) -> tuple[int, str] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # the name may hold spaces and parens
+    return int(fields[1]), fields[0]
+
+
+def descendants(root: int) -> list[int]:
+    """Every live (not zombie) process below `root`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            info = _ppid_and_state(int(entry))
+            if info is not None and info[1] != "Z":
+                children.setdefault(info[0], []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            out.append(pid)
+            todo.append(pid)
+    return out
+
+
+def role_of(argv: Sequence[str]) -> str | None:
+    """Which part of the mesh a command line is, or None (rank workers, helpers)."""
+    joined = " ".join(argv)
+    if argv and argv[0].endswith("nats-server"):
+        return "nats"
+    if argv and ("redis-server" in argv[0] or "valkey-server" in argv[0]):
+        return "redis"
+    if "services.engine" in argv and "--engine-id" in argv:
+        return argv[argv.index("--engine-id") + 1]
+    if "services.index" in argv:
+        return "index"
+    if "-m router" in joined:
+        return "router"
+    return None
+
+
+def _flag(argv: Sequence[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    """How to start one mesh: colocated engines, or one prefill and one decode (`pd`)."""
+
+    engines: int = 2
+    pd: bool = False
+    heartbeat_s: float = 0.5
+    max_total_tokens: int = 4096
+
+    @property
+    def engine_ids(self) -> tuple[str, ...]:
+        if self.pd:
+            return ("prefill-0", "decode-0")
+        return tuple(f"engine-{i}" for i in range(self.engines))
+
+    def argv(self, port: int) -> list[str]:
+        topology = ["--pd"] if self.pd else ["--engines", str(self.engines)]
+        return [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--port",
+            str(port),
+            *topology,
+            "--page-size",
+            str(PAGE),
+            "--max-total-tokens",
+            str(self.max_total_tokens),
+            "--enable-hierarchical-cache",
+            "--heartbeat-interval",
+            str(self.heartbeat_s),
+        ]
+
+
+class UpMesh:
+    """`hicache-mesh up` as a subprocess; its output goes to a log file for diagnostics."""
+
+    def __init__(self, spec: MeshSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"up-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start `up` and wait until it prints its URL (which it does once /health is ok)."""
+        self.starts += 1
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.spec.argv(self.port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while b"is up" not in self.log_path.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`up` did not come up:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> int | None:
+        """Ctrl-C, then kill whatever is left of the session; `up`'s exit code."""
+        if self.proc is None:
+            return None
+        for child in self.children():  # a stopped child would ignore the SIGINT cascade
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            code: int | None = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            code = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        return code
+
+    def children(self) -> list[Child]:
+        if self.proc is None:
+            return []
+        out = []
+        for pid in descendants(self.proc.pid):
+            argv = _argv(pid)
+            role = role_of(argv)
+            if role is not None:
+                out.append(Child(role, pid, argv))
+        return out
+
+    def pid_of(self, role: str) -> int:
+        pids = [c.pid for c in self.children() if c.role == role]
+        assert len(pids) == 1, f"{role}: pids {pids}; children {self.children()}"
+        return pids[0]
+
+    def redis_url(self) -> str:
+        router = next(c for c in self.children() if c.role == "router")
+        return _flag(router.argv, "--redis-url")
+
+    def log_tail(self, n: int = 60) -> str:
+        lines = self.log_path.read_bytes().decode(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def signal(self, role: str, sig: signal.Signals) -> int:
+        pid = self.pid_of(role)
+        os.kill(pid, sig)
+        return pid
+
+
+# ------------------------------------------------------------------ requests
+
+
+@dataclass(frozen=True, slots=True)
+class Req:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    kind: str  # "ok" | "error" | "bad" | "hang"
+    status: int
+    detail: str
+    tokens: tuple[int, ...] = ()
+    engine: str = ""
+
+
+def prompts(n: int = 8, length: int = 26) -> list[tuple[int, ...]]:
+    """`n` distinct prompts that share no page, so each is a cache miss on its first send."""
+    return [tuple((97 * k + 13 * i + 5) % 250 for i in range(length)) for k in range(n)]
+
+
+def body_of(req: Req) -> dict[str, Any]:
+    return {
+        "prompt": list(req.prompt),
+        "max_tokens": req.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": req.stream,
+    }
+
+
+def _is_error_body(data: Any) -> bool:
+    err = data.get("error") if isinstance(data, dict) else None
+    return isinstance(err, dict) and bool(err.get("message")) and bool(err.get("type"))
+
+
+def parse_sse(raw: str) -> tuple[list[Any], bool, str]:
+    """(events, ended with [DONE], a problem or ""): every block must be one `data:` line."""
+    events: list[Any] = []
+    done = False
+    for block in raw.split("\n\n"):
+        block = block.strip("\n")  # a stream read after its first line starts with "\n"
+        if not block:
+            continue
+        if not block.startswith("data: ") or done:
+            return events, done, f"malformed SSE block {block[:80]!r}"
+        data = block[len("data: ") :]
+        if data == "[DONE]":
+            done = True
+            continue
+        try:
+            events.append(orjson.loads(data))
+        except orjson.JSONDecodeError:
+            return events, done, f"event is not JSON: {data[:80]!r}"
+    return events, done, ""
+
+
+def classify_stream(raw: str, engine: str) -> Answer:
+    events, done, problem = parse_sse(raw)
+    if problem or not done:
+        return Answer("bad", 200, problem or f"stream cut short: {raw[-120:]!r}", (), engine)
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    if errors:
+        ok = all(_is_error_body(e) for e in errors)
+        return Answer("error" if ok else "bad", 200, str(errors[0])[:200], (), engine)
+    tokens = [t for e in events for c in e.get("choices", []) for t in c.get("token_ids", [])]
+    return Answer("ok", 200, "", tuple(tokens), engine)
+
+
+def classify_whole(status: int, raw: bytes, engine: str) -> Answer:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return Answer("bad", status, f"body is not JSON: {raw[:120]!r}", (), engine)
+    if status == 200:
+        try:
+            tokens = tuple(data["choices"][0]["token_ids"])
+        except (KeyError, IndexError, TypeError):
+            return Answer("bad", status, f"200 without tokens: {raw[:120]!r}", (), engine)
+        return Answer("ok", status, "", tokens, engine)
+    kind = "error" if status >= 500 and _is_error_body(data) else "bad"
+    return Answer(kind, status, raw[:200].decode(errors="replace"), (), engine)
+
+
+async def send(http: aiohttp.ClientSession, url: str, req: Req) -> Answer:
+    """One completion, classified; never raises for what the mesh does."""
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    try:
+        async with http.post(f"{url}/v1/completions", json=body_of(req), timeout=timeout) as r:
+            engine = r.headers.get("X-Hicache-Engine", "")
+            raw = await r.read()
+            if req.stream and r.status == 200:
+                return classify_stream(raw.decode(errors="replace"), engine)
+            return classify_whole(r.status, raw, engine)
+    except TimeoutError:
+        return Answer("hang", 0, f"no answer within {REQUEST_TIMEOUT_S}s")
+    except aiohttp.ClientError as e:
+        return Answer("bad", 0, f"{type(e).__name__}: {e}")
+
+
+@dataclass
+class Load:
+    """`clients` loops, each sending the requests of its turn until `stop()`."""
+
+    url: str
+    reqs: Sequence[Req]
+    expected: dict[Req, tuple[int, ...]]
+    clients: int = 8
+    answers: list[tuple[Req, Answer]] = field(default_factory=list)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _http: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Load:
+        conn = aiohttp.TCPConnector(limit=self.clients + 8)
+        self._http = aiohttp.ClientSession(connector=conn)
+        self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)  # each ends within one request bound
+        assert self._http is not None
+        await self._http.close()
+
+    async def _client(self, i: int) -> None:
+        assert self._http is not None
+        turn = i
+        while not self._stop.is_set():
+            req = self.reqs[turn % len(self.reqs)]
+            turn += self.clients
+            answer = await send(self._http, self.url, req)
+            if answer.kind == "ok" and answer.tokens != self.expected[req]:
+                answer = Answer("bad", 200, f"tokens {answer.tokens} != {self.expected[req]}")
+            self.answers.append((req, answer))
+            if answer.kind != "ok":
+                await asyncio.sleep(0.05)  # no busy loop against a 503
+
+    async def wait_answers(self, n: int, timeout_s: float = 60.0) -> None:
+        """Until `n` more answers have come in (the load is really running)."""
+        target = len(self.answers) + n
+        deadline = time.monotonic() + timeout_s
+        while len(self.answers) < target:
+            assert time.monotonic() < deadline, f"load stalled: {self.summary()}"
+            await asyncio.sleep(0.02)
+
+    def summary(self) -> str:
+        kinds = Counter((a.kind, a.status) for _, a in self.answers)
+        return ", ".join(f"{k}/{s}: {n}" for (k, s), n in sorted(kinds.items()))
+
+    def problems(self, allowed: frozenset[str]) -> list[str]:
+        return [f"{a.kind} {a.status} {a.detail}" for _, a in self.answers if a.kind not in allowed]
+
+
+def workload(n_prompts: int = 8) -> list[Req]:
+    """Plain and streamed requests over the same prompts (a stream repeats a plain one)."""
+    reqs = []
+    for p in prompts(n_prompts):
+        reqs.append(Req(p, 6, False))
+        reqs.append(Req(p, 6, True))
+    return reqs
+
+
+async def baseline(url: str, reqs: Sequence[Req]) -> dict[Req, tuple[int, ...]]:
+    """The greedy tokens of each request on the healthy mesh (plain and streamed agree)."""
+    async with aiohttp.ClientSession() as http:
+        answers = await asyncio.gather(*(send(http, url, r) for r in reqs))
+    out = {}
+    for req, a in zip(reqs, answers, strict=True):
+        assert a.kind == "ok", f"baseline request failed: {a}"
+        out[req] = a.tokens
+    for req in reqs:
+        twin = Req(req.prompt, req.max_tokens, not req.stream)
+        assert out[req] == out[twin], "streamed and plain greedy tokens differ"
+    return out
+
+
+async def full_round(url: str, expected: dict[Req, tuple[int, ...]]) -> None:
+    """Every request at once: all 200 with the tokens of before the fault."""
+    reqs = list(expected)
+    async with aiohttp.ClientSession() as http:
+        answers = await asyncio.gather(*(send(http, url, r) for r in reqs))
+    bad = [(r, a) for r, a in zip(reqs, answers, strict=True) if a.kind != "ok"]
+    assert not bad, f"after recovery: {bad[:3]}"
+    wrong = [r for r, a in zip(reqs, answers, strict=True) if a.tokens != expected[r]]
+    assert not wrong, f"after recovery {len(wrong)} requests gave other tokens"
+
+
+async def held_stream(
+    http: aiohttp.ClientSession,
+    url: str,
+    prompt: Sequence[int],
+    engine: str | None = None,
+    max_tokens: int = 1000,
+) -> tuple[aiohttp.ClientResponse, str]:
+    """An open long stream whose first event arrived; retried until it lands on `engine`."""
+    body = {"prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    for _ in range(40):
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        resp = await http.post(
+            f"{url}/v1/completions", json=body | {"stream": True}, timeout=timeout
+        )
+        got = resp.headers.get("X-Hicache-Engine", "")
+        assert resp.status == 200, await resp.text()
+        if engine is None or got == engine:
+            await resp.content.readline()  # the first event: the engine holds the request
+            return resp, got
+        resp.close()
+    raise AssertionError(f"no stream landed on {engine}")
+
+
+async def finish_stream(resp: aiohttp.ClientResponse) -> Answer:
+    """The rest of a held stream, classified (it must end within the hang bound)."""
+    engine = resp.headers.get("X-Hicache-Engine", "")
+    try:
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            raw = (await resp.read()).decode(errors="replace")
+    except TimeoutError:
+        return Answer("hang", 200, "held stream never ended", (), engine)
+    except aiohttp.ClientError as e:
+        return Answer("bad", 200, f"held stream broke: {type(e).__name__}: {e}", (), engine)
+    finally:
+        resp.release()
+    return classify_stream(raw, engine)
+
+
+# ------------------------------------------------------------------ health and pools
+
+
+async def _get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    try:
+        async with http.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+            return r.status, await r.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        return 0, str(e)
+
+
+async def heal_problems(mesh: UpMesh, http: aiohttp.ClientSession) -> list[str]:
+    """What still keeps the mesh from being whole; [] when every part serves."""
+    if not mesh.alive:
+        return ["`up` exited"]
+    roles = Counter(c.role for c in mesh.children())
+    need = ("nats", "redis", "index", "router", *mesh.spec.engine_ids)
+    out = [f"{r}: {roles[r]} processes" for r in need if roles[r] != 1]
+    status, health = await _get_json(http, f"{mesh.url}/health")
+    if status != 200 or not isinstance(health, dict) or health.get("status") != "ok":
+        return [*out, f"/health {status} {health}"]
+    missing = set(mesh.spec.engine_ids) - set(health.get("live_engines", []))
+    if missing:
+        out.append(f"not live in the router: {sorted(missing)}")
+    if not out:
+        out += await _index_problems(mesh)
+    return out
+
+
+async def _index_problems(mesh: UpMesh) -> list[str]:
+    """Redis answers and the index keeps every engine's liveness key there."""
+    r = aioredis.from_url(mesh.redis_url(), socket_timeout=2)
+    try:
+        keys = [rk.engine_alive(e) for e in mesh.spec.engine_ids]
+        alive = await r.mget(keys)
+    except Exception as e:  # any Redis failure means "not healed yet"
+        return [f"redis: {type(e).__name__}: {e}"]
+    finally:
+        await r.aclose()
+    return [f"index: no liveness key for {k}" for k, v in zip(keys, alive, strict=True) if not v]
+
+
+async def wait_healed(mesh: UpMesh, timeout_s: float = 60.0) -> float:
+    """Seconds until the mesh is whole and serves one request; raises with the reasons."""
+    started = time.monotonic()
+    probe = Req(tuple(range(1, 9)), 2, False)
+    problems: list[str] = []
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() - started < timeout_s:
+            problems = await heal_problems(mesh, http)
+            if not problems:
+                answer = await send(http, mesh.url, probe)
+                if answer.kind == "ok":
+                    return time.monotonic() - started
+                problems = [f"probe: {answer}"]
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"not healed in {timeout_s}s: {problems}\n{mesh.log_tail()}")
+
+
+Pools = dict[str, tuple[int, int]]  # engine id -> (device pages free, host pages free)
+
+
+async def pools(url: str, timeout_s: float = 30.0) -> Pools:
+    """Flush every engine (retried while one is still busy), then read its page pools."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.post(f"{url}/flush_cache") as r:
+                flushed = await r.json(content_type=None)
+                if r.status == 200:
+                    break
+            assert time.monotonic() < deadline, f"flush refused: {flushed}"
+            await asyncio.sleep(0.2)
+        status, stats = await _get_json(http, f"{url}/stats")
+    assert status == 200, stats
+    return {eid: _free_pages(e) for eid, e in stats["engines"].items()}
+
+
+def _free_pages(entry: dict[str, Any]) -> tuple[int, int]:
+    s = entry["stats"]
+    host_free = s.get("host_pages_free", s["host_pages"] - s["host_pages_cached"])
+    return int(s["device_pages_free"]), int(host_free)
+
+
+async def epochs(url: str) -> dict[str, str]:
+    async with aiohttp.ClientSession() as http:
+        status, stats = await _get_json(http, f"{url}/stats")
+    assert status == 200, stats
+    return {eid: e["epoch"] for eid, e in stats["engines"].items()}
