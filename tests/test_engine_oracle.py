@@ -59,6 +59,14 @@ def assert_matches_cold(out: GenerateOutput, logits: torch.Tensor, want: Cold) -
     )
 
 
+def device_kv(eng: Engine, tokens: list[int]) -> torch.Tensor:
+    """The KV the engine's device cache holds for the cached prefix of `tokens`:
+    (num_layers, 2, cached_len, num_kv_heads, head_dim), position by position."""
+    match = eng.cache.match(tokens)
+    pool = eng.cache.device_pool
+    return pool.kv[:, :, pool.slot_ids(list(match.device_page_ids), match.device_len)]
+
+
 def make_prompts(seed: int = 7) -> list[list[int]]:
     """3 groups x 3 prompts; each group shares an unaligned prefix, suffixes differ."""
     rng = random.Random(seed)
@@ -99,6 +107,23 @@ def engine(cache: CacheConfig, chunk: int = 512) -> Engine:
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     return make_prompts()
+
+
+@pytest.fixture(scope="module")
+def cold_kv(prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Each prompt's prefix KV computed cold (the cache flushed before each), by position.
+
+    Logits alone cannot see every misplaced page: attention over keys that already carry
+    their RoPE is a sum over a set, so pages swapped within the prefix change the logits only
+    in their rounding. The KV bytes at each position can."""
+    eng = engine(CacheConfig(page_size=PAGE, num_device_pages=256))
+    kvs = []
+    for p in prompts:
+        assert eng.flush_cache()
+        assert eng.generate(p, GREEDY).cached.total == 0
+        kvs.append(device_kv(eng, p).clone())
+        assert kvs[-1].shape[2] == (len(p) - 1) // PAGE * PAGE
+    return kvs
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +172,11 @@ def test_batched_requests_match_cold(prompts: list[list[int]], cold: list[Cold])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 def test_host_hits_match_cold(
-    prompts: list[list[int]], cold: list[Cold], policy: str, layout: str
+    prompts: list[list[int]],
+    cold: list[Cold],
+    cold_kv: list[torch.Tensor],
+    policy: str,
+    layout: str,
 ) -> None:
     cfg = CacheConfig(
         page_size=PAGE,
@@ -172,12 +201,13 @@ def test_host_hits_match_cold(
     eng.check_integrity()
 
     on_device: list[list[int]] = []  # what pass 3 puts back on the device, request by request
-    for p, want in zip(prompts, cold, strict=True):
+    for i, (p, want) in enumerate(zip(prompts, cold, strict=True)):
         out, logits = traced(eng, p)
         assert_matches_cold(out, logits, want)
         device = expected_hit(p, on_device)
         total = (len(p) - 1) // PAGE * PAGE  # every prompt's prefix was backed up in pass 2
         assert (out.cached.device, out.cached.host) == (device, total - device)
+        assert torch.equal(device_kv(eng, p), cold_kv[i]), "restored KV differs from cold KV"
         on_device.append(kv_tokens(p, out.output_ids))
     assert eng.cache.stats.host_hit_tokens > 0
     eng.cache.drain()
