@@ -1,12 +1,14 @@
-"""Benchmark `RadixTree.match_prefix` and `insert` against a plain Python radix cache.
+"""Benchmark `RadixTree.match_prefix`, `insert` and eviction.
 
-    python benchmarks/bench_radix.py                     # page sizes 64 and 1
+    python benchmarks/bench_radix.py                     # page sizes 64 and 1, eviction
     python benchmarks/bench_radix.py --page-sizes 64 --calls 5000
+    python benchmarks/bench_radix.py --page-sizes --evict-nodes 100000   # eviction only
 
 Workload: `--num-seqs` sequences of `--seq-len` tokens over `--vocab`; sequence i is shared
 prefix `i % --num-prefixes` (`--prefix-len` random tokens) followed by random tokens. Both
-trees hold the same sequences. Queries are fresh lists with fresh int objects (as a new
-request's tokenizer output would be), never the lists that were inserted.
+trees hold the same sequences. Queries are fresh objects, never the ones that were inserted:
+our tree gets `TokenIds` (array('I'), what `Req.prompt_ids` is and `PrefixCache.match` passes),
+the baseline lists of fresh ints (what its callers pass).
 
 Cases, timed per call with `time.perf_counter_ns` (median after a warm-up pass):
   shared-prefix hit  a shared prefix followed by a new random suffix
@@ -20,12 +22,19 @@ repeating those queries times the same work. Insert is timed while building the 
 The baseline is the usual design of a Python radix cache (SGLang's RadixCache), written
 here from scratch: children keyed by the first token (or first page tuple), a `_key_match`
 loop that compares keys token by token, the remaining key re-sliced at every node, a split
-where a match ends inside a node. Its values are page-id lists, like ours (no tensors).
+where a match ends inside a node. Its values are page-id lists (no tensors).
+
+Eviction (`--evict-nodes`, 0 to skip): a random tree of that many nodes (page 16, sequences
+of 4 pages sharing random page-aligned prefixes), then `evict_device(1)` timed call by call:
+the tree's incremental heap (`--evict-calls` calls) against the former algorithm, which
+rebuilt a heap from every node on each call (`--rebuild-calls` calls, run after, on the same
+tree). Median microseconds per call, and the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import random
 import statistics
 import sys
@@ -40,7 +49,7 @@ from typing import Any, Protocol
 # Run as a script from a checkout where the project is not pip-installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_worker.cache.radix import RadixTree
+from gpu_worker.cache.radix import EvictResult, RadixTree
 
 # ----------------------------------------------------------------- baseline
 
@@ -130,8 +139,8 @@ class BaselineRadixCache:
 
 
 class Tree(Protocol):
-    def insert(self, key: list[int], value: list[int]) -> Any: ...
-    def match_prefix(self, key: list[int]) -> Any: ...
+    def insert(self, key: Any, value: list[int]) -> Any: ...
+    def match_prefix(self, key: Any) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +155,11 @@ class Workload:
 def fresh(ids: Sequence[int]) -> list[int]:
     """A copy with new int objects, so no comparison short-cuts on object identity."""
     return array("q", ids).tolist()
+
+
+def token_ids(queries: list[list[int]]) -> list[array]:
+    """The queries as our tree's callers hold them: TokenIds, built once, outside timing."""
+    return [array("I", q) for q in queries]
 
 
 def make_workload(args: argparse.Namespace) -> Workload:
@@ -173,19 +187,19 @@ def make_workload(args: argparse.Namespace) -> Workload:
 # ----------------------------------------------------------------- timing
 
 
-def build(tree: Tree, seqs: list[list[int]]) -> list[float]:
-    """Insert every sequence; microseconds per insert."""
+def build(tree: Tree, seqs: list[list[int]], compact: bool) -> list[float]:
+    """Insert every sequence (as TokenIds when `compact`); microseconds per insert."""
     times = []
     for i, seq in enumerate(seqs):
         pages = list(range(i * len(seq), (i + 1) * len(seq)))
-        key = fresh(seq)
+        key: Sequence[int] = array("I", seq) if compact else fresh(seq)
         t0 = time.perf_counter_ns()
         tree.insert(key, pages)
         times.append((time.perf_counter_ns() - t0) / 1e3)
     return times
 
 
-def time_calls(fn: Callable[[list[int]], Any], queries: list[list[int]], calls: int) -> float:
+def time_calls(fn: Callable[[Any], Any], queries: Sequence[Sequence[int]], calls: int) -> float:
     """Median microseconds per call over `calls` calls cycling through `queries`."""
     for q in queries:  # warm-up
         fn(q)
@@ -198,7 +212,7 @@ def time_calls(fn: Callable[[list[int]], Any], queries: list[list[int]], calls: 
     return statistics.median(times) / 1e3
 
 
-def time_once_each(fn: Callable[[list[int]], Any], queries: list[list[int]]) -> float:
+def time_once_each(fn: Callable[[Any], Any], queries: Sequence[Sequence[int]]) -> float:
     times = []
     for q in queries:
         t0 = time.perf_counter_ns()
@@ -231,10 +245,10 @@ def count_nodes(tree: RadixTree) -> int:
 
 def bench_page_size(ps: int, work: Workload, args: argparse.Namespace) -> list[str]:
     ours, base = RadixTree(ps), BaselineRadixCache(ps)
-    ours_ins, base_ins = build(ours, work.seqs), build(base, work.seqs)
+    ours_ins, base_ins = build(ours, work.seqs, True), build(base, work.seqs, False)
     rows = [row(ps, "insert (building the tree)", "no", ours_ins, base_ins)]
 
-    def ours_len(q: list[int]) -> int:
+    def ours_len(q: Sequence[int]) -> int:
         return int(ours.match_prefix(q).device_len)
 
     def base_len(q: list[int]) -> int:
@@ -251,12 +265,12 @@ def bench_page_size(ps: int, work: Workload, args: argparse.Namespace) -> list[s
         assert lengths == {base_len(q) for q in queries}, name
         splits = "no" if count_nodes(ours) == nodes else "yes"
         name = f"{name} ({'/'.join(str(n) for n in sorted(lengths))} tok)"
-        t_ours = time_calls(ours.match_prefix, queries, args.calls)
+        t_ours = time_calls(ours.match_prefix, token_ids(queries), args.calls)
         t_base = time_calls(base.match_prefix, queries, args.calls)
         rows.append(row(ps, name, splits, [t_ours], [t_base]))
 
     nodes = count_nodes(ours)
-    t_ours = time_once_each(ours.match_prefix, work.split_hits)
+    t_ours = time_once_each(ours.match_prefix, token_ids(work.split_hits))
     t_base = time_once_each(base.match_prefix, work.split_hits)
     splits = f"yes ({count_nodes(ours) - nodes})"
     lengths = {ours_len(q) for q in work.split_hits}
@@ -274,6 +288,81 @@ def bench_page_size(ps: int, work: Workload, args: argparse.Namespace) -> list[s
     return rows
 
 
+# ----------------------------------------------------------------- eviction
+
+
+def random_tree(num_nodes: int, seed: int, page_size: int = 16, seq_pages: int = 4) -> RadixTree:
+    """A tree of about `num_nodes` nodes: each sequence shares a random page-aligned prefix
+    of an earlier one (which splits a node there) and ends in new random pages."""
+    rng = random.Random(seed)
+    tree = RadixTree(page_size)
+    seqs: list[array] = []
+    next_page = 0
+    while tree._next_id - len(tree.roots) < num_nodes:
+        shared = rng.randrange(1, seq_pages) * page_size if seqs else 0
+        head = rng.choice(seqs)[:shared] if seqs else array("I")
+        tail = [rng.randrange(1 << 31) for _ in range(seq_pages * page_size - len(head))]
+        seq = head + array("I", tail)
+        tree.insert(seq, range(next_page, next_page + seq_pages))
+        next_page += seq_pages
+        seqs.append(seq)
+    return tree
+
+
+def evict_device_rebuild(tree: RadixTree, num_pages: int) -> EvictResult:
+    """The former `evict_device`: a heap rebuilt from every node on each call (for the ratio
+    only; it bypasses the tree's incremental heap, so run it last on a tree)."""
+    result = EvictResult()
+    heap = [(n.last_access, n.id, n) for n in tree.iter_nodes() if tree._device_leaf(n)]
+    heapq.heapify(heap)
+    while heap and len(result.freed_page_ids) < num_pages:
+        _, _, node = heapq.heappop(heap)
+        assert node.device_page_ids is not None and node.host_page_ids is None
+        result.freed_page_ids += node.device_page_ids
+        tree.num_device_pages -= len(node.device_page_ids)
+        node.device_page_ids = None
+        parent = node.parent
+        assert parent is not None
+        del parent.children[tree._child_key(node.key)]
+        if tree._device_leaf(parent):
+            heapq.heappush(heap, (parent.last_access, parent.id, parent))
+    return result
+
+
+def time_evictions(evict: Callable[[], EvictResult], calls: int) -> tuple[float, float]:
+    """Median wall and thread-CPU microseconds per call (CPU time is what a shared, loaded
+    machine distorts least)."""
+    wall, cpu = [], []
+    for _ in range(calls):
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        freed = evict().freed_page_ids
+        wall.append(time.perf_counter_ns() - t0)
+        cpu.append(time.thread_time_ns() - c0)
+        assert freed, "the tree ran out of evictable pages"
+    return statistics.median(wall) / 1e3, statistics.median(cpu) / 1e3
+
+
+def bench_eviction(args: argparse.Namespace) -> list[str]:
+    t0 = time.perf_counter()
+    tree = random_tree(args.evict_nodes, args.seed)
+    nodes = count_nodes(tree)
+    built_s = time.perf_counter() - t0
+    # touch a random tenth of the tree: LRU order is not creation order
+    for node in random.Random(args.seed).sample(list(tree.iter_nodes()), nodes // 10):
+        tree.match_prefix(array("I", [t for _, n in tree.path(node) for t in n.key]))
+    inc_wall, inc_cpu = time_evictions(lambda: tree.evict_device(1), args.evict_calls)
+    tree.check_integrity()  # the incremental heap still equals a rebuild
+    old_wall, old_cpu = time_evictions(lambda: evict_device_rebuild(tree, 1), args.rebuild_calls)
+    return [
+        f"eviction: evict_device(1) on a {nodes}-node tree (page 16, built in {built_s:.1f} s), "
+        "median us per call (wall / thread CPU)",
+        f"  incremental heap      {inc_wall:>12.2f} / {inc_cpu:>12.2f}  ({args.evict_calls} calls)",
+        f"  rebuild on each call  {old_wall:>12.2f} / {old_cpu:>12.2f}  "
+        f"({args.rebuild_calls} calls, after)",
+        f"  rebuild / incremental {old_wall / inc_wall:>12.0f}x / {old_cpu / inc_cpu:>11.0f}x",
+    ]
+
+
 def row(ps: int, name: str, splits: str, ours: list[float], base: list[float]) -> str:
     o, b = statistics.median(ours), statistics.median(base)
     return f"{ps:>4}  {name:<38} {splits:>7} {o:>10.2f} {b:>10.2f} {o / b:>10.3f} {b / o:>8.1f}x"
@@ -281,7 +370,7 @@ def row(ps: int, name: str, splits: str, ours: list[float], base: list[float]) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--page-sizes", type=int, nargs="+", default=[64, 1])
+    p.add_argument("--page-sizes", type=int, nargs="*", default=[64, 1])
     p.add_argument("--num-seqs", type=int, default=500)
     p.add_argument("--seq-len", type=int, default=2000)
     p.add_argument("--num-prefixes", type=int, default=20)
@@ -291,21 +380,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=3000, help="timed calls per case")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-memory", dest="memory", action="store_false")
+    p.add_argument("--evict-nodes", type=int, default=100_000, help="0: skip eviction")
+    p.add_argument("--evict-calls", type=int, default=2000)
+    p.add_argument("--rebuild-calls", type=int, default=10)
     args = p.parse_args(argv)
     if not 0 < args.prefix_len < args.seq_len:
         p.error("need 0 < --prefix-len < --seq-len")
 
-    work = make_workload(args)
-    print(
-        f"{args.num_seqs} sequences x {args.seq_len} tokens over {args.num_prefixes} shared "
-        f"prefixes of {args.prefix_len} tokens, vocab {args.vocab}; median us per call"
-    )
-    print(
-        f"{'page':>4}  {'case':<38} {'splits':>7} {'ours us':>10} {'base us':>10} "
-        f"{'ours/base':>10} {'speedup':>9}"
-    )
-    for ps in args.page_sizes:
-        for line in bench_page_size(ps, work, args):
+    if args.page_sizes:
+        work = make_workload(args)
+        print(
+            f"{args.num_seqs} sequences x {args.seq_len} tokens over {args.num_prefixes} shared "
+            f"prefixes of {args.prefix_len} tokens, vocab {args.vocab}; median us per call"
+        )
+        print(
+            f"{'page':>4}  {'case':<38} {'splits':>7} {'ours us':>10} {'base us':>10} "
+            f"{'ours/base':>10} {'speedup':>9}"
+        )
+        for ps in args.page_sizes:
+            for line in bench_page_size(ps, work, args):
+                print(line, flush=True)
+    if args.evict_nodes:
+        for line in bench_eviction(args):
             print(line, flush=True)
     return 0
 

@@ -30,7 +30,7 @@ import heapq
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from bus_schemas.page_hash import chain_hashes, root_hash
 from bus_schemas.token_ids import TokenIds, as_token_ids
@@ -109,13 +109,15 @@ class TreeNode:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class MatchResult:
+class MatchResult(NamedTuple):
     """The longest cached page-aligned prefix of a query.
 
     Tokens `[0, device_len)` are on the device in `device_page_ids`; tokens
     `[device_len, device_len + host_len)` are only on the host, in `host_page_ids`. Both are
     `array('q')` (a fresh one per match: the caller may keep it).
+
+    A NamedTuple, not a frozen dataclass: equally immutable and typed, but built in a third of
+    the time (a frozen dataclass's `__init__` cost ~1 us of a ~5 us match).
     """
 
     device_len: int
@@ -339,9 +341,11 @@ class RadixTree:
         `array('I')` (TokenIds): a list is converted first, once per call.
         """
         q = as_token_ids(ids)
-        qb = q.tobytes()
         ps, pb = self.page_size, 4 * self.page_size
         end = len(q) - len(q) % ps
+        # the aligned part as bytes: a key running past `end` then fails `startswith` by itself
+        qb = q.tobytes() if end == len(q) else memoryview(q)[:end].tobytes()
+        startswith = qb.startswith
         self._clock += 1
         clock = self._clock
         node = last_device = self._root_for(salt)
@@ -355,23 +359,22 @@ class RadixTree:
             if child is None:
                 break
             key = child.key
-            klen = len(key)
-            if pos + klen <= end and qb.startswith(key, off):
-                matched = klen
-            else:
-                matched = self._common_len(key, qb, pos, end)
-                child = self._split(child, matched)
+            whole = startswith(key, off)
+            if not whole:  # the match ends inside this node: cut it there, stop after it
+                child = self._split(child, self._common_len(key, qb, pos, end))
+                key = child.key
             child.last_access = clock
             child.hit_count += 1
-            if child.device_page_ids is not None:
-                device_pages += child.device_page_ids
-                last_device = child
-                device_len = pos + matched
+            pos += len(key)
+            pages = child.device_page_ids
+            if pages is not None:
+                device_pages += pages
+                last_device, device_len = child, pos
             else:
                 assert child.host_page_ids is not None
                 host_pages += child.host_page_ids
-            node, pos = child, pos + matched
-            if matched < klen:
+            node = child
+            if not whole:
                 break
         return MatchResult(
             device_len, pos - device_len, device_pages, host_pages, last_device, node
@@ -396,7 +399,6 @@ class RadixTree:
             raise ValueError(
                 f"insert needs {end // ps} pages for {end} tokens, got {len(page_ids)}"
             )
-        pages = page_ids_of(page_ids[: end // ps])
         clock = self._tick()
         node, pos, dup_len = self._root_for(salt), 0, 0
         while pos < end:
@@ -404,7 +406,8 @@ class RadixTree:
             child_key = q[pos] if ps == 1 else qb[off : off + pb]
             child = node.children.get(child_key)
             if child is None:
-                node = self._add_leaf(node, child_key, q[pos:end], pages[pos // ps :], clock)
+                pages = page_ids_of(page_ids[pos // ps : end // ps])  # only what is new
+                node = self._add_leaf(node, child_key, q[pos:end], pages, clock)
                 break
             if pos + len(child.key) <= end and qb.startswith(child.key, off):
                 matched = len(child.key)
@@ -413,7 +416,7 @@ class RadixTree:
                 child = self._split(child, matched)
             child.last_access = clock
             if child.device_page_ids is None:  # host-only: the caller's pages revive it
-                child.device_page_ids = pages[pos // ps : (pos + matched) // ps]
+                child.device_page_ids = page_ids_of(page_ids[pos // ps : (pos + matched) // ps])
                 self._add_device_pages(child, len(child.device_page_ids))
                 self._record("stored", "device", child)
                 self._device_heap.offer(child)
