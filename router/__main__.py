@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 
@@ -104,7 +107,9 @@ async def serve(config: RouterConfig, host: str, port: int, access_log: bool = F
         access_log=logging.getLogger("aiohttp.access") if access_log else None,
         **serve_kwargs(config),
     )
-    await runner.setup()
+    if not await _until_stopped(runner.setup(), stop):
+        logging.getLogger("router").info("stopped before startup finished")
+        return
     try:
         await GuardedSite(runner, host, port, app[GUARD]).start()
         logging.getLogger("router").info("listening on http://%s:%d", host, port)
@@ -112,6 +117,24 @@ async def serve(config: RouterConfig, host: str, port: int, access_log: bool = F
         logging.getLogger("router").info("stopping")
     finally:
         await runner.cleanup()
+
+
+async def _until_stopped(startup: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:
+    """Run `startup` unless `stop` is set first (then cancel it): True when it finished.
+
+    Startup waits for NATS, which may be down for a long time; SIGTERM must still stop us.
+    """
+    task = asyncio.create_task(startup, name="router-startup")
+    stopped = asyncio.create_task(stop.wait(), name="router-stop-wait")
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        task.result()  # re-raise a startup failure
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from router.config import RouterConfig
 from router.engines import EngineTable
 from router.handlers import add_routes, auth_middleware, body_middleware, errors_middleware
 from router.metrics import RouterMetrics
+from router.natsconn import connect_nats
 from router.record import Recorder
 from router.routing import PrefixIndex, Router
 from router.server import GUARD, ConnectionGuard
@@ -54,7 +55,7 @@ async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
     stopping = False
 
     async def on_error(e: Exception) -> None:
-        log.warning("NATS error: %r", e)
+        log.warning("NATS error: %r", e)  # one line per failed reconnect attempt
 
     async def on_disconnect() -> None:
         if not stopping:
@@ -63,11 +64,10 @@ async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
     async def on_reconnect() -> None:
         log.info("NATS reconnected")
 
-    nc = await nats.connect(
+    nc = await connect_nats(
         app[keys.CONFIG].nats_url,
         name="hicache-router",
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=1,
+        log=log,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,

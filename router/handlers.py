@@ -190,9 +190,9 @@ def _generation(app: web.Application, spec: GenerationSpec, started_at: float) -
     """Route-independent checks (live engines, model, limits), then a Generation."""
     table, router = app[keys.TABLE], app[keys.ROUTER]
     bucket = router.select_bucket(len(spec.input_ids), spec.max_tokens or 0)
-    engines = table.live(bucket)
+    engines = table.live(bucket) if app[keys.NATS].is_connected else []
     if not can_serve(engines):
-        raise no_engine_error(bucket)
+        raise _unavailable(app, bucket)
     if spec.model is not None and all(e.model != spec.model for e in engines):
         served = sorted({e.model for e in engines})
         raise ApiError(
@@ -369,8 +369,21 @@ async def health(request: web.Request) -> web.Response:
         reasons = [] if redis_up else [REDIS_DOWN]
         status = "degraded" if reasons else "ok"
         return json_response({"status": status, "reasons": reasons} | state)
-    why = "NATS is not connected" if not nc.is_connected else "no live engine can serve"
+    why = BUS_DOWN if not nc.is_connected else "no live engine can serve"
     return ApiError(503, why, code="unhealthy", retry_after_s=1).response(state)
+
+
+BUS_DOWN = "message bus (NATS) unavailable"
+
+
+def _unavailable(app: web.Application, bucket: str) -> ApiError:
+    """Why nothing can serve: with NATS down the engines' heartbeats cannot reach us, so
+    name NATS, not the engines (they may be fine)."""
+    if not app[keys.NATS].is_connected:
+        return ApiError(
+            503, f"{BUS_DOWN}; try again shortly", code="bus_unavailable", retry_after_s=1
+        )
+    return no_engine_error(bucket)
 
 
 async def prometheus(request: web.Request) -> web.Response:
@@ -384,7 +397,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     none is live or one did not answer. The body lists each engine's result."""
     engines = [e.engine_id for e in request.app[keys.TABLE].live()]
     if not engines:
-        raise no_engine_error("any")
+        raise _unavailable(request.app, "any")
     replies = await asyncio.gather(*(_flush_one(request.app, e) for e in engines))
     results = {e: r for e, r in zip(engines, replies, strict=True)}
     if all(r["success"] for r in results.values()):

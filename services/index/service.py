@@ -41,6 +41,7 @@ from bus_schemas.codec import SchemaError
 from bus_schemas.messages import Heartbeat, KVEventBatch, SnapshotRequest
 from services.index.fencing import Action, Fence, decide_batch, epoch_order, parse_epoch
 from services.index.store import EngineMeta, IndexStore, connect, event_ops, valid_page_hash
+from services.natsconn import connect_nats
 
 log = logging.getLogger("hicache.index")
 
@@ -153,11 +154,10 @@ class IndexService:
         cfg = self.config
         self._store = IndexStore(connect(cfg.redis_url, cfg.redis_timeout_s))
         await self._check_redis()
-        self._nc = await nats.connect(
+        self._nc = await connect_nats(  # waits for NATS with backoff; cancel to give up
             cfg.nats_url,
             name="hicache-index",
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            log=log,
             drain_timeout=int(max(1, cfg.drain_timeout_s)),
             error_cb=self._on_nats_error,
             disconnected_cb=self._on_nats_disconnected,
@@ -460,8 +460,13 @@ async def run(args: argparse.Namespace) -> None:
         loop.add_signal_handler(signum, stop.set)
     service = IndexService(config_from_args(args))
     try:
-        await service.start()
-        await stop.wait()
+        starting = asyncio.create_task(service.start(), name="index-start")
+        stopped = asyncio.create_task(stop.wait(), name="index-stop-wait")
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        starting.cancel()  # SIGTERM while NATS is still unreachable: give up waiting
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await stopped
     finally:
         await service.stop()
         for signum in (signal.SIGINT, signal.SIGTERM):

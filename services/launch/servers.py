@@ -114,19 +114,19 @@ def _launch(
     return server
 
 
-def start_nats(port: int | None = None) -> ServerProcess:
-    port = port or free_port()
-    workdir = tempfile.TemporaryDirectory(prefix="hicache-nats-")
-    conf = Path(workdir.name) / "nats.conf"
+def nats_argv(port: int, workdir: str, monitor_port: int | None = None) -> list[str]:
+    """The nats-server command line (writes its config file into `workdir`)."""
+    conf = Path(workdir) / "nats.conf"
     conf.write_text(f"max_payload: {NATS_MAX_PAYLOAD}\n")
     argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-c", str(conf)]
-    return _launch("nats", argv, port, f"nats://127.0.0.1:{port}", workdir)
+    if monitor_port is not None:
+        argv += ["-m", str(monitor_port)]
+    return argv
 
 
-def start_redis(port: int | None = None) -> ServerProcess:
-    port = port or free_port()
-    workdir = tempfile.TemporaryDirectory(prefix="hicache-redis-")
-    argv = [
+def redis_argv(port: int, workdir: str) -> list[str]:
+    """The redis-server command line: loopback, no persistence, files in `workdir`."""
+    return [
         find_redis_server(),
         "--port",
         str(port),
@@ -137,6 +137,19 @@ def start_redis(port: int | None = None) -> ServerProcess:
         "--appendonly",
         "no",
         "--dir",
-        workdir.name,
+        workdir,
     ]
+
+
+def start_nats(port: int | None = None) -> ServerProcess:
+    port = port or free_port()
+    workdir = tempfile.TemporaryDirectory(prefix="hicache-nats-")
+    argv = nats_argv(port, workdir.name)
+    return _launch("nats", argv, port, f"nats://127.0.0.1:{port}", workdir)
+
+
+def start_redis(port: int | None = None) -> ServerProcess:
+    port = port or free_port()
+    workdir = tempfile.TemporaryDirectory(prefix="hicache-redis-")
+    argv = redis_argv(port, workdir.name)
     return _launch("redis", argv, port, f"redis://127.0.0.1:{port}/0", workdir)

@@ -1,24 +1,34 @@
-"""`hicache-mesh up`: the whole mesh on loopback, as processes.
+"""`hicache-mesh up`: the whole mesh on loopback, as supervised processes.
 
-Starts nats-server and redis-server on free ports (or uses `--nats-url` / `--redis-url`),
-then the index service, `--engines N` engine services and the router; prints the URL; on
-Ctrl-C or SIGTERM stops them all in reverse order and leaves no process behind.
+Checks that the router's port is free, starts nats-server and redis-server on free ports
+(or uses `--nats-url` / `--redis-url`), then the index service, the engine services and the
+router; prints the URL. A child that dies is restarted with backoff (`Supervisor`); servers
+come back on the same port. Ctrl-C or SIGTERM stops them all and leaves no process behind.
+`--status-file PATH` keeps a JSON file with every child's pid, port and restart count.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 from gpu_worker.engine.args import add_engine_args, engine_argv
-from services.launch.servers import ServerProcess, start_nats, start_redis
+from services.launch.servers import free_port, nats_argv, redis_argv, wait_for_port
+from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
+
+ROUTER_TIER, SERVICE_TIER, SERVER_TIER = 2, 1, 0  # stop order: router, services, servers
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
@@ -46,72 +56,102 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record", default=None, help="record traffic as JSON lines")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--startup-timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--status-file",
+        type=Path,
+        default=None,
+        help="keep a JSON file with each child's pid, port and restart count",
+    )
+    parser.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=RestartPolicy().initial_s,
+        help="seconds before the first restart of a dead child (doubles up to 10 s)",
+    )
     add_engine_args(parser)
 
 
+class PortInUseError(RuntimeError):
+    pass
+
+
+class StartupStopped(Exception):
+    """Ctrl-C or SIGTERM arrived before the mesh was healthy."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise PortInUseError when something listens on host:port (before anything starts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUseError(
+                f"port {port} on {host} is not available ({e.strerror}); "
+                f"stop what uses it or pick another port: --port N (make run PORT=N)"
+            ) from None
+
+
 class Mesh:
-    """The processes of one mesh, started in order and stopped in reverse."""
+    """The specs of one mesh's processes, started in order under one Supervisor."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.servers: list[ServerProcess] = []
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.workdir = tempfile.TemporaryDirectory(prefix="hicache-mesh-")
+        self.supervisor = Supervisor(
+            RestartPolicy(initial_s=args.restart_backoff), args.status_file
+        )
 
-    def start(self) -> str:
+    def start(self, stopping: Callable[[], bool] = lambda: False) -> str:
+        """Start everything; the router URL once healthy. Raises StartupStopped when
+        `stopping()` turns true first."""
         a = self.args
-        nats_url, redis_url = a.nats_url, a.redis_url
-        if nats_url is None:
-            self.servers.append(start_nats())
-            nats_url = self.servers[-1].url
-        if redis_url is None:
-            self.servers.append(start_redis())
-            redis_url = self.servers[-1].url
+        check_port_free(a.host, a.port)
+        url = f"http://{a.host}:{a.port}"
+        self.supervisor.extra_status["url"] = url
+        nats_url = a.nats_url or self._server("nats", nats_argv, "nats://127.0.0.1:{}")
+        redis_url = a.redis_url or self._server("redis", redis_argv, "redis://127.0.0.1:{}/0")
         py = sys.executable
-        self._spawn(
-            "index", [py, "-m", "services.index", "--nats-url", nats_url, "--redis-url", redis_url]
+        self.supervisor.start(
+            ChildSpec(
+                "index",
+                [py, "-m", "services.index", "--nats-url", nats_url, "--redis-url", redis_url],
+                SERVICE_TIER,
+            )
         )
         for name, extra in self._engines():
-            self._spawn(
-                name,
-                [
-                    py,
-                    "-m",
-                    "services.engine",
-                    "--engine-id",
-                    name,
-                    "--bucket",
-                    a.bucket,
-                    "--nats-url",
-                    nats_url,
-                    "--heartbeat-interval",
-                    str(a.heartbeat_interval),
-                    *engine_argv(a),
-                    *extra,
-                ],
-            )
-        router = [
-            py,
-            "-m",
-            "router",
-            "--host",
-            a.host,
-            "--port",
-            str(a.port),
-            "--nats-url",
-            nats_url,
-            "--redis-url",
-            redis_url,
-            "--bucket",
-            a.bucket,
-        ]
-        if a.api_key:
-            router += ["--api-key", a.api_key]
-        if a.record:
-            router += ["--record", a.record]
-        self._spawn("router", router)
-        url = f"http://{a.host}:{a.port}"
-        self._wait_healthy(url, a.startup_timeout)
+            argv = [py, "-m", "services.engine", "--engine-id", name, "--bucket", a.bucket]
+            argv += ["--nats-url", nats_url, "--heartbeat-interval", str(a.heartbeat_interval)]
+            self.supervisor.start(ChildSpec(name, argv + engine_argv(a) + extra, SERVICE_TIER))
+        self.supervisor.start(
+            ChildSpec("router", self._router_argv(nats_url, redis_url), ROUTER_TIER, a.port)
+        )
+        self._wait_healthy(url, a.startup_timeout, stopping)
         return url
+
+    def _server(self, name: str, make_argv: Callable[[int, str], list[str]], url: str) -> str:
+        """Start nats/redis on a free port that stays its port across restarts."""
+        port = free_port()
+        workdir = Path(self.workdir.name) / name
+        workdir.mkdir()
+        argv = make_argv(port, str(workdir))
+        self.supervisor.extra_status[f"{name}_url"] = url.format(port)
+
+        def ready(proc: subprocess.Popen[bytes]) -> None:
+            wait_for_port(port, proc)
+
+        self.supervisor.start(ChildSpec(name, argv, SERVER_TIER, port, ready, quiet=True))
+        return url.format(port)
+
+    def _router_argv(self, nats_url: str, redis_url: str) -> list[str]:
+        a = self.args
+        argv = [sys.executable, "-m", "router", "--host", a.host, "--port", str(a.port)]
+        argv += ["--nats-url", nats_url, "--redis-url", redis_url, "--bucket", a.bucket]
+        if a.api_key:
+            argv += ["--api-key", a.api_key]
+        if a.record:
+            argv += ["--record", a.record]
+        return argv
 
     def _engines(self) -> list[tuple[str, list[str]]]:
         """(engine id, flags beyond the shared engine flags) of every engine to start."""
@@ -126,13 +166,15 @@ class Mesh:
             (f"decode-{i}", decode) for i in range(a.num_decode)
         ]
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        self.procs.append((name, subprocess.Popen(argv)))
-
-    def _wait_healthy(self, url: str, timeout_s: float) -> None:
+    def _wait_healthy(self, url: str, timeout_s: float, stopping: Callable[[], bool]) -> None:
+        """Return once /health is 200. A child dying during startup is a configuration
+        error, not a fault to heal: raise with its name and exit code."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.check_children()
+        while time.monotonic() < deadline and not stopping():
+            for child in self.supervisor.exited():
+                raise RuntimeError(
+                    f"{child.spec.name} exited with code {child.proc.returncode if child.proc else None} during startup"
+                )
             with (
                 contextlib.suppress(urllib.error.URLError, ConnectionError, OSError),
                 urllib.request.urlopen(f"{url}/health", timeout=1) as resp,
@@ -140,28 +182,24 @@ class Mesh:
                 if resp.status == 200:
                     return
             time.sleep(0.2)
+        if stopping():
+            raise StartupStopped("stopped during startup")
         raise TimeoutError(f"the mesh was not healthy at {url} within {timeout_s}s")
 
-    def check_children(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode}")
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for server in reversed(self.servers):
-            server.stop()
+    def stop(self) -> None:
+        self.supervisor.stop()
+        self.workdir.cleanup()
 
 
 def run_up(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        check_port_free(args.host, args.port)  # before anything starts: nothing to undo
+    except PortInUseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     mesh = Mesh(args)
     stopping = False
 
@@ -173,12 +211,15 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
-        url = mesh.start()
+        url = mesh.start(lambda: stopping)
+        mesh.supervisor.write_status()
         print(f"hicache-mesh is up: {url}  (OpenAI API at {url}/v1; Ctrl-C stops it)", flush=True)
         while not stopping:
-            mesh.check_children()
-            time.sleep(0.2)
-    except (RuntimeError, TimeoutError) as e:
+            mesh.supervisor.poll()
+            time.sleep(0.1)
+    except StartupStopped:
+        pass
+    except (RuntimeError, TimeoutError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         code = 1
     finally:

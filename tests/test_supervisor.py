@@ -1,0 +1,309 @@
+"""Supervision and NATS outages (issue 7 defects 2, 3, 8, 14), with real processes.
+
+- `Supervisor` restarts a dead child with backoff and a log line, and `stop()` leaves none.
+- The router names NATS in its 503 while NATS is down, and serves again (heartbeats and its
+  reply inbox re-subscribed) once a nats-server is back on the same port.
+- Router and index start while NATS is unreachable, log one line per attempt, and stop on
+  SIGTERM without a traceback.
+- `hicache-mesh up` refuses a busy port before starting anything; under load it restarts a
+  killed engine, index and nats-server, and Ctrl-C leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_engine import FakeEngine, running_mesh
+
+from services.launch.servers import ServerProcess, free_port, start_nats
+from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
+
+UP = [sys.executable, "-m", "services.cli", "up"]
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait(cond: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+# ---------------------------------------------------------------- the supervisor itself
+
+
+def test_restart_policy_doubles_to_the_cap() -> None:
+    policy = RestartPolicy(initial_s=0.5, max_s=10.0)
+    assert [policy.delay(n) for n in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+def test_supervisor_restarts_a_killed_child_and_stop_leaves_none(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    status = tmp_path / "status.json"
+    sup = Supervisor(RestartPolicy(initial_s=0.1), status)
+    sup.start(ChildSpec("a", SLEEPER, tier=1))
+    sup.start(ChildSpec("b", SLEEPER, tier=0))
+    first = sup.children["a"].pid
+    assert first is not None and json.loads(status.read_text())["children"]["a"]["pid"] == first
+    os.kill(first, signal.SIGKILL)
+    with caplog.at_level(logging.WARNING, "hicache.supervisor"):
+
+        def restarted() -> bool:
+            sup.poll()
+            return sup.children["a"].pid != first
+
+        _wait(restarted, 10, "a restart")
+    child = sup.children["a"]
+    assert child.restarts == 1 and child.last_exit == -signal.SIGKILL
+    assert "a exited with code -9; restart 1 in 0.1s" in caplog.text
+    recorded = json.loads(status.read_text())["children"]["a"]
+    assert recorded["pid"] == child.pid and recorded["restarts"] == 1
+    pids = [c.pid for c in sup.children.values()]
+    sup.stop(grace_s=5)
+    assert not any(_alive(p) for p in pids if p is not None)
+    assert not status.exists()
+
+
+# ---------------------------------------------------------------- the router while NATS is down
+
+
+@pytest.fixture
+def own_nats() -> Iterator[ServerProcess]:
+    """A nats-server this test may kill and bring back on the same port."""
+    server = start_nats()
+    yield server
+    server.stop()
+
+
+async def test_router_names_nats_while_it_is_down_and_serves_after_restart(
+    own_nats: ServerProcess, redis_server: ServerProcess
+) -> None:
+    async with running_mesh(own_nats.url, redis_server.url, num_engines=1) as mesh:
+        prompt = [5, 6, 7, 8]
+        r = await mesh.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+        assert r.status == 200
+        own_nats.kill()
+        while mesh.router_nc.is_connected:
+            await asyncio.sleep(0.02)
+        r = await mesh.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+        body = await r.json()
+        assert r.status == 503, body
+        assert "NATS" in body["error"]["message"] and body["error"]["code"] == "bus_unavailable"
+        assert r.headers["Retry-After"] == "1"
+        health = await mesh.client.get("/health")
+        assert health.status == 503 and "NATS" in (await health.json())["error"]["message"]
+
+        restarted = start_nats(own_nats.port)  # same port: clients reconnect to the same URL
+        try:
+            deadline = asyncio.get_running_loop().time() + 30
+            engine = mesh.engines[0]
+            while True:  # both reconnected, a heartbeat went through the router's subscription
+                health = await mesh.client.get("/health")
+                if health.status == 200 and engine.nc.is_connected and mesh.router_nc.is_connected:
+                    await engine.beat()
+                    await mesh.sync()
+                    break
+                assert asyncio.get_running_loop().time() < deadline, await health.json()
+                await asyncio.sleep(0.1)
+            late = FakeEngine(f"{engine.engine_id}-late", own_nats.url, namespace=engine.namespace)
+            await late.start()  # only the re-subscribed heartbeat subscription can see it
+            try:
+                await mesh.wait_for_engines(2, timeout_s=10)
+                r = await mesh.client.post(
+                    "/v1/completions", json={"prompt": prompt, "max_tokens": 3}
+                )
+                body = await r.json()
+                assert r.status == 200, body  # the reply inbox works again
+            finally:
+                await late.stop()
+            assert body["usage"]["completion_tokens"] == 3
+        finally:
+            restarted.stop()
+
+
+# ---------------------------------------------------------------- SIGTERM with NATS unreachable
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        ["router", "--port", "{port}", "--shutdown-timeout", "5"],
+        ["services.index"],
+    ],
+    ids=["router", "index"],
+)
+def test_sigterm_stops_a_service_that_never_reached_nats(module: list[str]) -> None:
+    dead = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    argv = [a.format(port=free_port()) for a in module]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *argv, "--nats-url", dead, "--redis-url", "redis://127.0.0.1:1/0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(3)  # a few connect attempts
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"{argv[0]} ignored SIGTERM while NATS was unreachable") from None
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
+    attempts = [line for line in err.splitlines() if "unreachable" in line]
+    assert attempts and all(dead in line for line in attempts), err
+    assert len(attempts) < 10, "attempts back off"
+
+
+# ---------------------------------------------------------------- hicache-mesh up
+
+
+def _up(port: int, status: Path, log: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*UP, "--port", str(port), "--status-file", str(status), *extra],
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_up_refuses_a_busy_port_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        status, log = tmp_path / "status.json", tmp_path / "up.log"
+        proc = _up(port, status, log)
+        assert proc.wait(60) == 1
+    err = log.read_text()
+    assert f"port {port} on 127.0.0.1 is not available" in err and "PORT=" in err, err
+    assert "Traceback" not in err and "started" not in err, err
+    assert not status.exists()
+
+
+def _get(url: str, timeout_s: float = 60) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _complete(base: str, i: int) -> tuple[int, dict[str, Any]]:
+    body = json.dumps({"prompt": [5 + i, 6, 7, 8, 9], "max_tokens": 4}).encode()
+    req = urllib.request.Request(
+        f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _epoch(base: str, engine_id: str) -> str | None:
+    """The engine's epoch as the router's /stats reports it (None: not live)."""
+    _, body = _get(f"{base}/stats")
+    return body.get("engines", {}).get(engine_id, {}).get("epoch")
+
+
+def _children(status: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads(status.read_text())["children"])
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _restarted(status: Path, name: str, old_pid: int, restarts: int) -> bool:
+    child = _children(status).get(name, {})
+    return bool(child.get("restarts") == restarts and child.get("pid") != old_pid)
+
+
+def _burst(pool: ThreadPoolExecutor, base: str, n: int = 4) -> list[tuple[int, dict[str, Any]]]:
+    return list(pool.map(lambda i: _complete(base, i), range(n)))
+
+
+def test_up_restarts_killed_children_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    port, status, log = free_port(), tmp_path / "status.json", tmp_path / "up.log"
+    proc = _up(
+        port, status, log, "--engines", "2", "--page-size", "4", "--heartbeat-interval", "0.2"
+    )
+    base = f"http://127.0.0.1:{port}"
+    pool, load_pool = ThreadPoolExecutor(8), ThreadPoolExecutor(1)
+    try:
+        assert proc.stdout is not None
+        line = ""
+        while "is up" not in line:  # engines print their own lines on stdout too
+            line = proc.stdout.readline()
+            assert line, log.read_text()[-3000:]
+        _wait(lambda: _epoch(base, "engine-0") and _epoch(base, "engine-1"), 120, "both engines")
+        assert all(s == 200 for s, _ in _burst(pool, base))
+
+        # an engine killed under load: up survives, requests keep being answered
+        children = _children(status)
+        engine_pid, epoch = children["engine-0"]["pid"], _epoch(base, "engine-0")
+        assert epoch is not None
+        load = load_pool.submit(_burst, pool, base, 8)
+        os.kill(engine_pid, signal.SIGKILL)
+        answered = load.result(timeout=120)
+        assert all(s == 200 or s >= 500 for s, _ in answered), answered
+        survivors_served = [s for s, _ in _burst(pool, base)]
+        _wait(lambda: _restarted(status, "engine-0", engine_pid, 1), 60, "engine-0 restart")
+        assert proc.poll() is None
+        assert 200 in survivors_served  # engine-1 serves while engine-0 comes back
+        _wait(lambda: _epoch(base, "engine-0") not in (None, epoch), 90, "engine-0's new epoch")
+        assert all(s == 200 for s, _ in _burst(pool, base))
+        assert "engine-0 exited with code -9; restart 1" in log.read_text()
+
+        # the index and nats-server killed: both come back (nats on the same port)
+        for name in ("index", "nats"):
+            pid, port_before = _children(status)[name]["pid"], _children(status)[name]["port"]
+            os.kill(pid, signal.SIGKILL)
+            _wait(lambda n=name, p=pid: _restarted(status, n, p, 1), 30, f"{name} restart")
+            assert _children(status)[name]["port"] == port_before
+        _wait(lambda: _get(f"{base}/health")[0] == 200, 60, "healthy after nats restart")
+        _wait(lambda: all(s == 200 for s, _ in _burst(pool, base)), 60, "serving after nats")
+        pids = [c["pid"] for c in _children(status).values()]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        load_pool.shutdown(wait=False, cancel_futures=True)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(90)
+    assert code == 0, log.read_text()[-3000:]
+    time.sleep(0.5)
+    assert not [p for p in pids if _alive(p)], "up left children behind"
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        pass
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("hicache-mesh up left processes behind")
