@@ -71,8 +71,8 @@ def test_completion_log_stays_bounded() -> None:
     for i in range(n):
         cache.transfers.submit(TransferKind.BACKUP, device, host, [i % 8], [i % 8], op=None)
         cache.transfers.pop(1)
-    assert cache.transfers.num_completed == n
     assert len(cache.transfers.completion_log) == COMPLETION_LOG_LEN
+    assert cache.transfers.num_completed == n
     assert list(cache.transfers.completion_log) == list(range(n - COMPLETION_LOG_LEN, n))
     cache.close()
 
@@ -88,8 +88,8 @@ def test_consumed_acks_stay_bounded() -> None:
         cache.insert([i, 1, 2, 3], pages, cached_len=0)
         cache.drain()
         cache.evict_device(1)
-    assert cache.stats.num_consumed_acks == rounds
     assert len(cache.stats.consumed_acks) == RECENT_ACKS
+    assert cache.stats.num_consumed_acks == rounds
     assert list(cache.stats.consumed_acks) == list(range(rounds - RECENT_ACKS, rounds))
     cache.check_integrity()
     cache.close()
