@@ -1,6 +1,8 @@
 # The two commands of README.md: `make run` (the mesh / engine with the tiny model) and
 # `make test`. Both install what they need into .venv first.
 PY := .venv/bin/python
+# The router's port: `make run PORT=8001` when 8000 is taken (up checks it before starting).
+PORT ?= 8000
 
 .PHONY: setup run test lint bench
 
@@ -8,7 +10,7 @@ setup:
 	@bash scripts/bootstrap.sh
 
 run: setup
-	.venv/bin/hicache-mesh up --port 8000
+	.venv/bin/hicache-mesh up --port $(PORT)
 
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider

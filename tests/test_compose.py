@@ -1,5 +1,8 @@
 """compose/ cannot drift from the CLI: every service command parses with the module's own
-parser, and the compose mesh has the same parts `hicache-mesh up` starts.
+parser, and the compose mesh has the same parts `hicache-mesh up` starts. It would also
+survive a real `docker compose up`: healthchecks whose commands exist in their images (the
+probe runs here against real servers), start order on health, restart policies, one image
+built once, a small build context, the router published on loopback with an API key option.
 
 There is no Docker engine on these machines, so the file is checked, not run.
 """
@@ -7,12 +10,21 @@ There is no Docker engine on these machines, so the file is checked, not run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
 import yaml
+from fake_engine import FakeEngine
+
+from services.launch.servers import free_port, nats_argv, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILES = sorted((ROOT / "compose").glob("docker-compose*.yml"))
@@ -84,3 +96,137 @@ def test_dockerfile_copies_every_package() -> None:
     text = (ROOT / "compose" / "Dockerfile").read_text()
     for package in ("bus_schemas", "router", "services", "gpu_worker"):
         assert f"COPY {package} ./{package}" in text
+
+
+# ---------------------------------------------------------------- would survive `compose up`
+
+IMAGE = "hicache-mesh:latest"
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_every_service_restarts_and_has_a_healthcheck(path: Path) -> None:
+    for name, svc in services(path).items():
+        assert svc.get("restart") == "unless-stopped", name
+        test = svc.get("healthcheck", {}).get("test")
+        assert isinstance(test, list) and test[0] == "CMD" and len(test) > 1, name
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_services_start_after_what_they_need_is_healthy(path: Path) -> None:
+    svc = services(path)
+    for name, spec in svc.items():
+        deps = spec.get("depends_on", {})
+        assert isinstance(deps, dict), f"{name}: depends_on must carry conditions"
+        for dep, cond in deps.items():
+            assert dep in svc and cond == {"condition": "service_healthy"}, (name, dep)
+    needs = set(svc["router"]["depends_on"])
+    assert needs == set(svc) - {"router"}, "the router waits for every other part"
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_one_image_built_once(path: Path) -> None:
+    ours = {n: s for n, s in services(path).items() if s["command"][:2] == ["python", "-m"]}
+    assert all(s.get("image") == IMAGE for s in ours.values())
+    built = [n for n, s in ours.items() if "build" in s]
+    assert len(built) == 1, built
+    assert services(path)[built[0]]["build"]["dockerfile"] == "compose/Dockerfile"
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_router_is_published_on_loopback_with_an_api_key_option(path: Path) -> None:
+    router = services(path)["router"]
+    assert router["ports"] and all(p.startswith("127.0.0.1:") for p in router["ports"])
+    cmd = router["command"]
+    assert cmd[cmd.index("--api-key") + 1].startswith("${API_KEY")
+    published = [n for n, s in services(path).items() if s.get("ports")]
+    assert published == ["router"]
+    assert "API_KEY" in path.read_text().split("ports:")[0].rsplit("router:", 1)[1]  # the note
+
+
+def test_router_treats_an_empty_api_key_as_none() -> None:
+    """`${API_KEY:-}` expands to "" when unset: that must mean no key, not an empty key."""
+    from router.__main__ import build_parser, config_from_args
+
+    config = config_from_args(build_parser().parse_args(["--api-key", ""]))
+    assert config.api_key is None
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_healthcheck_commands_exist_in_their_images(path: Path) -> None:
+    from services.healthcheck import build_parser
+
+    svc = services(path)
+    for name, spec in svc.items():
+        test = spec["healthcheck"]["test"][1:]
+        if spec.get("image") == IMAGE:  # python:3.11-slim has no curl/wget: our own probe
+            assert test[:3] == ["python", "-m", "services.healthcheck"], name
+            build_parser().parse_args(test[3:])
+            if test[3] == "engine":
+                assert test[-1] == spec["command"][spec["command"].index("--engine-id") + 1]
+    assert svc["nats"]["image"].endswith("-alpine")  # busybox wget; the default is scratch
+    assert svc["nats"]["healthcheck"]["test"][1] == "wget"
+    monitor = svc["nats"]["command"][svc["nats"]["command"].index("-m") + 1]
+    assert f":{monitor}/healthz" in svc["nats"]["healthcheck"]["test"][-1]
+    assert svc["redis"]["image"].startswith("redis:")  # ships redis-cli
+    assert svc["redis"]["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+
+
+def test_dockerignore_keeps_the_build_context_small() -> None:
+    lines = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert lines[0] == "*", "exclude everything, then re-include what the image copies"
+    copied = re.findall(r"^COPY (\S+)", (ROOT / "compose" / "Dockerfile").read_text(), re.M)
+    for src in copied:
+        assert f"!{src}" in lines or f"!{src}/" in lines, src
+    assert not any(".venv" in line and line.startswith("!") for line in lines)
+
+
+# ---------------------------------------------------------------- the probe, for real
+
+
+def _probe(*argv: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "services.healthcheck", "--timeout", "3", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=ROOT)
+
+
+@pytest.fixture
+def monitored_nats(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A nats-server with its monitoring port: (client URL, monitoring URL)."""
+    port, monitor = free_port(), free_port()
+    proc = subprocess.Popen(
+        nats_argv(port, str(tmp_path), monitor),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, proc)
+        wait_for_port(monitor, proc)
+        yield f"nats://127.0.0.1:{port}", f"http://127.0.0.1:{monitor}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_healthcheck_probes_against_real_servers(monitored_nats: tuple[str, str]) -> None:
+    nats_url, monitor = monitored_nats
+    assert _probe("http", f"{monitor}/healthz").returncode == 0
+    dead = _probe("http", f"http://127.0.0.1:{free_port()}/health")
+    assert dead.returncode == 1 and "unhealthy" in dead.stderr
+    assert _probe("nats-client", monitor, "hicache-index").returncode == 1
+    assert _probe("engine", nats_url, "probe-engine").returncode == 1
+    engine = FakeEngine("probe-engine", nats_url)
+    client = await nats.connect(nats_url, name="hicache-index")
+    await engine.start()
+    try:
+        loop = asyncio.get_running_loop()
+        named = await loop.run_in_executor(None, _probe, "nats-client", monitor, "hicache-index")
+        answered = await loop.run_in_executor(None, _probe, "engine", nats_url, "probe-engine")
+    finally:
+        await engine.stop()
+        await client.close()
+    assert named.returncode == 0, named.stderr
+    assert answered.returncode == 0, answered.stderr
+    assert engine.stats_requests == 1

@@ -1,0 +1,102 @@
+"""`python -m services.healthcheck`: container health probes that need nothing but the image.
+
+The image (python:3.11-slim) has no curl or wget, so compose healthchecks run this:
+
+    python -m services.healthcheck http URL                   # 2xx -> healthy (the router)
+    python -m services.healthcheck engine NATS_URL ENGINE_ID  # answers a stats request
+    python -m services.healthcheck nats-client MONITOR_URL NAME
+        # a client named NAME is connected to NATS (the index: it serves no request)
+
+Exit 0 when healthy, 1 when not (with one line saying why on stderr), 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import urllib.error
+import urllib.request
+
+from bus_schemas import SchemaError, StatsReply, StatsRequest, subjects
+
+
+def check_http(url: str, timeout_s: float) -> str | None:
+    """None when `url` answers 2xx, else why not."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return None if 200 <= resp.status < 300 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        return f"{url}: {e}"
+
+
+def check_nats_client(monitor_url: str, name: str, timeout_s: float) -> str | None:
+    """None when nats-server's monitoring endpoint lists a connection named `name`."""
+    url = f"{monitor_url.rstrip('/')}/connz?limit=100000"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            conns = json.loads(resp.read()).get("connections") or []
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return f"{url}: {e}"
+    if any(c.get("name") == name for c in conns):
+        return None
+    return f"no NATS client named {name!r}"
+
+
+async def check_engine(nats_url: str, engine_id: str, timeout_s: float) -> str | None:
+    """None when the engine answers a stats request over NATS (its service loop runs)."""
+    import nats
+    import nats.errors
+
+    try:
+        nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=timeout_s)
+    except (OSError, nats.errors.Error, TimeoutError) as e:
+        return f"NATS at {nats_url}: {e!r}"
+    try:
+        msg = await nc.request(
+            subjects.engine_stats(engine_id), StatsRequest().encode(), timeout=timeout_s
+        )
+        StatsReply.decode(msg.data)
+    except (nats.errors.Error, TimeoutError) as e:
+        return f"engine {engine_id} did not answer: {e!r}"
+    except SchemaError as e:
+        return f"engine {engine_id} answered badly: {e}"
+    finally:
+        await nc.close()
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.healthcheck", description=__doc__)
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds per probe")
+    sub = p.add_subparsers(dest="probe", required=True)
+    http = sub.add_parser("http", help="GET URL answers 2xx")
+    http.add_argument("url")
+    engine = sub.add_parser("engine", help="the engine answers a stats request")
+    engine.add_argument("nats_url")
+    engine.add_argument("engine_id")
+    client = sub.add_parser("nats-client", help="a client with this name is connected")
+    client.add_argument("monitor_url")
+    client.add_argument("name")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.probe == "http":
+        why = check_http(args.url, args.timeout)
+    elif args.probe == "engine":
+        why = asyncio.run(check_engine(args.nats_url, args.engine_id, args.timeout))
+    else:
+        why = check_nats_client(args.monitor_url, args.name, args.timeout)
+    if why is not None:
+        print(f"unhealthy: {why}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
