@@ -2,7 +2,9 @@
 restores its own prefix (device and host) and receives exactly the rest.
 
 The bus is not involved here (tests/test_pd_mesh.py runs the same over NATS); this pins the
-engine API the services drive: submit_decode / submit_prefill / write_kv.
+engine API the services drive: submit_decode / submit_prefill / write_kv. Engines are
+batch-invariant float64, so P/D must reproduce the cold run's logits bit for bit: prefill's
+step 0, decode's steps 1.. (`Req.logits_trace`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import random
 import time
 
 import pytest
+import torch
 
 from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.cache.transfer import DelayInjection
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import Req, ReqState
@@ -24,7 +28,9 @@ SP = SamplingParams(max_new_tokens=5, ignore_eos=True)
 
 def engine(**cache: object) -> Engine:
     cfg = CacheConfig(page_size=PAGE, num_device_pages=256, **cache)  # type: ignore[arg-type]
-    return Engine(EngineConfig(cache=cfg))
+    eng = Engine(EngineConfig(cache=cfg))
+    eng.model.set_batch_invariant(True)
+    return eng
 
 
 def step_until(eng: Engine, done: object, timeout_s: float = 20.0) -> None:
@@ -43,10 +49,12 @@ def run_pd(
 ) -> tuple[Req, Req, int]:
     """One request through P/D; returns (decode req, prefill req, tokens moved)."""
     d = decode.submit_decode(prompt, SP, reuse=reuse)
+    d.logits_trace = []
     step_until(decode, lambda: d.remote is not None and d.remote.prefix_len >= 0)
     assert d.remote is not None
     prefix_len = d.remote.prefix_len
     p = prefill.submit_prefill(prompt, SP, "", export_from=prefix_len)
+    p.logits_trace = []
     step_until(prefill, lambda: p.export is not None)
     export = p.export
     assert export is not None and export.token_start == prefix_len
@@ -65,8 +73,28 @@ def run_pd(
 
 
 def cold(prompts: list[list[int]]) -> list[list[int]]:
+    return [ids for ids, _ in cold_traced(prompts)]
+
+
+def cold_traced(prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """Cold tokens and each step's logits (steps, vocab), the radix cache off."""
     eng = engine(enable_radix_cache=False)
-    return [eng.generate(p, SP).output_ids for p in prompts]
+    out = []
+    for prompt in prompts:
+        req = eng.submit(prompt, SP)
+        req.logits_trace = []
+        (result,) = eng.run([req])
+        out.append((result.output_ids, torch.stack(req.logits_trace)))
+    return out
+
+
+def assert_logits_equal_cold(d: Req, p: Req, cold_logits: torch.Tensor) -> None:
+    """Prefill sampled step 0, decode the rest: together, the cold run's logits exactly."""
+    assert p.logits_trace is not None and d.logits_trace is not None
+    assert len(p.logits_trace) == 1
+    steps = torch.stack(p.logits_trace + d.logits_trace)
+    assert steps.shape == cold_logits.shape
+    assert torch.equal(steps, cold_logits), f"max diff {(steps - cold_logits).abs().max():.3g}"
 
 
 def held_prefix(prompt: list[int], held: list[list[int]]) -> int:
@@ -95,13 +123,14 @@ def conversation(seed: int = 3, turns: int = 3) -> list[list[int]]:
 @pytest.mark.parametrize("reuse", [True, False])
 def test_pd_outputs_equal_cold_and_move_only_the_suffix(reuse: bool) -> None:
     prompts = conversation()
-    want = cold(prompts)
+    want = cold_traced(prompts)
     prefill = engine(enable_hierarchical_cache=True)
     decode = engine(enable_hierarchical_cache=True)
     outs: list[list[int]] = []
     for i, prompt in enumerate(prompts):
         d, p, moved = run_pd(prefill, decode, prompt, reuse=reuse)
-        assert d.output_ids == want[i]
+        assert d.output_ids == want[i][0]
+        assert_logits_equal_cold(d, p, want[i][1])
         assert d.remote is not None
         assert moved == len(prompt) - d.remote.prefix_len
         assert d.remote.prefix_len % PAGE == 0
@@ -117,14 +146,15 @@ def test_pd_outputs_equal_cold_and_move_only_the_suffix(reuse: bool) -> None:
 
 def test_decode_prefix_includes_host_hits() -> None:
     prompts = conversation(seed=9, turns=2)
-    want = cold(prompts)
+    want = cold_traced(prompts)
     prefill = engine()
     decode = engine(enable_hierarchical_cache=True)
     run_pd(prefill, decode, prompts[0])
     decode.cache.drain()
     decode.cache.evict_device(decode.cache.tree.num_device_pages)  # history now host-only
-    d, _, moved = run_pd(prefill, decode, prompts[1])
-    assert d.output_ids == want[1]
+    d, p, moved = run_pd(prefill, decode, prompts[1])
+    assert d.output_ids == want[1][0]
+    assert_logits_equal_cold(d, p, want[1][1])
     assert d.cached.host > 0 and d.cached.device == 0
     assert d.remote is not None and d.remote.prefix_len == d.cached.host
     assert moved == len(prompts[1]) - d.remote.prefix_len
@@ -197,3 +227,52 @@ def test_seeded_sampling_through_pd_equals_colocated() -> None:
     assert d.output_ids == colocated
     other = engine().generate(prompt, dataclasses.replace(sp, seed=8)).output_ids
     assert other != colocated  # the seed matters
+
+
+def test_decode_waits_for_its_restore_ack_before_generating() -> None:
+    """DESIGN.md 6.4 and invariant 3: decode starts generating only when its host-tier restore
+    is complete, i.e. its load ACK is consumed, even when every KV chunk from prefill arrived
+    long before. The restore is slowed by injected transfer delays and the read guard is on:
+    a decode step that read the restoring pages would raise."""
+    prompts = conversation(seed=6, turns=2)
+    want = cold_traced(prompts)
+    prefill = engine()
+    decode = engine(
+        enable_hierarchical_cache=True,
+        transfer_delay=DelayInjection(max_ms=1500, seed=4),  # the restore sleeps 0.59 s
+        check_reads=True,
+    )
+    run_pd(prefill, decode, prompts[0])
+    decode.cache.drain()
+    decode.cache.evict_device(decode.cache.tree.num_device_pages)  # history now host-only
+
+    # prefill first, so that its KV can be written the moment decode admits the request
+    prefix_len = decode.cache.match(prompts[1]).host_len
+    p = prefill.submit_prefill(prompts[1], SP, "", export_from=prefix_len)
+    p.logits_trace = []
+    step_until(prefill, lambda: p.export is not None)
+    assert p.export is not None and prefix_len > 0
+    payload = p.export.staging.contiguous().numpy().tobytes()
+
+    d = decode.submit_decode(prompts[1], SP)
+    d.logits_trace = []
+    decode.step()  # admits it and starts the restore
+    ticket = d.load
+    assert ticket is not None and d.remote is not None
+    assert d.remote.prefix_len == d.cached.host == prefix_len
+    decode.write_kv(d.rid, p.export.token_start, p.export.token_end, payload, p.export.first_token)
+    assert not ticket.done  # reception is complete, the restore is not
+
+    started_with_ack: list[bool] = []  # per step that produced tokens: was the ACK consumed?
+    deadline = time.monotonic() + 20
+    while d.finish_reason is None:
+        assert time.monotonic() < deadline, "decode did not finish"
+        decode.step()  # the read guard raises if attention reads a page still restoring
+        if d.output_ids:
+            started_with_ack.append(ticket.done)
+        time.sleep(0.001)
+    assert started_with_ack and all(started_with_ack)
+    assert d.error is None and d.output_ids == want[1][0]
+    assert_logits_equal_cold(d, p, want[1][1])
+    decode.cache.drain()
+    decode.check_integrity()
