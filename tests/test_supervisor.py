@@ -34,6 +34,7 @@ from services.launch.servers import ServerProcess, free_port, start_nats
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
 
 UP = [sys.executable, "-m", "services.cli", "up"]
+NO_REDIS = ["--redis-url", "redis://127.0.0.1:1/0"]  # both services start without Redis
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
 
@@ -163,7 +164,7 @@ def test_sigterm_stops_a_service_that_never_reached_nats(module: list[str]) -> N
     dead = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
     argv = [a.format(port=free_port()) for a in module]
     proc = subprocess.Popen(
-        [sys.executable, "-m", *argv, "--nats-url", dead, "--redis-url", "redis://127.0.0.1:1/0"],
+        [sys.executable, "-m", *argv, "--nats-url", dead, *NO_REDIS],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -180,6 +181,35 @@ def test_sigterm_stops_a_service_that_never_reached_nats(module: list[str]) -> N
     attempts = [line for line in err.splitlines() if "unreachable" in line]
     assert attempts and all(dead in line for line in attempts), err
     assert len(attempts) < 10, "attempts back off"
+
+
+def test_sigterm_stops_a_router_whose_nats_went_away(tmp_path: Path) -> None:
+    """A guard (this already held on 90556fa): NATS lost after startup, SIGTERM still works."""
+    module = ["router", "--port", "{port}", "--shutdown-timeout", "5"]
+    ready = "listening on"
+    server = start_nats()
+    argv = [a.format(port=free_port()) for a in module]
+    err_path = tmp_path / "stderr"
+    with err_path.open("w") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *argv, "--nats-url", server.url, *NO_REDIS],
+            stderr=err_file,
+        )
+    try:
+        _wait(lambda: ready in err_path.read_text(), 30, f"{argv[0]} ready")
+        server.kill()
+        _wait(lambda: "disconnected" in err_path.read_text().lower(), 10, "the disconnect")
+        time.sleep(1)  # a few reconnect attempts
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        server.stop()
+    err = err_path.read_text()
+    assert code == 0, err
+    assert "Traceback" not in err, err
 
 
 # ---------------------------------------------------------------- hicache-mesh up
@@ -284,12 +314,17 @@ def test_up_restarts_killed_children_and_leaves_nothing_behind(tmp_path: Path) -
         assert "engine-0 exited with code -9; restart 1" in log.read_text()
 
         # the index and nats-server killed: both come back (nats on the same port)
+        both = ("engine-0", "engine-1")
+        engines = {e: (_children(status)[e]["pid"], _epoch(base, e)) for e in both}
         for name in ("index", "nats"):
             pid, port_before = _children(status)[name]["pid"], _children(status)[name]["port"]
             os.kill(pid, signal.SIGKILL)
             _wait(lambda n=name, p=pid: _restarted(status, n, p, 1), 30, f"{name} restart")
             assert _children(status)[name]["port"] == port_before
         _wait(lambda: _get(f"{base}/health")[0] == 200, 60, "healthy after nats restart")
+        _wait(lambda: all(_epoch(base, e) for e in both), 60, "both engines after nats")
+        # the engines reconnected on their own: same processes, same epochs
+        assert {e: (_children(status)[e]["pid"], _epoch(base, e)) for e in both} == engines
         _wait(lambda: all(s == 200 for s, _ in _burst(pool, base)), 60, "serving after nats")
         pids = [c["pid"] for c in _children(status).values()]
     finally:
