@@ -313,10 +313,10 @@ def test_up_restarts_killed_children_and_leaves_nothing_behind(tmp_path: Path) -
         assert all(s == 200 for s, _ in _burst(pool, base))
         assert "engine-0 exited with code -9; restart 1" in log.read_text()
 
-        # the index and nats-server killed: both come back (nats on the same port)
+        # the index, nats-server and redis-server killed: all come back (servers on the same port)
         both = ("engine-0", "engine-1")
         engines = {e: (_children(status)[e]["pid"], _epoch(base, e)) for e in both}
-        for name in ("index", "nats"):
+        for name in ("index", "nats", "redis"):
             pid, port_before = _children(status)[name]["pid"], _children(status)[name]["port"]
             os.kill(pid, signal.SIGKILL)
             _wait(lambda n=name, p=pid: _restarted(status, n, p, 1), 30, f"{name} restart")
