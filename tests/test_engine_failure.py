@@ -27,6 +27,7 @@ from test_router import set_load
 
 from bus_schemas import GenerateRequest, Heartbeat, Sampling, TokenChunk
 from bus_schemas import subjects as subj
+from bus_schemas.token_ids import as_token_ids
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import ReqState
@@ -98,7 +99,9 @@ class Collector:
 
     async def send(self, ids: list[int], max_new: int) -> str:
         rid = uuid.uuid4().hex
-        req = GenerateRequest(rid, ids, Sampling(max_new, ignore_eos=True), self.inbox)
+        req = GenerateRequest(
+            rid, as_token_ids(ids), Sampling(max_new, ignore_eos=True), self.inbox
+        )
         await self.nc.publish(subj.engine_generate(self.engine_id), req.encode())
         return rid
 
@@ -207,6 +210,34 @@ async def test_sigterm_stops_an_engine_while_nats_is_down(tmp_path: Path) -> Non
     assert "Traceback" not in err, err[-3000:]
     attempts = [line for line in err.splitlines() if "next attempt in" in line]
     assert 2 <= len(attempts) <= 12, err[-3000:]  # backs off: not one every 0.1 s
+
+
+async def test_sigterm_stops_an_engine_whose_nats_is_frozen(tmp_path: Path) -> None:
+    """nats-server SIGSTOPped (the socket stays open, nothing answers) with a request in
+    flight: SIGTERM still stops the engine within grace + margin, without a traceback."""
+    server = start_nats()
+    grace = 1.0
+    engine = LoggedEngine(tmp_path, server.url, "frozen", *FLAGS, "--shutdown-grace", str(grace))
+    try:
+        nc = await nats.connect(server.url)
+        await wait_heartbeats(nc, {"frozen"})
+        col = Collector(nc, "frozen")
+        await col.start()
+        rid = await col.send(list(range(20, 40)), 1000)
+        while not col.chunks.get(rid):
+            await asyncio.sleep(0.02)
+        server.proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(0.5)
+        start = time.monotonic()
+        code = engine.terminate(grace + 12)
+        took = time.monotonic() - start
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        server.stop()
+        engine.kill()
+    assert code == 0, engine.stderr[-3000:]
+    assert "Traceback" not in engine.stderr, engine.stderr[-3000:]
+    print(f"engine stopped {took:.1f} s after SIGTERM with NATS frozen")
 
 
 async def test_engine_starts_before_nats_and_stops_on_sigterm_without_it(tmp_path: Path) -> None:
@@ -323,9 +354,11 @@ async def test_poison_requests_through_the_mesh_leave_every_engine_serving(
         async with http.get(base + "/health") as r:
             health = await r.json()
             assert r.status == 200 and len(health["live_engines"]) == 2, health
-    engines = [(n, p) for n, p in up_mesh.procs if n.startswith("engine-")]
-    assert [p.poll() for _, p in engines] == [None, None]
-    nats_url = next(s.url for s in up_mesh.servers if s.name == "nats")
+    children = up_mesh.supervisor.children
+    engines = [(n, c.proc) for n, c in children.items() if n.startswith("engine-")]
+    assert [p.poll() if p else -1 for _, p in engines] == [None, None]  # none exited
+    assert all(c.restarts == 0 for c in children.values())
+    nats_url = str(up_mesh.supervisor.extra_status["nats_url"])
     nc = await nats.connect(nats_url)
     try:
         col = Collector(nc, "")

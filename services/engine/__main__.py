@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -18,6 +19,8 @@ from typing import Any
 from gpu_worker.engine.args import add_engine_args, engine_config_from_args
 from services.engine.pd import PDConfig
 from services.engine.service import EngineService, EngineServiceConfig
+
+STOP_MARGIN_S = 10.0  # beyond --shutdown-grace, for the bounded bus steps of shutdown
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,15 +97,19 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    if not await _until(service.start(), stop):  # SIGTERM while NATS was not up yet
-        await service.stop()
-        return 0
-    print(f"engine {args.engine_id} ready", flush=True)
-    await _until(service.crashed_event.wait(), stop)
-    if service.crashed_reason is not None:
-        await service.abandon()
-        return 1
-    await service.stop()
+    if await _until(service.start(), stop):  # False: SIGTERM while NATS was not up yet
+        print(f"engine {args.engine_id} ready", flush=True)
+        await _until(service.crashed_event.wait(), stop)
+        if service.crashed_reason is not None:
+            await service.abandon()
+            return 1
+    stopping = asyncio.ensure_future(service.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=args.shutdown_grace + STOP_MARGIN_S)
+    if not done:  # every step of stop() is bounded: this backstop should never fire
+        logging.getLogger(__name__).error("shutdown overran its deadline; exiting now")
+        logging.shutdown()
+        os._exit(1)  # a cancelled NATS call may not let the loop close either
+    stopping.result()
     return 0
 
 

@@ -154,6 +154,7 @@ class EngineService:
             disconnected_cb=self._on_nats_disconnected,
             reconnected_cb=self._on_nats_reconnected,
             drain_timeout=int(STOP_STEP_TIMEOUT_S),
+            flush_timeout=STOP_STEP_TIMEOUT_S,  # a full buffer never blocks a publish forever
         )
         self._reconnect_wait_s = NATS_BACKOFF_S[0]
         return nc
@@ -242,8 +243,9 @@ class EngineService:
         Running requests get `shutdown_grace_s`; every bus step after that has its own
         short timeout, so this returns even when NATS is unreachable."""
         self._accepting = False
-        for sub in self._work_subs:
-            await _bounded(sub.unsubscribe(), "unsubscribe")
+        await _bounded(
+            asyncio.gather(*(sub.unsubscribe() for sub in self._work_subs)), "unsubscribe"
+        )
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self._streams and time.monotonic() < deadline and self.crashed_reason is None:
             await asyncio.sleep(0.05)
@@ -263,7 +265,12 @@ class EngineService:
         nc = self._nc
         if nc is None or nc.is_closed:
             return
-        if nc.is_connected and await _bounded(nc.drain(), "NATS drain"):
+        # drain() can outlast any timeout around it (it flushes again once cancelled), so
+        # only a server that answers a bounded flush gets drained; else the socket is closed
+        responsive = nc.is_connected and await _bounded(
+            nc.flush(timeout=int(STOP_STEP_TIMEOUT_S)), "NATS flush"
+        )
+        if responsive and await _bounded(nc.drain(), "NATS drain", 3 * STOP_STEP_TIMEOUT_S):
             return
         await _bounded(nc.close(), "NATS close")
 
