@@ -22,7 +22,9 @@ class RouterConfig:
     failed_quarantine_s: float = 30.0
     failed_strikes: int = 3
     redis_timeout_s: float = 0.05  # per-request budget of the prefix lookup
-    redis_timeout_trips: int = 5  # this many lookup timeouts in a row open the breaker
+    # the breaker opens when this share of the last `redis_breaker_window` lookups timed out
+    redis_breaker_window: int = 20
+    redis_breaker_ratio: float = 0.8
     redis_retry_s: float = 1.0  # an open breaker routes by load alone this long
     redis_probe_s: float = 1.0  # background PING period (the redis_up gauge, /health)
     redis_probe_timeout_s: float = 1.0
@@ -69,9 +71,11 @@ class RouterConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value}")
         if self.heartbeat_misses < 1:
             raise ValueError("heartbeat_misses must be >= 1")
-        for name in ("failed_strikes", "redis_timeout_trips", "redis_max_connections"):
+        for name in ("failed_strikes", "redis_breaker_window", "redis_max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 0 < self.redis_breaker_ratio <= 1:
+            raise ValueError("redis_breaker_ratio must be in (0, 1]")
         if self.max_connections < 2:
             raise ValueError("max_connections must be >= 2")
         if self.max_body_bytes < 1024:

@@ -21,7 +21,8 @@ import contextlib
 import hashlib
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,39 @@ class Lookup:
     failure: str = ""  # "redis_down" | "redis_timeout" when `hits` is None
 
 
+BUDGET_STRETCH = 10  # a lookup waits at most this many budgets, however busy the loop
+
+
+@contextlib.asynccontextmanager
+async def _budget(budget_s: float) -> AsyncIterator[None]:
+    """`asyncio.timeout(budget_s)`, except that the time the event loop runs late does not
+    count. A busy router runs every callback late, the one that reads Redis' reply too, so
+    a deadline check that runs `late` seconds after it was due moves the deadline `late`
+    on, and cancels only when it runs on time (up to `BUDGET_STRETCH` budgets in all). An
+    idle router cancels a slow Redis at `budget_s`; a busy one does not blame Redis for
+    its own queue."""
+    loop = asyncio.get_running_loop()
+    due = loop.time() + budget_s
+    limit = loop.time() + BUDGET_STRETCH * budget_s
+    async with asyncio.timeout(None) as timeout:
+        handle: asyncio.TimerHandle | None = None
+
+        def check(due: float) -> None:
+            nonlocal handle
+            now = loop.time()
+            late = now - due
+            if late > 0.001 and now + late < limit:
+                handle = loop.call_at(now + late, check, now + late)
+            else:
+                timeout.reschedule(now)
+
+        handle = loop.call_at(due, check, due)
+        try:
+            yield
+        finally:
+            handle.cancel()
+
+
 class PrefixIndex:
     """Prefix lookups against the Redis index, with a time budget, an outage breaker and a
     background health probe.
@@ -69,8 +103,9 @@ class PrefixIndex:
     (a PING every `redis_probe_s`, whether or not requests come) answers again: recovery is
     seen even with no traffic, and `/health` and the `redis_up` gauge follow it. A lookup
     over its budget is a timeout, not an outage: it is counted apart (`redis_timeout`), and
-    only `redis_timeout_trips` timeouts in a row open the breaker (route by load for
-    `redis_retry_s`), since one slow answer under load says nothing about the next one.
+    it opens the breaker (route by load for `redis_retry_s`) only when at least
+    `redis_breaker_ratio` of the last `redis_breaker_window` lookups timed out: a stopped
+    Redis times out every lookup, a busy one a few, and those few say nothing about the next.
     """
 
     def __init__(
@@ -86,7 +121,7 @@ class PrefixIndex:
         self.clock = clock
         self.up = True  # optimistic until the first probe or lookup says otherwise
         self._skip_until = 0.0
-        self._timeouts_in_a_row = 0
+        self._outcomes: deque[bool] = deque(maxlen=config.redis_breaker_window)  # True: timeout
         self._in_outage = False
         self._probe: asyncio.Task[None] | None = None
         metrics.redis_up.set(1)
@@ -123,7 +158,7 @@ class PrefixIndex:
         if not self.up:
             log.info("Redis answers again: routing by cache resumes")
             self.up, self._in_outage, self._skip_until = True, False, 0.0
-            self._timeouts_in_a_row = 0
+            self._outcomes.clear()
             self.metrics.redis_up.set(1)
         return True
 
@@ -144,7 +179,7 @@ class PrefixIndex:
         keys = [redis_keys.page(h) for h in hashes]
         started = self.clock()
         try:
-            async with asyncio.timeout(self.config.redis_timeout_s):
+            async with _budget(self.config.redis_timeout_s):
                 flat = await self._evalsha(keys)
         except TimeoutError:
             return self._on_timeout()
@@ -153,7 +188,7 @@ class PrefixIndex:
             return Lookup(None, "redis_down")
         finally:
             self.metrics.prefix_lookup.observe(self.clock() - started)
-        self._timeouts_in_a_row = 0
+        self._outcomes.append(False)
         try:
             hits = {
                 str(flat[i]): PrefixHit(int(flat[i + 1]), int(flat[i + 2]))
@@ -174,15 +209,21 @@ class PrefixIndex:
 
     def _on_timeout(self) -> Lookup:
         self.metrics.store_timeouts.inc()
-        self._timeouts_in_a_row += 1
-        if self._timeouts_in_a_row >= self.config.redis_timeout_trips:
-            self._timeouts_in_a_row = 0
-            self._skip_until = self.clock() + self.config.redis_retry_s
+        cfg, outcomes = self.config, self._outcomes
+        outcomes.append(True)
+        timeouts = sum(outcomes)
+        if len(outcomes) == cfg.redis_breaker_window and timeouts >= (
+            cfg.redis_breaker_ratio * cfg.redis_breaker_window
+        ):
+            outcomes.clear()
+            self._skip_until = self.clock() + cfg.redis_retry_s
             log.warning(
-                "%d Redis prefix lookups in a row over %.0f ms: routing by load for %.1f s",
-                self.config.redis_timeout_trips,
-                1000 * self.config.redis_timeout_s,
-                self.config.redis_retry_s,
+                "%d of the last %d Redis prefix lookups took over %.0f ms: routing by load "
+                "for %.1f s",
+                timeouts,
+                cfg.redis_breaker_window,
+                1000 * cfg.redis_timeout_s,
+                cfg.redis_retry_s,
             )
         return Lookup(None, "redis_timeout")
 

@@ -3,7 +3,7 @@
 Most tests run it as users do, `python -m services.index`, publish KV event batches and
 heartbeats with nats-py, and assert the exact Redis contents. Waiting is by polling with a
 deadline; a batch that must change nothing is followed by a barrier batch whose effect is
-awaited (the index handles `KV_EVENTS` in order).
+awaited (the index handles one engine's messages in order; different engines' concurrently).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from bus_schemas.codec import Message
 from bus_schemas.messages import Heartbeat, KVEvent, KVEventBatch, SnapshotRequest
 from bus_schemas.page_hash import page_hashes
 from services.index.fencing import Action, Fence, decide_batch, epoch_order, parse_epoch
-from services.index.service import IndexConfig, IndexService, build_parser
+from services.index.service import EngineLanes, IndexConfig, IndexService, build_parser
 from services.launch.servers import ServerProcess, start_redis
 
 REPO = Path(__file__).resolve().parents[1]
@@ -233,6 +233,34 @@ def test_fencing_rules() -> None:
     for bad in ("", "-1", "1.5", "0x10", " 1", "١٢"):
         with pytest.raises(ValueError):
             parse_epoch(bad)
+
+
+async def test_engine_lanes_keep_order_per_engine_and_do_not_block_others() -> None:
+    """Issue 7 defect 7: a batch of engine e2 must not wait behind e1's Redis round trip
+    (here: e1's first job blocks on an event), and each engine's jobs run in order."""
+    lanes = EngineLanes("test")
+    release = asyncio.Event()
+    done: list[str] = []
+
+    def job(name: str, wait: bool = False) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            if wait:
+                await release.wait()
+            done.append(name)
+
+        return run
+
+    lanes.submit("e1", job("e1-0", wait=True))
+    lanes.submit("e1", job("e1-1"))
+    lanes.submit("e2", job("e2-0"))
+    lanes.submit("e2", job("e2-1"))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert done == ["e2-0", "e2-1"]  # e2 ran while e1 waits for its round trip
+    assert lanes.lock("e1").locked() and not lanes.lock("e2").locked()
+    release.set()
+    await lanes.join(5.0)
+    assert done == ["e2-0", "e2-1", "e1-0", "e1-1"]  # e1 in submission order
 
 
 def test_help_and_config_validation() -> None:

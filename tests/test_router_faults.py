@@ -4,6 +4,8 @@
   clock, exact), and one that keeps failing while heartbeating sits out;
 - defect 5: slow-body clients against a real router process are cut off after the read
   timeout, /health answers during the attack, they count as client errors, no 500;
+- defect 7: the lookup budget ignores event-loop lag; a timeout is not an outage, and
+  only a window of mostly timeouts opens the breaker;
 - defect 6: a stopped Redis makes /health "degraded" and the redis_up gauge 0; a new
   Redis on the same port brings both back and cache-aware routing resumes;
 - observability: SGLang-named per-engine gauges and request histograms move; /health and
@@ -31,6 +33,7 @@ from router.config import RouterConfig
 from router.engines import EngineTable
 from router.keys import TABLE
 from router.metrics import RouterMetrics
+from router.routing import PrefixIndex, _budget
 from services.launch.servers import ServerProcess, free_port, start_redis
 
 pytestmark = pytest.mark.timeout(90)
@@ -330,3 +333,71 @@ def _hb(mesh: Any, engine_id: str) -> Heartbeat:
     return next(
         hb for hb, _ in mesh.client.app[TABLE].live_heartbeats() if hb.engine_id == engine_id
     )
+
+
+# ------------------------------------------------------------------ defect 7
+
+
+async def test_the_lookup_budget_does_not_count_event_loop_lag() -> None:
+    """A reply that came within the budget, while the loop was busy, is taken (with a plain
+    `asyncio.timeout` the late deadline cancels it)."""
+
+    async def answer() -> str:
+        await asyncio.sleep(0.02)  # Redis answers in 20 ms
+        return "hits"
+
+    async with _budget(0.05):
+        task = asyncio.ensure_future(answer())
+        await asyncio.sleep(0)
+        time.sleep(0.2)  # the router is busy for 200 ms: every callback runs late
+        assert await task == "hits"
+    with pytest.raises(TimeoutError):  # an idle loop still cuts a slow answer at the budget
+        async with _budget(0.05):
+            await asyncio.sleep(0.5)
+
+
+async def test_a_hung_redis_times_out_apart_from_down_and_opens_the_breaker(
+    fresh_redis: ServerProcess,
+) -> None:
+    config = RouterConfig(redis_timeout_s=0.05, redis_breaker_window=10, redis_retry_s=60.0)
+    metrics = RouterMetrics()
+    client = aioredis.Redis.from_url(fresh_redis.url, decode_responses=True)
+    index = PrefixIndex(client, config, metrics, asyncio.get_running_loop().time)
+    hashes = page_hashes(list(PROMPT.encode()), 4, "ns")
+    try:
+        assert (await index.lookup(hashes)).hits == {}
+        fresh_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(9):
+                found = await index.lookup(hashes)
+                assert (found.hits, found.failure) == (None, "redis_timeout")
+            text = metrics.render().decode()
+            assert samples(text, "hicache_router_store_timeouts_total")[""] == 9
+            assert samples(text, "hicache_router_store_errors_total")[""] == 0
+            assert index.up  # slow is not down
+            # 9 of the last 10 timed out (>= 0.8): the breaker is open, Redis is not asked
+            assert (await index.lookup(hashes)).failure == "redis_timeout"
+            text = metrics.render().decode()
+            assert samples(text, "hicache_router_store_timeouts_total")[""] == 9
+        finally:
+            fresh_redis.proc.send_signal(signal.SIGCONT)
+    finally:
+        await client.aclose()
+
+
+async def test_one_timeout_among_answers_keeps_cache_routing(fresh_redis: ServerProcess) -> None:
+    config = RouterConfig(redis_timeout_s=0.05, redis_breaker_window=10)
+    client = aioredis.Redis.from_url(fresh_redis.url, decode_responses=True)
+    index = PrefixIndex(client, config, RouterMetrics(), asyncio.get_running_loop().time)
+    hashes = page_hashes(list(PROMPT.encode()), 4, "ns")
+    try:
+        for _ in range(9):
+            assert (await index.lookup(hashes)).hits == {}
+        fresh_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert (await index.lookup(hashes)).failure == "redis_timeout"
+        finally:
+            fresh_redis.proc.send_signal(signal.SIGCONT)
+        assert (await index.lookup(hashes)).hits == {}  # the next lookup asks Redis again
+    finally:
+        await client.aclose()

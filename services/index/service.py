@@ -14,6 +14,12 @@ meta, so a restarted index picks up where it stopped.
   Redis that came back or restarted, and then resync every known engine; repeat snapshot
   requests that were not answered.
 
+Concurrency: one lane per engine (`EngineLanes`). A NATS handler only validates a message
+and queues its work on the engine's lane; each lane applies its engine's messages in arrival
+order, one at a time, under the engine's lock, so batches of different engines never wait
+behind each other's Redis round trips, while one engine's batches stay ordered (fencing
+needs that). Maintenance takes each engine's lock around that engine's Redis writes.
+
 Invalid messages are counted and logged. While Redis fails, failures are counted and logged
 and batches are dropped; once it answers again, every known engine's entries are cleared and
 each engine is asked for a snapshot, since the index no longer knows what Redis holds.
@@ -28,7 +34,8 @@ import logging
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import nats
 import nats.errors
@@ -42,6 +49,7 @@ from bus_schemas.messages import Heartbeat, KVEventBatch, SnapshotRequest
 from services.index.fencing import Action, Fence, decide_batch, epoch_order, parse_epoch
 from services.index.store import EngineMeta, IndexStore, connect, event_ops, valid_page_hash
 from services.natsconn import connect_nats
+from services.tasks import OwnedTasks
 
 log = logging.getLogger("hicache.index")
 
@@ -132,6 +140,74 @@ def _epoch(epoch: str) -> int:
         raise SchemaError(str(e)) from None
 
 
+Job = Callable[[], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class _Lane:
+    jobs: asyncio.Queue[Job] = field(default_factory=asyncio.Queue)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the engine's one writer
+
+
+class EngineLanes:
+    """One ordered job queue per engine, each drained by its own task: jobs of one engine
+    run one at a time in submission order, jobs of different engines run concurrently.
+    A lane's task ends when its queue is empty (an engine that went quiet costs nothing);
+    its lock stays, for maintenance (`lock(engine_id)`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lanes: dict[str, _Lane] = {}
+        self._draining: set[str] = set()
+        self._tasks = OwnedTasks()
+
+    def submit(self, engine_id: str, job: Job) -> None:
+        lane = self._lane(engine_id)
+        lane.jobs.put_nowait(job)
+        if engine_id not in self._draining:
+            self._draining.add(engine_id)
+            self._tasks.spawn(self._drain(engine_id, lane), f"{self.name}-{engine_id}")
+
+    def lock(self, engine_id: str) -> asyncio.Lock:
+        return self._lane(engine_id).lock
+
+    def forget(self, engine_id: str) -> None:
+        """Drop an idle engine's lane (after it expired)."""
+        lane = self._lanes.get(engine_id)
+        if lane is not None and engine_id not in self._draining and not lane.lock.locked():
+            del self._lanes[engine_id]
+
+    async def join(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) for every queued job, then end the lane tasks."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                for lane in list(self._lanes.values()):
+                    await lane.jobs.join()
+        except TimeoutError:
+            log.warning("%s: queued work not finished within %.1f s", self.name, timeout_s)
+        await self._tasks.cancel_all()
+
+    def _lane(self, engine_id: str) -> _Lane:
+        lane = self._lanes.get(engine_id)
+        if lane is None:
+            lane = self._lanes[engine_id] = _Lane()
+        return lane
+
+    async def _drain(self, engine_id: str, lane: _Lane) -> None:
+        try:
+            while not lane.jobs.empty():
+                job = lane.jobs.get_nowait()
+                try:
+                    async with lane.lock:
+                        await job()
+                except Exception:  # one bad job must not stop the engine's lane
+                    log.exception("%s: job for engine %s failed", self.name, engine_id)
+                finally:
+                    lane.jobs.task_done()
+        finally:
+            self._draining.discard(engine_id)
+
+
 class IndexService:
     """Keeps Redis current from KV events and heartbeats. `start()`, then `stop()`."""
 
@@ -139,7 +215,7 @@ class IndexService:
         self.config = config
         self.stats = IndexStats()
         self._engines: dict[str, EngineRecord] = {}
-        self._lock = asyncio.Lock()  # one writer of engine records and their Redis keys
+        self._lanes = EngineLanes("index-lane")  # one writer per engine (records + keys)
         self._nc: NATS | None = None
         self._store: IndexStore | None = None
         self._maintenance: asyncio.Task[None] | None = None
@@ -170,7 +246,7 @@ class IndexService:
         log.info("index ready (nats %s, redis %s)", cfg.nats_url, cfg.redis_url)
 
     async def stop(self) -> None:
-        """Stop maintenance, finish the messages already received, drain NATS, close Redis."""
+        """Stop maintenance, drain NATS, finish the work already queued, close Redis."""
         self._stopping = True
         if self._maintenance is not None:
             self._maintenance.cancel()
@@ -184,6 +260,7 @@ class IndexService:
                 except (nats.errors.Error, TimeoutError) as e:
                     log.warning("NATS drain failed: %s", e)
                     await self._nc.close()
+            await self._lanes.join(self.config.drain_timeout_s)  # what the handlers queued
             self._nc = None
         if self._store is not None:
             await self._store.client.aclose()
@@ -199,16 +276,19 @@ class IndexService:
         except SchemaError as e:
             self._invalid(msg, e)
             return
-        async with self._lock:
-            if not self._redis_ok:  # maintenance resyncs every engine once Redis is back
-                self.stats.batches_dropped += 1
-                self._out_of_sync(batch.engine_id, epoch, batch.bucket, batch.namespace)
-                return
-            try:
-                await self._handle_batch(batch, epoch)
-            except RedisError as e:
-                self._redis_failed(e)
-                self._out_of_sync(batch.engine_id, epoch, batch.bucket, batch.namespace)
+        self._lanes.submit(batch.engine_id, lambda: self._apply_batch(batch, epoch))
+
+    async def _apply_batch(self, batch: KVEventBatch, epoch: int) -> None:
+        """On the engine's lane."""
+        if not self._redis_ok:  # maintenance resyncs every engine once Redis is back
+            self.stats.batches_dropped += 1
+            self._out_of_sync(batch.engine_id, epoch, batch.bucket, batch.namespace)
+            return
+        try:
+            await self._handle_batch(batch, epoch)
+        except RedisError as e:
+            self._redis_failed(e)
+            self._out_of_sync(batch.engine_id, epoch, batch.bucket, batch.namespace)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -217,15 +297,18 @@ class IndexService:
         except SchemaError as e:
             self._invalid(msg, e)
             return
-        async with self._lock:
-            if self._redis_ok:
-                try:
-                    await self._handle_heartbeat(hb, epoch)
-                    return
-                except RedisError as e:
-                    self._redis_failed(e)
-            record = self._out_of_sync(hb.engine_id, epoch, hb.bucket, hb.namespace)
-            record.ttl_ms = _ttl_ms(hb)
+        self._lanes.submit(hb.engine_id, lambda: self._apply_heartbeat(hb, epoch))
+
+    async def _apply_heartbeat(self, hb: Heartbeat, epoch: int) -> None:
+        """On the engine's lane."""
+        if self._redis_ok:
+            try:
+                await self._handle_heartbeat(hb, epoch)
+                return
+            except RedisError as e:
+                self._redis_failed(e)
+        record = self._out_of_sync(hb.engine_id, epoch, hb.bucket, hb.namespace)
+        record.ttl_ms = _ttl_ms(hb)
 
     async def _handle_batch(self, batch: KVEventBatch, epoch: int) -> None:
         eid = batch.engine_id
@@ -309,12 +392,11 @@ class IndexService:
             await self._check_redis()
             if not self._redis_ok:
                 continue
-            async with self._lock:
-                try:
-                    await self._expire_dead()
-                    await self._retry_snapshot_requests()
-                except RedisError as e:
-                    self._redis_failed(e)
+            try:
+                await self._expire_dead()
+                await self._retry_snapshot_requests()
+            except RedisError as e:
+                self._redis_failed(e)
 
     async def _check_redis(self) -> None:
         """Notice Redis failing, coming back or restarting; resync every engine after either."""
@@ -329,38 +411,43 @@ class IndexService:
         if self._redis_run_id is None and self._redis_ok:
             self._redis_run_id = run_id  # first contact
             return
-        async with self._lock:
-            try:
-                await self._resync_all()
-            except RedisError as e:
-                self._redis_failed(e)
-                return
-            self._redis_ok, self._redis_run_id = True, run_id
+        try:
+            await self._resync_all()
+        except RedisError as e:
+            self._redis_failed(e)
+            return
+        self._redis_ok, self._redis_run_id = True, run_id
         log.warning("redis is back (run id %s): resynced %d engines", run_id, len(self._engines))
 
     async def _resync_all(self) -> None:
         """Drop every known engine's entries and ask each for a snapshot."""
         store = self._store_or_raise()
-        for eid, record in self._engines.items():
-            record.fence = Fence(record.fence.epoch, None, True)
-            await store.apply(eid, record.meta(), clear=True, alive_ttl_ms=record.ttl_ms)
-        for eid, record in self._engines.items():
+        for eid in list(self._engines):
+            async with self._lanes.lock(eid):
+                record = self._engines.get(eid)
+                if record is None:
+                    continue
+                record.fence = Fence(record.fence.epoch, None, True)
+                await store.apply(eid, record.meta(), clear=True, alive_ttl_ms=record.ttl_ms)
+        for eid, record in list(self._engines.items()):
             await self._request_snapshot(eid, record, "index lost redis state")
         self.stats.resyncs_after_redis += 1
 
     async def _expire_dead(self) -> None:
         store = self._store_or_raise()
         for eid in await store.dead_engines():
-            dropped = await store.expire(eid)
-            if dropped is None:
-                continue  # a heartbeat came in between
-            self._engines.pop(eid, None)
+            async with self._lanes.lock(eid):
+                dropped = await store.expire(eid)
+                if dropped is None:
+                    continue  # a heartbeat came in between
+                self._engines.pop(eid, None)
+            self._lanes.forget(eid)
             self.stats.engines_expired += 1
             log.info("engine %s expired: %d pages dropped", eid, dropped)
 
     async def _retry_snapshot_requests(self) -> None:
         now = time.monotonic()
-        for eid, record in self._engines.items():
+        for eid, record in list(self._engines.items()):
             asked = record.snapshot_requested_at
             if record.fence.awaiting_snapshot and (
                 asked is None or now - asked >= self.config.snapshot_retry_s
