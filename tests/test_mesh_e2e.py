@@ -58,8 +58,8 @@ def mesh() -> Iterator[Mesh]:
     m.start()
     yield m
     m.stop()
-    for name, proc in m.procs:
-        assert proc.poll() is not None, f"{name} left running"
+    for name, child in m.supervisor.children.items():
+        assert child.proc is None or child.proc.poll() is not None, f"{name} left running"
 
 
 def url(mesh: Mesh) -> str:
@@ -67,11 +67,15 @@ def url(mesh: Mesh) -> str:
 
 
 def redis_url(mesh: Mesh) -> str:
-    return next(s.url for s in mesh.servers if s.name == "redis")
+    return str(mesh.supervisor.extra_status["redis_url"])
 
 
 def proc_of(mesh: Mesh, name: str) -> subprocess.Popen[bytes]:
-    return next(p for n, p in mesh.procs if n == name)
+    """The running process of child `name` (this test drives no supervisor poll: nothing is
+    restarted behind its back)."""
+    proc = mesh.supervisor.children[name].proc
+    assert proc is not None
+    return proc
 
 
 @pytest.fixture
@@ -180,6 +184,26 @@ async def test_cache_salts_never_share_tokens(mesh: Mesh, http: aiohttp.ClientSe
     assert a1["choices"][0]["token_ids"] == b1["choices"][0]["token_ids"]
 
 
+async def test_openai_user_is_the_cache_salt(mesh: Mesh, http: aiohttp.ClientSession) -> None:
+    """OpenAI's `user` isolates the cache when no cache_salt is given: another user (or no
+    user) never gets a user's cached tokens; the same user does."""
+    prompt = list(range(60, 100))  # 40 tokens, in no other test
+    want = reference(prompt, 3)
+    plain, _ = await complete(http, mesh, prompt, 3)
+    await wait_for(lambda: _held_anywhere(mesh, prompt, ""))  # routable to, if user were ignored
+    alice, _ = await complete(http, mesh, prompt, 3, user="alice")
+    await wait_for(lambda: _held_anywhere(mesh, prompt, "alice"))
+    bob, _ = await complete(http, mesh, prompt, 3, user="bob")
+    alice_again, _ = await complete(http, mesh, prompt, 3, user="alice")
+    assert [cached(d)[0] for d in (plain, alice, bob, alice_again)] == [0, 0, 0, 36]
+    assert all(d["choices"][0]["token_ids"] == want for d in (plain, alice, bob, alice_again))
+
+
+async def _held_anywhere(mesh: Mesh, prompt: list[int], salt: str) -> bool:
+    held = await holders(mesh, prompt, salt)
+    return max(held.values(), default=0) >= len(prompt) // PAGE - 1
+
+
 async def test_bad_requests_change_nothing(mesh: Mesh, http: aiohttp.ClientSession) -> None:
     bad: list[Any] = [
         b"{not json",
@@ -208,8 +232,7 @@ async def test_engine_restart_with_new_epoch_drops_its_entries(
     old = proc_of(mesh, owner)
     old.send_signal(signal.SIGKILL)  # no goodbye: only the new epoch can fence it
     old.wait()
-    idx = next(i for i, (n, _) in enumerate(mesh.procs) if n == owner)
-    nats_url = next(s.url for s in mesh.servers if s.name == "nats")
+    nats_url = str(mesh.supervisor.extra_status["nats_url"])
     new = spawn_engine(
         nats_url,
         owner,
@@ -221,7 +244,7 @@ async def test_engine_restart_with_new_epoch_drops_its_entries(
         "4096",
         "--enable-hierarchical-cache",
     )
-    mesh.procs[idx] = (owner, new)
+    mesh.supervisor.children[owner].proc = new  # stopped with the mesh
 
     r = aioredis.from_url(redis_url(mesh))
     old_epoch = await r.hget(rk.engine_meta(owner), "epoch")
@@ -238,8 +261,9 @@ async def test_engine_restart_with_new_epoch_drops_its_entries(
 
 
 async def test_redis_down_keeps_serving(mesh: Mesh, http: aiohttp.ClientSession) -> None:
-    redis_server = next(s for s in mesh.servers if s.name == "redis")
+    redis_server = proc_of(mesh, "redis")
     redis_server.kill()
+    redis_server.wait()
     prompts = [[(i * j) % 256 for i in range(30)] for j in range(1, 5)]
     for p in prompts:
         data, _ = await complete(http, mesh, p, 2)
