@@ -8,7 +8,8 @@
   only a window of mostly timeouts opens the breaker;
 - defect 6: a stopped Redis makes /health "degraded" and the redis_up gauge 0; a new
   Redis on the same port brings both back and cache-aware routing resumes;
-- observability: SGLang-named per-engine gauges and request histograms move; /health and
+- observability: a real engine reports KV usage and cache counters in its heartbeats;
+  SGLang-named per-engine gauges and request histograms move; /health and
   /metrics polls are not counted as requests.
 """
 
@@ -20,15 +21,26 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
+import nats
 import pytest
 import redis.asyncio as aioredis
+from bus_helpers import spawn_engine, wait_heartbeats
 from fake_engine import FakeEngine, running_mesh
 
-from bus_schemas import Heartbeat, page_hashes, redis_keys
+from bus_schemas import (
+    GenerateRequest,
+    Heartbeat,
+    Sampling,
+    TokenChunk,
+    page_hashes,
+    redis_keys,
+    subjects,
+)
 from router.config import RouterConfig
 from router.engines import EngineTable
 from router.keys import TABLE
@@ -239,7 +251,7 @@ async def wait_until_async(pred: Callable[[], Any], timeout_s: float) -> None:
 async def test_redis_down_is_degraded_and_recovery_resumes_cache_routing(
     nats_server: ServerProcess, fresh_redis: ServerProcess
 ) -> None:
-    kw = {"redis_probe_s": 0.1, "redis_probe_timeout_s": 0.3}
+    kw: dict[str, Any] = {"redis_probe_s": 0.1, "redis_probe_timeout_s": 0.3}
     async with running_mesh(nats_server.url, fresh_redis.url, 2, **kw) as mesh:
         c = mesh.client
         a, b = mesh.engines
@@ -401,3 +413,47 @@ async def test_one_timeout_among_answers_keeps_cache_routing(fresh_redis: Server
         assert (await index.lookup(hashes)).hits == {}  # the next lookup asks Redis again
     finally:
         await client.aclose()
+
+
+# ------------------------------------------------------------------ engine heartbeats
+
+
+async def test_a_real_engine_reports_cache_usage_and_counters_in_heartbeats(
+    nats_server: ServerProcess,
+) -> None:
+    flags = ["--page-size", "4", "--max-total-tokens", "1024", "--enable-hierarchical-cache"]
+    proc = spawn_engine(nats_server.url, "hb-stats", *flags, "--heartbeat-interval", "0.2")
+    nc = await nats.connect(nats_server.url)
+    try:
+        first = (await wait_heartbeats(nc, {"hb-stats"}))["hb-stats"]
+        assert (first.token_usage, first.cached_tokens, first.num_loads) == (0.0, 0, 0)
+        prompt = list(range(10, 47))  # 37 tokens: 36 reusable at page 4
+        for _ in range(2):
+            await _generate(nc, "hb-stats", prompt)
+        latest: list[Heartbeat] = []
+
+        async def keep(msg: Any) -> None:
+            hb = Heartbeat.decode(msg.data)
+            if hb.engine_id == "hb-stats":
+                latest.append(hb)
+
+        sub = await nc.subscribe(subjects.HEARTBEAT, cb=keep)
+        await wait_until(lambda: bool(latest) and latest[-1].cached_tokens == 36)
+        await sub.unsubscribe()
+        hb = latest[-1]
+        assert 0.0 < hb.token_usage <= 1.0  # the cached prompt holds device pages
+        assert 0.0 <= hb.host_token_usage <= 1.0
+    finally:
+        await nc.drain()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+async def _generate(nc: Any, engine_id: str, ids: list[int]) -> None:
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    req = GenerateRequest(uuid.uuid4().hex, ids, Sampling(3, ignore_eos=True), inbox)
+    await nc.publish(subjects.engine_generate(engine_id), req.encode())
+    while not TokenChunk.decode((await sub.next_msg(timeout=60)).data).finished:
+        pass
+    await sub.unsubscribe()
