@@ -385,10 +385,21 @@ def workload(n_prompts: int = 8) -> list[Req]:
     return reqs
 
 
+async def send_all(url: str, reqs: Sequence[Req], clients: int = 8) -> list[Answer]:
+    """Every request, `clients` at a time (the load's concurrency), answers in order."""
+    sem = asyncio.Semaphore(clients)
+    async with aiohttp.ClientSession() as http:
+
+        async def one(req: Req) -> Answer:
+            async with sem:
+                return await send(http, url, req)
+
+        return await asyncio.gather(*(one(r) for r in reqs))
+
+
 async def baseline(url: str, reqs: Sequence[Req]) -> dict[Req, tuple[int, ...]]:
     """The greedy tokens of each request on the healthy mesh (plain and streamed agree)."""
-    async with aiohttp.ClientSession() as http:
-        answers = await asyncio.gather(*(send(http, url, r) for r in reqs))
+    answers = await send_all(url, reqs)
     out = {}
     for req, a in zip(reqs, answers, strict=True):
         assert a.kind == "ok", f"baseline request failed: {a}"
@@ -400,10 +411,9 @@ async def baseline(url: str, reqs: Sequence[Req]) -> dict[Req, tuple[int, ...]]:
 
 
 async def full_round(url: str, expected: dict[Req, tuple[int, ...]]) -> None:
-    """Every request at once: all 200 with the tokens of before the fault."""
+    """Every request, 8 at a time: all 200 with the tokens of before the fault."""
     reqs = list(expected)
-    async with aiohttp.ClientSession() as http:
-        answers = await asyncio.gather(*(send(http, url, r) for r in reqs))
+    answers = await send_all(url, reqs)
     bad = [(r, a) for r, a in zip(reqs, answers, strict=True) if a.kind != "ok"]
     assert not bad, f"after recovery: {bad[:3]}"
     wrong = [r for r, a in zip(reqs, answers, strict=True) if a.tokens != expected[r]]
@@ -415,7 +425,7 @@ async def held_stream(
     url: str,
     prompt: Sequence[int],
     engine: str | None = None,
-    max_tokens: int = 1000,
+    max_tokens: int = 200,
 ) -> tuple[aiohttp.ClientResponse, str]:
     """An open long stream whose first event arrived; retried until it lands on `engine`."""
     body = {"prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -510,20 +520,25 @@ async def wait_healed(mesh: UpMesh, timeout_s: float = 60.0) -> float:
 Pools = dict[str, tuple[int, int]]  # engine id -> (device pages free, host pages free)
 
 
-async def pools(url: str, timeout_s: float = 30.0) -> Pools:
-    """Flush every engine (retried while one is still busy), then read its page pools."""
+async def pools(url: str, engines: Sequence[str], timeout_s: float = 30.0) -> Pools:
+    """Flush every engine, then read its page pools. Retried while an engine still refuses
+    (busy) or is out of the router's view for a moment (one failed request marks it failed
+    until its next heartbeat)."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:
         while True:
-            async with http.post(f"{url}/flush_cache") as r:
-                flushed = await r.json(content_type=None)
-                if r.status == 200:
-                    break
-            assert time.monotonic() < deadline, f"flush refused: {flushed}"
+            flushed = await _flush(http, url)
+            status, stats = await _get_json(http, f"{url}/stats")
+            if flushed and status == 200 and set(engines) <= set(stats["engines"]):
+                return {e: _free_pages(stats["engines"][e]) for e in engines}
+            assert time.monotonic() < deadline, f"flush or stats: {flushed} {status} {stats}"
             await asyncio.sleep(0.2)
-        status, stats = await _get_json(http, f"{url}/stats")
-    assert status == 200, stats
-    return {eid: _free_pages(e) for eid, e in stats["engines"].items()}
+
+
+async def _flush(http: aiohttp.ClientSession, url: str) -> bool:
+    async with http.post(f"{url}/flush_cache") as r:
+        await r.read()
+        return r.status == 200
 
 
 def _free_pages(entry: dict[str, Any]) -> tuple[int, int]:
@@ -532,8 +547,13 @@ def _free_pages(entry: dict[str, Any]) -> tuple[int, int]:
     return int(s["device_pages_free"]), int(host_free)
 
 
-async def epochs(url: str) -> dict[str, str]:
+async def epochs(url: str, engines: Sequence[str], timeout_s: float = 15.0) -> dict[str, str]:
+    """Each engine's epoch from /stats (retried while one is out of the router's view)."""
+    deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:
-        status, stats = await _get_json(http, f"{url}/stats")
-    assert status == 200, stats
-    return {eid: e["epoch"] for eid, e in stats["engines"].items()}
+        while True:
+            status, stats = await _get_json(http, f"{url}/stats")
+            if status == 200 and set(engines) <= set(stats["engines"]):
+                return {e: stats["engines"][e]["epoch"] for e in engines}
+            assert time.monotonic() < deadline, f"/stats: {status} {stats}"
+            await asyncio.sleep(0.1)
