@@ -245,6 +245,8 @@ def _get(url: str, timeout_s: float = 60) -> tuple[int, dict[str, Any]]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+    except (urllib.error.URLError, ConnectionError) as e:
+        return 0, {"error": repr(e)}  # the router itself is (re)starting
 
 
 def _complete(base: str, i: int) -> tuple[int, dict[str, Any]]:
@@ -257,6 +259,8 @@ def _complete(base: str, i: int) -> tuple[int, dict[str, Any]]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+    except (urllib.error.URLError, ConnectionError) as e:
+        return 0, {"error": repr(e)}  # the router itself is (re)starting
 
 
 def _epoch(base: str, engine_id: str) -> str | None:
@@ -313,10 +317,10 @@ def test_up_restarts_killed_children_and_leaves_nothing_behind(tmp_path: Path) -
         assert all(s == 200 for s, _ in _burst(pool, base))
         assert "engine-0 exited with code -9; restart 1" in log.read_text()
 
-        # the index, nats-server and redis-server killed: all come back (servers on the same port)
+        # index, nats-server, redis-server, router killed: all come back (on the same ports)
         both = ("engine-0", "engine-1")
         engines = {e: (_children(status)[e]["pid"], _epoch(base, e)) for e in both}
-        for name in ("index", "nats", "redis"):
+        for name in ("index", "nats", "redis", "router"):
             pid, port_before = _children(status)[name]["pid"], _children(status)[name]["port"]
             os.kill(pid, signal.SIGKILL)
             _wait(lambda n=name, p=pid: _restarted(status, n, p, 1), 30, f"{name} restart")
