@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 from typing import Any
 
 from aiohttp import web
@@ -28,6 +29,32 @@ from router.config import RouterConfig
 from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
+
+
+FD_RESERVE = 256  # descriptors kept for NATS, Redis, logs and the listening socket
+
+
+def fit_to_fd_limit(max_connections: int) -> int:
+    """The connection cap the process can hold: raise the soft descriptor limit toward the
+    hard one if needed, and cap below what remains, so the cap, not EMFILE, is what
+    refuses the excess (EMFILE would fail /health and Redis too)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the descriptor limit to %d: %s", new, e)
+    if soft == resource.RLIM_INFINITY:
+        return max_connections
+    fitted = max(2, min(max_connections, soft - FD_RESERVE))
+    if fitted < max_connections:
+        log.warning(
+            "--max-connections %d lowered to %d (descriptor limit)", max_connections, fitted
+        )
+    return fitted
 
 
 class ConnectionGuard:
@@ -93,6 +120,7 @@ class GuardedSite(web.BaseSite):
         server = self._runner.server
         assert server is not None
         guard = self._guard
+        guard.max_connections = fit_to_fd_limit(guard.max_connections)
         self._server = await asyncio.get_running_loop().create_server(
             lambda: guard.protocol(server),
             self._host,

@@ -230,6 +230,17 @@ async def test_slow_body_clients_are_cut_off_and_counted_as_client_errors(
     assert statuses.get("200") == 1  # the one completion; /health polls are not counted
 
 
+def test_the_connection_cap_fits_under_the_descriptor_limit() -> None:
+    """With 1,000 descriptors a cap of 4,096 could never act before EMFILE (which fails
+    /health and Redis too): it is lowered to leave room for them."""
+    code = (
+        "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (1000, 1000));"
+        "from router.server import fit_to_fd_limit; print(fit_to_fd_limit(4096))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "744"
+
+
 async def _ok(http: aiohttp.ClientSession, url: str) -> bool:
     try:
         async with http.get(url) as r:
