@@ -106,6 +106,29 @@ def test_a_nats_pause_costs_the_pause_plus_one_heartbeat() -> None:
     assert [e.engine_id for e in t.live()] == ["e1"]
 
 
+async def test_after_a_real_nats_pause_the_engine_is_back_at_its_next_heartbeat(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """nats-server stopped (SIGSTOP) while a request waits: the request fails and the
+    engine is marked failed; after SIGCONT it serves again as soon as it heartbeats (on
+    90556fa it sat out 30 s)."""
+    kw: dict[str, Any] = {"interval_s": 0.2}
+    async with running_mesh(
+        nats_server.url, redis_server.url, 1, engine_kw=kw, request_timeout_s=1.0
+    ) as mesh:
+        engine, table = mesh.engines[0], mesh.client.app[TABLE]
+        nats_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            r = await mesh.client.post("/v1/completions", json={"prompt": "hi"})
+            assert r.status in (502, 504), await r.text()
+            assert not table.is_alive(engine.engine_id)
+        finally:
+            nats_server.proc.send_signal(signal.SIGCONT)
+        await wait_until(lambda: table.is_alive(engine.engine_id), 10.0)
+        r = await mesh.client.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status == 200, await r.text()
+
+
 def test_an_engine_failing_while_it_heartbeats_sits_out_after_three_strikes() -> None:
     clock = FakeClock()
     t = table(clock, failed_quarantine_s=30.0, failed_strikes=3)
