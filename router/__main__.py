@@ -3,7 +3,8 @@
     python -m router --port 8000 --nats-url nats://127.0.0.1:4222 \\
         --redis-url redis://127.0.0.1:6379/0 [--api-key KEY] [--record FILE] \\
         [--tokenizer PATH] [--request-timeout S] [--bucket NAME] \\
-        [--pd-admit-timeout S] [--pd-transfer-timeout S]
+        [--pd-admit-timeout S] [--pd-transfer-timeout S] [--read-timeout S] \\
+        [--max-connections N]
 
 SIGINT/SIGTERM stop it gracefully: it stops accepting, lets in-flight requests finish (for
 at most --shutdown-timeout seconds), drains NATS and closes Redis.

@@ -111,12 +111,14 @@ def test_tokenizer_json_is_loaded_with_the_tokenizers_library(tmp_path: Path) ->
 def test_cli_flags_build_the_config() -> None:
     argv = "--port 8123 --nats-url nats://x:1 --redis-url redis://y:2/0 --api-key k"
     argv += " --record /tmp/r.jsonl --request-timeout 7 --bucket long --host 0.0.0.0"
+    argv += " --read-timeout 12 --max-connections 64"
     args = build_parser().parse_args(argv.split())
     config = config_from_args(args)
     assert (args.port, args.host) == (8123, "0.0.0.0")
     assert config.nats_url == "nats://x:1" and config.redis_url == "redis://y:2/0"
     assert config.api_key == "k" and config.record_path == "/tmp/r.jsonl"
     assert config.request_timeout_s == 7.0 and config.bucket == "long"
+    assert (config.read_timeout_s, config.max_connections) == (12.0, 64)
 
 
 # ------------------------------------------------------------------ serving
