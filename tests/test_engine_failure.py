@@ -83,6 +83,7 @@ class Collector:
         self.engine_id = engine_id
         self.chunks: dict[str, list[TokenChunk]] = {}
         self.heartbeats: list[float] = []
+        self.first_error_at: float | None = None
         self.inbox = nc.new_inbox()
 
     async def start(self) -> None:
@@ -92,6 +93,8 @@ class Collector:
     async def _on_chunk(self, msg: Msg) -> None:
         chunk = TokenChunk.decode(msg.data)
         self.chunks.setdefault(chunk.request_id, []).append(chunk)
+        if chunk.error is not None and self.first_error_at is None:
+            self.first_error_at = time.monotonic()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         if Heartbeat.decode(msg.data).engine_id == self.engine_id:
@@ -132,7 +135,6 @@ async def test_a_step_loop_crash_fails_every_request_stops_heartbeats_and_exits(
             if all(col.finished(r) for r in rids):
                 break
             await asyncio.sleep(0.02)
-        crashed_at = time.monotonic()
         for rid in rids:
             last = col.finished(rid)
             assert last is not None, f"request {rid} got no final chunk"
@@ -140,7 +142,9 @@ async def test_a_step_loop_crash_fails_every_request_stops_heartbeats_and_exits(
             assert last.error is not None and "crashed" in last.error
         assert proc.wait(10) == 1
         await asyncio.sleep(0.6)  # three heartbeat intervals
-        assert not [t for t in col.heartbeats if t > crashed_at], "heartbeats went on"
+        # heartbeats stopped before the first error chunk went out (same connection, in order)
+        assert col.first_error_at is not None and col.heartbeats
+        assert not [t for t in col.heartbeats if t > col.first_error_at], "heartbeats went on"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -318,7 +322,9 @@ POISON_REQUESTS: list[tuple[str, dict[str, Any]]] = [
 @pytest.fixture(scope="module")
 def up_mesh() -> Iterator[Mesh]:
     argv = ["up", "--port", str(free_port()), "--engines", "2", "--page-size", "4"]
-    argv += ["--max-total-tokens", "2048", "--heartbeat-interval", "0.2"]
+    # heartbeats at the default 1 s: 40 requests at once on 2 busy cores can delay a 0.2 s
+    # heartbeat past the router's liveness bound, and "no live engine" is not what we test
+    argv += ["--max-total-tokens", "2048"]
     mesh = Mesh(build_parser().parse_args([*argv, "--startup-timeout", "120"]))
     mesh.start()
     yield mesh
