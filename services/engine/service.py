@@ -221,9 +221,7 @@ class EngineService:
     def _close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def _fail_stream(
-        self, request_id: str, message: str, code: int, crashed: bool = False
-    ) -> None:
+    def _fail_stream(self, request_id: str, message: str, code: int, crashed: bool = False) -> None:
         """End a request with an error chunk (or silently, with an empty message)."""
         if not message:
             self._streams.pop(request_id, None)
