@@ -24,7 +24,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--model-seed", type=int, default=0, help="seed of a preset's random weights")
-    g.add_argument("--context-length", type=int, default=None)
+    g.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="max prompt + output tokens (default: the model's); a preset's random weights "
+        "take any length, a checkpoint is capped at its own",
+    )
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument(
         "--max-total-tokens", type=int, default=32768, help="device KV pool size in tokens"

@@ -49,7 +49,11 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         self.model_config, self.model = build_model(
-            config.model, self.device, parse_dtype(config.dtype), seed=config.seed
+            config.model,
+            self.device,
+            parse_dtype(config.dtype),
+            seed=config.seed,
+            context_len=config.context_len,
         )
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
