@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +38,7 @@ def test_dataset_is_deterministic_for_a_seed() -> None:
     assert other != generate_shared_prefix(cfg)
 
 
-def _fields(cfg: GspConfig) -> dict[str, object]:
+def _fields(cfg: GspConfig) -> dict[str, Any]:
     return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
 
 
@@ -231,7 +233,7 @@ def test_comparison_percent_changes_are_exact() -> None:
     assert "-60.0%" in text and "75.0%" in text and "+25.0%" in text
 
 
-def bench_args(*argv: str) -> object:
+def bench_args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["bench", *argv])
 
 

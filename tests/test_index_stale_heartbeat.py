@@ -18,6 +18,11 @@ from bus_schemas.messages import Heartbeat
 __all__ = ["mesh"]  # the fixture, shared with tests/test_index_service.py
 
 
+async def alive(m: Mesh, engine_id: str) -> str:
+    """The engine's alive key ("" when absent)."""
+    return str(await m.r.get(redis_keys.engine_alive(engine_id)) or "")
+
+
 async def e1_state(m: Mesh) -> dict[str, Any]:
     """Everything the index keeps about engine e1 (e2 is the barrier engine)."""
     return {
@@ -50,7 +55,7 @@ async def test_old_epoch_heartbeat_changes_nothing(mesh: Mesh) -> None:
     stale = Heartbeat("e1", "b-old", "1000", "tiny", "old|ns", 4, 64, 260, [0], 0, 0, 0, 1000.0)
     await mesh.send(stale)
     await mesh.send(heartbeat("e2", 5))  # barrier: heartbeats are handled in order
-    await eventually(lambda: mesh.r.get(redis_keys.engine_alive("e2")), "5")
+    await eventually(lambda: alive(mesh, "e2"), "5")
 
     assert await e1_state(mesh) == before
     ttl_after = await mesh.r.pttl(redis_keys.engine_alive("e1"))
