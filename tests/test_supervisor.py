@@ -92,6 +92,31 @@ def test_supervisor_restarts_a_killed_child_and_stop_leaves_none(
     assert not status.exists()
 
 
+def test_a_restart_that_never_gets_ready_is_killed_and_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    launched: list[subprocess.Popen[bytes]] = []
+
+    def ready(proc: subprocess.Popen[bytes]) -> None:
+        launched.append(proc)
+        if len(launched) > 1:
+            raise TimeoutError("nothing listened")
+
+    sup = Supervisor(RestartPolicy(initial_s=0.1))
+    sup.start(ChildSpec("server", SLEEPER, tier=0, ready=ready))
+    first = launched[0]
+    first.kill()
+    with caplog.at_level(logging.WARNING, "hicache.supervisor"):
+        _wait(lambda: (sup.poll(), len(launched) >= 2)[1], 10, "a restart attempt")
+    try:
+        assert "restart of server failed: nothing listened" in caplog.text
+        assert launched[1].poll() is not None  # the never-ready process was not left running
+        child = sup.children["server"]
+        assert child.restarts == 2 and child.restart_at is not None  # tried again later
+    finally:
+        sup.stop(grace_s=5)
+
+
 # ---------------------------------------------------------------- the router while NATS is down
 
 

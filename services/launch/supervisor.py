@@ -108,6 +108,9 @@ class Supervisor:
                     self._launch(child)
                 except (OSError, RuntimeError, TimeoutError) as e:
                     log.error("restart of %s failed: %s", child.spec.name, e)
+                    if child.proc is not None and child.proc.poll() is None:
+                        child.proc.kill()  # never ready: do not leave it running
+                        child.proc.wait()
                     self._schedule(child, time.monotonic())
 
     def _schedule(self, child: Child, now: float) -> None:
