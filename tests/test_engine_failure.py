@@ -25,7 +25,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from test_router import set_load
 
-from bus_schemas import GenerateRequest, Heartbeat, Sampling, TokenChunk
+from bus_schemas import (
+    DecodeAdmit,
+    DecodeAdmitReply,
+    GenerateRequest,
+    Heartbeat,
+    PrefillRequest,
+    Sampling,
+    TokenChunk,
+)
 from bus_schemas import subjects as subj
 from bus_schemas.token_ids import as_token_ids
 from gpu_worker.engine.engine import Engine, EngineConfig
@@ -150,6 +158,53 @@ async def test_a_step_loop_crash_fails_every_request_stops_heartbeats_and_exits(
             proc.kill()
             proc.wait()
         await nc.close()
+
+
+async def test_pd_engines_that_crash_mark_their_errors_and_exit(
+    nats_server: ServerProcess,
+) -> None:
+    """P/D: a prefill engine whose step loop dies reports the crash (marked) on the
+    request's reply subject and exits 1; a decode engine that dies while admitting refuses
+    the admit with code 500 (the router's "engine_crashed") and exits 1."""
+
+    def spawn(eid: str, mode: str, token: int) -> subprocess.Popen[bytes]:
+        crash = ["--debug-crash-on-prompt-token", str(token)]
+        return spawn_engine(nats_server.url, eid, *FLAGS, *crash, "--disaggregation-mode", mode)
+
+    pre = spawn("crash-pre", "prefill", CRASH_TOKEN)
+    dec = spawn("crash-dec", "decode", CRASH_TOKEN + 1)  # serves prompts with CRASH_TOKEN
+    nc = await nats.connect(nats_server.url)
+    try:
+        await wait_heartbeats(nc, {"crash-pre", "crash-dec"})
+        prompt = as_token_ids([CRASH_TOKEN, *range(20, 31)])
+        sampling = Sampling(4, ignore_eos=True)
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        admit = DecodeAdmit("pd-crash-1", prompt, sampling, inbox, "", True, 5.0)
+        msg = await nc.request(subj.engine_decode_admit("crash-dec"), admit.encode(), timeout=30)
+        reply = DecodeAdmitReply.decode(msg.data)
+        assert reply.error is None, reply.error
+        req = PrefillRequest(
+            "pd-crash-1", prompt, sampling, "", reply.decode_prefix_len, reply.kv_subject, inbox
+        )
+        await nc.publish(subj.engine_prefill("crash-pre"), req.encode())
+        chunk = TokenChunk.decode((await sub.next_msg(timeout=30)).data)
+        assert chunk.engine_id == "crash-pre" and chunk.finished
+        assert chunk.engine_crashed and chunk.error_code == 500, chunk
+        assert pre.wait(10) == 1
+        assert dec.poll() is None  # decode waits for KV that never comes; it did not crash
+        bad_prompt = as_token_ids([CRASH_TOKEN + 1, *range(20, 31)])
+        admit = DecodeAdmit("pd-crash-2", bad_prompt, sampling, inbox, "", True, 5.0)
+        msg = await nc.request(subj.engine_decode_admit("crash-dec"), admit.encode(), timeout=30)
+        reply = DecodeAdmitReply.decode(msg.data)
+        assert reply.error is not None and reply.error_code == 500, reply
+        assert dec.wait(10) == 1
+    finally:
+        await nc.close()
+        for p in (pre, dec):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
 
 
 # --------------------------------------------------------------- SIGTERM with NATS down
