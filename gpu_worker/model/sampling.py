@@ -69,6 +69,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     rerun with the same seed gives the same tokens). Raises SamplingError when no logit is
     usable.
     """
+    if generator is not None and generator.device != logits.device:
+        logits = logits.to(generator.device)  # seeded draws use a CPU generator (step_generator)
     scores = _usable_scores(logits)  # (vocab,) float64, finite or -inf, max 0
     if params.greedy:
         return int(torch.argmax(scores).item())
