@@ -483,24 +483,43 @@ async def heal_problems(mesh: UpMesh, http: aiohttp.ClientSession) -> list[str]:
     if missing:
         out.append(f"not live in the router: {sorted(missing)}")
     if not out:
-        out += await _index_problems(mesh)
+        out += await _engine_problems(mesh, http)
     return out
 
 
-async def _index_problems(mesh: UpMesh) -> list[str]:
-    """Redis answers and the index keeps every engine's liveness key there."""
+async def _engine_problems(mesh: UpMesh, http: aiohttp.ClientSession) -> list[str]:
+    """Every engine answers /stats over the bus (a killed engine's stale entry does not,
+    and neither does its successor before it serves), and the index holds its epoch."""
+    status, stats = await _get_json(http, f"{mesh.url}/stats")
+    if status != 200 or not isinstance(stats, dict):
+        return [f"/stats {status} {stats}"]
+    got = stats.get("engines", {})
+    problems = [f"{e}: {got.get(e)}" for e in mesh.spec.engine_ids if "epoch" not in got.get(e, {})]
+    if problems:
+        return problems
+    return await _index_problems(mesh, {e: got[e]["epoch"] for e in mesh.spec.engine_ids})
+
+
+async def _index_problems(mesh: UpMesh, epochs: dict[str, str]) -> list[str]:
+    """Redis answers and the index keeps every engine's liveness key at its current epoch."""
     r = aioredis.from_url(mesh.redis_url(), socket_timeout=2)
     try:
-        keys = [rk.engine_alive(e) for e in mesh.spec.engine_ids]
-        alive = await r.mget(keys)
+        alive = await r.mget([rk.engine_alive(e) for e in epochs])
     except Exception as e:  # any Redis failure means "not healed yet"
         return [f"redis: {type(e).__name__}: {e}"]
     finally:
         await r.aclose()
-    return [f"index: no liveness key for {k}" for k, v in zip(keys, alive, strict=True) if not v]
+    return [
+        f"index: {e} alive at {v!r}, serving epoch {epoch}"
+        for (e, epoch), v in zip(epochs.items(), alive, strict=True)
+        if v not in (str(epoch), str(epoch).encode())
+    ]
 
 
-async def wait_healed(mesh: UpMesh, timeout_s: float = 60.0) -> float:
+HEAL_TIMEOUT_S = 90.0  # "never heals", not a timing goal: engines start slowly on 2 busy cores
+
+
+async def wait_healed(mesh: UpMesh, timeout_s: float = HEAL_TIMEOUT_S) -> float:
     """Seconds until the mesh is whole and serves one request; raises with the reasons."""
     started = time.monotonic()
     probe = Req(tuple(range(1, 9)), 2, False)

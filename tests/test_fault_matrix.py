@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 import pytest
 from fault_helpers import (
+    HEAL_TIMEOUT_S,
     Answer,
     Load,
     MeshSpec,
@@ -50,7 +51,7 @@ from fault_helpers import (
     workload,
 )
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(400)  # a hang guard only: cases end in ~10-40 s
 
 ENGINES = ("engine-0", "engine-1")
 LONG_PROMPT = tuple(range(30, 50))
@@ -95,7 +96,7 @@ class Before:
 
 async def prepare(mesh: UpMesh) -> Before:
     """A whole mesh (restarted if an earlier case broke it), its tokens, pools and epochs."""
-    if not await _healed(mesh, 30):
+    if not await _healed(mesh, HEAL_TIMEOUT_S):
         print("\n[fault-matrix] restarting the mesh: an earlier case left it broken")
         mesh.stop()
         mesh.start()
