@@ -27,7 +27,7 @@ def test_sample_greedy_top_p_and_seed() -> None:
 
 def test_engine_seeded_sampling_repeats_and_differs_by_seed() -> None:
     engine = Engine(EngineConfig())
-    runs = {}
+    runs: dict[int, list[list[int]]] = {}
     for seed in (1, 1, 2):
         sp = SamplingParams(max_new_tokens=12, temperature=1.5, seed=seed, ignore_eos=True)
         runs.setdefault(seed, []).append(engine.generate(PROMPT, sp).output_ids)
@@ -108,8 +108,8 @@ def test_nan_and_inf_logits() -> None:
 
 def test_step_generator_takes_any_integer_seed() -> None:
     for seed in SEEDS[1:]:
-        a = torch.rand(3, generator=step_generator(seed, 0))  # type: ignore[arg-type]
-        b = torch.rand(3, generator=step_generator(seed, 0))  # type: ignore[arg-type]
+        a = torch.rand(3, generator=step_generator(seed, 0))
+        b = torch.rand(3, generator=step_generator(seed, 0))
         assert torch.equal(a, b)
     assert not torch.equal(
         torch.rand(3, generator=step_generator(0, 0)), torch.rand(3, generator=step_generator(0, 1))
