@@ -143,7 +143,8 @@ async def read_body(request: web.Request, timeout_s: float) -> None:
 
     Raises TimeoutError (the connection is closed), or what `request.read()` raises: the
     size limit's HTTPRequestEntityTooLarge, or ConnectionResetError / RequestPayloadError
-    when the client left or broke off its upload.
+    when the client left or broke off its upload, or the connection was evicted (aiohttp's
+    RuntimeError for a read on a closed connection becomes ConnectionResetError).
     """
     try:
         async with asyncio.timeout(timeout_s):
@@ -151,4 +152,9 @@ async def read_body(request: web.Request, timeout_s: float) -> None:
     except TimeoutError:
         if request.protocol is not None:
             request.protocol.force_close()
+        raise
+    except RuntimeError as e:  # aiohttp: "Connection closed." when it closed before the read
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError(str(e)) from None
         raise
