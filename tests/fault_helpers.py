@@ -501,19 +501,35 @@ async def _engine_problems(mesh: UpMesh, http: aiohttp.ClientSession) -> list[st
 
 
 async def _index_problems(mesh: UpMesh, epochs: dict[str, str]) -> list[str]:
-    """Redis answers and the index keeps every engine's liveness key at its current epoch."""
+    """Redis answers, and the index keeps every engine's liveness key at its current epoch
+    and refreshes it now: its TTL rises at least once while watched for a few heartbeats (a
+    key left by an index that lost NATS only counts down, then expires)."""
     r = aioredis.from_url(mesh.redis_url(), socket_timeout=2)
+    keys = [rk.engine_alive(e) for e in epochs]
     try:
-        alive = await r.mget([rk.engine_alive(e) for e in epochs])
+        alive = await r.mget(keys)
+        stale = [
+            f"index: {e} alive at {v!r}, serving epoch {epoch}"
+            for (e, epoch), v in zip(epochs.items(), alive, strict=True)
+            if v not in (str(epoch), str(epoch).encode())
+        ]
+        return stale or await _unrefreshed(r, keys, 3 * mesh.spec.heartbeat_s)
     except Exception as e:  # any Redis failure means "not healed yet"
         return [f"redis: {type(e).__name__}: {e}"]
     finally:
         await r.aclose()
-    return [
-        f"index: {e} alive at {v!r}, serving epoch {epoch}"
-        for (e, epoch), v in zip(epochs.items(), alive, strict=True)
-        if v not in (str(epoch), str(epoch).encode())
-    ]
+
+
+async def _unrefreshed(r: aioredis.Redis, keys: list[str], watch_s: float) -> list[str]:
+    """The keys whose TTL never rose while sampled every 0.1 s for `watch_s`."""
+    last = await asyncio.gather(*(r.pttl(k) for k in keys))
+    rose = [False] * len(keys)
+    for _ in range(int(watch_s / 0.1)):
+        await asyncio.sleep(0.1)
+        now = await asyncio.gather(*(r.pttl(k) for k in keys))
+        rose = [was or b > a for was, a, b in zip(rose, last, now, strict=True)]
+        last = now
+    return [f"index: {k} not refreshed" for k, ok in zip(keys, rose, strict=True) if not ok]
 
 
 HEAL_TIMEOUT_S = 90.0  # "never heals", not a timing goal: engines start slowly on 2 busy cores
