@@ -446,13 +446,16 @@ class IndexService:
             log.info("engine %s expired: %d pages dropped", eid, dropped)
 
     async def _retry_snapshot_requests(self) -> None:
-        now = time.monotonic()
-        for eid, record in list(self._engines.items()):
-            asked = record.snapshot_requested_at
-            if record.fence.awaiting_snapshot and (
-                asked is None or now - asked >= self.config.snapshot_retry_s
-            ):
-                await self._request_snapshot(eid, record, "snapshot request repeated")
+        """Under each engine's lock: a lane job that found a gap has sent its own request
+        by the time the lock is free, so it is not doubled by a "repeated" one."""
+        for eid in list(self._engines):
+            async with self._lanes.lock(eid):
+                record = self._engines.get(eid)
+                if record is None or not record.fence.awaiting_snapshot:
+                    continue
+                asked = record.snapshot_requested_at
+                if asked is None or time.monotonic() - asked >= self.config.snapshot_retry_s:
+                    await self._request_snapshot(eid, record, "snapshot request repeated")
 
     # ----------------------------------------------------------------- errors
 
