@@ -236,6 +236,7 @@ class Engine:
             "device_pages_cached": c.tree.num_device_pages,
             "host_pages": c.host_pool.num_pages if c.host_pool else 0,
             "host_pages_cached": c.tree.num_host_pages,
+            "host_pages_free": c.host_pool.allocator.num_free if c.host_pool else 0,
             "cached_tokens_device": c.stats.device_hit_tokens,
             "cached_tokens_host": c.stats.host_hit_tokens,
             "backups": c.stats.num_backups,
