@@ -578,7 +578,7 @@ async def _flush(http: aiohttp.ClientSession, url: str) -> bool:
 
 def _free_pages(entry: dict[str, Any]) -> tuple[int, int]:
     s = entry["stats"]
-    host_free = s.get("host_pages_free", s["host_pages"] - s["host_pages_cached"])
+    host_free = s["host_pages_free"]  # the host allocator's count, not host_pages - cached
     return int(s["device_pages_free"]), int(host_free)
 
 

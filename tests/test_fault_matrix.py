@@ -121,13 +121,14 @@ async def _healed(mesh: UpMesh, timeout_s: float) -> bool:
     return True
 
 
-async def finish(mesh: UpMesh, before: Before, load: Load, name: str, recover_s: float) -> None:
-    """The checks every case ends with: clean answers, a full round, pools at baseline."""
+async def finish(
+    mesh: UpMesh, before: Before, load: Load, name: str, recover_s: float | None
+) -> None:
+    """The checks every case ends with: clean answers, a full round, pools at baseline.
+    `recover_s` is None for a case that must cause no outage."""
     errors = Counter(a.detail[:90] for _, a in load.answers if a.kind == "error")
-    print(
-        f"\n[fault-matrix] {name}: recovered in {recover_s:.2f}s; answers {load.summary()}; "
-        f"errors {dict(errors)}"
-    )
+    took = "no outage" if recover_s is None else f"recovered in {recover_s:.2f}s"
+    print(f"\n[fault-matrix] {name}: {took}; answers {load.summary()}; errors {dict(errors)}")
     problems = load.problems(frozenset({"ok", "error"}))
     assert not problems, f"{len(problems)} unclean answers: {problems[:5]}"
     await full_round(mesh.url, before.expected)
@@ -232,7 +233,7 @@ async def test_poison_requests_never_stop_an_engine(colo: UpMesh) -> None:
     assert await epochs(colo.url, colo.spec.engine_ids) == before.epochs  # no engine restarted
     assert {e: colo.pid_of(e) for e in ENGINES} == {e: before.pids[e] for e in ENGINES}
     assert not load.problems(frozenset({"ok"})), load.summary()
-    await finish(colo, before, load, "poison requests", 0.0)
+    await finish(colo, before, load, "poison requests", None)
 
 
 async def _longest_stream_is_accepted(http: aiohttp.ClientSession, url: str) -> list[str]:
@@ -283,7 +284,7 @@ async def test_slow_body_clients_do_not_starve_others(colo: UpMesh) -> None:
     assert health == [200] * 8, health
     assert await count_5xx(colo.url) == server_errors
     assert not load.problems(frozenset({"ok"})), load.summary()
-    await finish(colo, before, load, f"{SLOW_CLIENTS} slow-body clients", 0.0)
+    await finish(colo, before, load, f"{SLOW_CLIENTS} slow-body clients", None)
 
 
 async def count_5xx(url: str) -> float:
