@@ -135,7 +135,8 @@ async def test_a_step_loop_crash_fails_every_request_stops_heartbeats_and_exits(
         col = Collector(nc, eid)
         await col.start()
         running = [await col.send(list(range(20 + i, 40 + i)), 500) for i in range(3)]
-        while not all(col.chunks.get(r) for r in running[:2]):  # two run, one is queued
+        # two run, one is queued; and one heartbeat is seen, so "they stopped" can be checked
+        while not (all(col.chunks.get(r) for r in running[:2]) and col.heartbeats):
             await asyncio.sleep(0.02)
         poison = await col.send([CRASH_TOKEN, 9, 10, 11], 4)
         rids = [*running, poison]
