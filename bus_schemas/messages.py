@@ -154,7 +154,7 @@ class Heartbeat(Message):
     (cumulative since the engine started or flushed; the router exports them per engine)."""
 
     TYPE: ClassVar[str] = "heartbeat"
-    VERSION: ClassVar[int] = 2  # 2: cache usage and counters
+    VERSION: ClassVar[int] = 3  # 2: cache usage and counters; 3: eviction counters
 
     engine_id: str
     bucket: str
@@ -175,6 +175,8 @@ class Heartbeat(Message):
     cached_tokens: int = 0  # prompt tokens reused from the device and host tiers
     num_loads: int = 0  # host -> device loads
     num_backups: int = 0  # device -> host backups
+    evicted_device_pages: int = 0  # device pages evicted from the radix cache
+    evicted_host_pages: int = 0  # host pages evicted from the radix cache
 
 
 @dataclass(frozen=True, slots=True)

@@ -251,6 +251,16 @@ class EngineCollector(Collector):
         ("hicache_engine_cached_tokens", "prompt tokens reused from cache", "cached_tokens"),
         ("hicache_engine_cache_loads", "host -> device loads", "num_loads"),
         ("hicache_engine_cache_backups", "device -> host backups", "num_backups"),
+        (
+            "hicache_engine_evicted_device_pages",
+            "device KV pages evicted from the radix cache",
+            "evicted_device_pages",
+        ),
+        (
+            "hicache_engine_evicted_host_pages",
+            "host KV pages evicted from the radix cache",
+            "evicted_host_pages",
+        ),
     )
 
     def __init__(self, table: EngineTable) -> None:

@@ -79,6 +79,7 @@ class FakeEngine:
     inflight_tokens: int = 0  # reported in heartbeats
     waiting: int = 0  # reported in heartbeats (running: the requests being streamed)
     token_usage: float = 0.0  # reported in heartbeats
+    evicted_device_pages: int = 0  # reported in heartbeats
     cached_device: int = 0  # reported in the first chunk
     cached_host: int = 0
     silent: bool = False  # no heartbeats, no chunks, no replies (a killed engine)
@@ -142,6 +143,7 @@ class FakeEngine:
             interval_s=self.interval_s,
             role=self.role,
             token_usage=self.token_usage,
+            evicted_device_pages=self.evicted_device_pages,
         )
         await self.nc.publish(subjects.HEARTBEAT, hb.encode())
 

@@ -137,3 +137,24 @@ def test_engine_events_after_device_pressure() -> None:
     assert eng.cache.drain_events() == [removed("device", held[1]), stored("device", held[2])]
     eng.check_integrity()
     eng.close()
+
+
+def test_eviction_counters_count_the_pages_each_tier_gave_up() -> None:
+    """`cache_stats()` counts evicted pages per tier (the heartbeat and the router's
+    `hicache_engine_evicted_*_pages` carry them): 6 device pages and 6 host pages, three
+    3-page prompts written through; the third evicts the first from the host tier."""
+    cfg = CacheConfig(
+        page_size=PS, num_device_pages=6, enable_hierarchical_cache=True, hicache_ratio=1.0
+    )
+    eng = Engine(EngineConfig(cache=cfg))
+    sp = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    prompts = [[i * 20 + t for t in range(13)] for i in range(3)]
+    seen = []
+    for p in prompts:
+        eng.generate(p, sp)
+        eng.cache.drain()
+        s = eng.cache_stats()
+        seen.append((s["evicted_device_pages"], s["evicted_host_pages"]))
+    assert seen == [(0, 0), (3, 0), (6, 3)]
+    eng.check_integrity()
+    eng.close()

@@ -340,7 +340,7 @@ async def test_sglang_metrics_per_engine_and_histograms_move(
     async with running_mesh(nats_server.url, redis_server.url, 2, engine_kw=kw) as mesh:
         c = mesh.client
         a, b = mesh.engines
-        a.waiting, a.token_usage = 3, 0.25
+        a.waiting, a.token_usage, a.evicted_device_pages = 3, 0.25, 7
         await a.beat()
         await wait_until(lambda: _hb(mesh, a.engine_id).waiting == 3)
         for _ in range(5):
@@ -357,6 +357,11 @@ async def test_sglang_metrics_per_engine_and_histograms_move(
             assert key in samples(text, "hicache_engine_cache_loads_total")
         assert queued[f'{{engine_id="{a.engine_id}",model_name="tiny-test"}}'] == 3
         assert usage[f'{{engine_id="{a.engine_id}",model_name="tiny-test"}}'] == 0.25
+        evicted = samples(text, "hicache_engine_evicted_device_pages_total")
+        assert evicted[f'{{engine_id="{a.engine_id}",model_name="tiny-test"}}'] == 7
+        assert f'{{engine_id="{b.engine_id}",model_name="tiny-test"}}' in samples(
+            text, "hicache_engine_evicted_host_pages_total"
+        )
         e2e = 'sglang:e2e_request_latency_seconds_count{model_name="tiny-test"}'
         assert e2e not in text
         r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6})
@@ -455,12 +460,14 @@ async def test_one_timeout_among_answers_keeps_cache_routing(fresh_redis: Server
 async def test_a_real_engine_reports_cache_usage_and_counters_in_heartbeats(
     nats_server: ServerProcess,
 ) -> None:
-    flags = ["--page-size", "4", "--max-total-tokens", "1024", "--enable-hierarchical-cache"]
+    # 16 device pages: one 37-token prompt (10 pages running, 9 cached) fits, two do not
+    flags = ["--page-size", "4", "--max-total-tokens", "64", "--enable-hierarchical-cache"]
     proc = spawn_engine(nats_server.url, "hb-stats", *flags, "--heartbeat-interval", "0.2")
     nc = await nats.connect(nats_server.url)
     try:
         first = (await wait_heartbeats(nc, {"hb-stats"}))["hb-stats"]
         assert (first.token_usage, first.cached_tokens, first.num_loads) == (0.0, 0, 0)
+        assert (first.evicted_device_pages, first.evicted_host_pages) == (0, 0)
         prompt = list(range(10, 47))  # 37 tokens: 36 reusable at page 4
         for _ in range(2):
             await _generate(nc, "hb-stats", prompt)
@@ -477,6 +484,13 @@ async def test_a_real_engine_reports_cache_usage_and_counters_in_heartbeats(
         hb = latest[-1]
         assert 0.0 < hb.token_usage <= 1.0  # the cached prompt holds device pages
         assert 0.0 <= hb.host_token_usage <= 1.0
+        assert hb.evicted_device_pages == 0
+        latest.clear()
+        sub = await nc.subscribe(subjects.HEARTBEAT, cb=keep)
+        await _generate(nc, "hb-stats", list(range(100, 137)))  # makes room: evicts the first
+        await wait_until(lambda: bool(latest) and latest[-1].evicted_device_pages > 0)
+        await sub.unsubscribe()
+        assert latest[-1].evicted_host_pages == 0  # 32 host pages hold both prompts
     finally:
         await nc.drain()
         proc.send_signal(signal.SIGTERM)

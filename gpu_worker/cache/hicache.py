@@ -116,6 +116,8 @@ class CacheStats:
     backed_up_pages: int = 0
     loaded_pages: int = 0
     loads_skipped: int = 0  # host hits recomputed because loading looked slower
+    evicted_device_pages: int = 0  # device pages the tree gave up to make room
+    evicted_host_pages: int = 0  # host pages the tree gave up to make room
     num_consumed_acks: int = 0
     # the last RECENT_ACKS consumed ACK seqs, in consume order: bounded, it grows with nothing
     consumed_acks: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_ACKS))
@@ -206,6 +208,7 @@ class PrefixCache:
             result = self.tree.evict_device(num_pages - freed, delete_unbacked=not write_back)
             self.free([PageId(p) for p in result.freed_page_ids])
             freed += len(result.freed_page_ids)
+            self.stats.evicted_device_pages += len(result.freed_page_ids)
             if freed >= num_pages or not result.unbacked:
                 break
             # write_back: back up the leaves about to go, wait for them, then evict again.
@@ -274,7 +277,9 @@ class PrefixCache:
         allocator = self.host_pool.allocator
         short = num_pages - allocator.num_free
         if short > 0:
-            allocator.free(list(self.tree.evict_host(short)))
+            evicted = self.tree.evict_host(short)
+            allocator.free(list(evicted))
+            self.stats.evicted_host_pages += len(evicted)
         pages = allocator.alloc(num_pages)
         return None if pages is None else [HostPageId(p) for p in pages]
 

@@ -241,6 +241,8 @@ class Engine:
             "cached_tokens_host": c.stats.host_hit_tokens,
             "backups": c.stats.num_backups,
             "loads": c.stats.num_loads,
+            "evicted_device_pages": c.stats.evicted_device_pages,
+            "evicted_host_pages": c.stats.evicted_host_pages,
         }
         return stats
 

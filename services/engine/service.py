@@ -499,6 +499,8 @@ class EngineService:
             "cached_tokens": s["cached_tokens_device"] + s["cached_tokens_host"],
             "num_loads": s["loads"],
             "num_backups": s["backups"],
+            "evicted_device_pages": s["evicted_device_pages"],
+            "evicted_host_pages": s["evicted_host_pages"],
         }
 
     async def _heartbeats(self) -> None:
