@@ -12,15 +12,19 @@ serves every namespace without mixing them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 DEVICE_BIT = 1
 HOST_BIT = 2
 TIER_BITS = {"device": DEVICE_BIT, "host": HOST_BIT}
 
 ENGINES = "hc:engines"
+PAGE_PREFIX = "hc:page:"
+HASH_HEX_LEN = 32  # page_hash.DIGEST_SIZE bytes as hex
 
 
 def page(page_hash: str) -> str:
-    return f"hc:page:{page_hash}"
+    return PAGE_PREFIX + page_hash
 
 
 def engine_pages(engine_id: str) -> str:
@@ -35,44 +39,62 @@ def engine_alive(engine_id: str) -> str:
     return f"hc:engine:{engine_id}:alive"
 
 
-# KEYS: page keys of one prompt, in order. Returns a flat array
-# [engine_id, prefix_pages, device_prefix_pages, ...]: for every engine holding the first page,
-# how many leading pages it holds in any tier, and how many of those on the device.
+# ARGV[1]: the hex page hashes of one prompt, in order, concatenated (HASH_HEX_LEN chars
+# each; `lookup_argv`). Returns a flat array [engine_id, prefix_pages, device_prefix_pages,
+# ...]: for every engine holding the first page, how many leading pages it holds in any tier,
+# and how many of those on the device.
+#
+# An engine's pages are prefix-closed per tier: its radix tree holds a node on a tier only if
+# the node's parent is there too (`RadixTree.check_integrity`), and the index applies each
+# event batch, or snapshot, whole. So along one prompt's chain an engine holds pages
+# [0, held) and has pages [0, device) on the device, and both lengths are found by binary
+# search: O(engines x log pages) reads instead of one per page (512 at 32K tokens, page 64),
+# and the last page is read first, so a whole-prompt hit costs two reads. Key names are built
+# here from one argument instead of 512 KEYS: sending and parsing the keys cost more than
+# the reads (standalone Redis/Valkey; a cluster would need them declared). Should the index
+# ever hold a hole (it cannot, short of a bug), an engine's count lands somewhere in it: a
+# routing hint off by some pages, never a wrong KV (each engine matches its own tree).
 PREFIX_LOOKUP_LUA = """
-local first = redis.call('HGETALL', KEYS[1])
-local total, device, alive_dev = {}, {}, {}
-local live = {}
-local n = 0
-for i = 1, #first, 2 do
-  local e = first[i]
-  local bits = tonumber(first[i + 1])
-  total[e] = 1
-  if bits % 2 == 1 then device[e] = 1; alive_dev[e] = true else device[e] = 0 end
-  live[e] = true
-  n = n + 1
+local blob, w = ARGV[1], $WIDTH
+if #blob % w ~= 0 then return redis.error_reply('page hashes must be $WIDTH hex chars each') end
+local n = #blob / w
+local function key(k) return '$PREFIX' .. string.sub(blob, (k - 1) * w + 1, k * w) end
+if n == 0 then return {} end
+local first = redis.call('HGETALL', key(1))
+if #first == 0 then return {} end
+local last = {}
+if n > 1 then
+  local row = redis.call('HGETALL', key(n))
+  for i = 1, #row, 2 do last[row[i]] = tonumber(row[i + 1]) end
 end
-local k = 2
-while n > 0 and k <= #KEYS do
-  local row = redis.call('HGETALL', KEYS[k])
-  local here = {}
-  for i = 1, #row, 2 do here[row[i]] = tonumber(row[i + 1]) end
-  for e, _ in pairs(live) do
-    local bits = here[e]
-    if bits == nil then
-      live[e] = nil
-      n = n - 1
-    else
-      total[e] = total[e] + 1
-      if alive_dev[e] and bits % 2 == 1 then device[e] = device[e] + 1 else alive_dev[e] = nil end
-    end
+-- the largest k in [lo, hi] with page k held by e (on the device when `device`); page lo
+-- is known to be
+local function longest(e, lo, hi, device)
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    local bits = redis.call('HGET', key(mid), e)
+    if bits and ((not device) or tonumber(bits) % 2 == 1) then lo = mid else hi = mid - 1 end
   end
-  k = k + 1
+  return lo
 end
 local out = {}
-for e, t in pairs(total) do
+for i = 1, #first, 2 do
+  local e = first[i]
+  local top = last[e]
+  local held, device = n, 0
+  if n > 1 and top == nil then held = longest(e, 1, n - 1, false) end
+  if tonumber(first[i + 1]) % 2 == 1 then
+    if held == n and (n == 1 or top % 2 == 1) then device = n
+    else device = longest(e, 1, held, true) end
+  end
   out[#out + 1] = e
-  out[#out + 1] = t
-  out[#out + 1] = device[e]
+  out[#out + 1] = held
+  out[#out + 1] = device
 end
 return out
-"""
+""".replace("$WIDTH", str(HASH_HEX_LEN)).replace("$PREFIX", PAGE_PREFIX)
+
+
+def lookup_argv(page_hashes: Sequence[str]) -> list[str]:
+    """The ARGV of `PREFIX_LOOKUP_LUA` (no KEYS) for a prompt's hex page hashes."""
+    return ["".join(page_hashes)]

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import numpy as np
 import orjson
 from aiohttp import web
 
@@ -293,15 +294,22 @@ def _token_ids(value: Any, param: str, empty_ok: bool = False) -> tuple[TokenIds
     try:
         ids = array("I", value)  # in C: OverflowError below 0 or from 2**32, TypeError
     except (OverflowError, TypeError):
-        ids = None
-    if ids is None or _has_bool(value):
         _raise_bad_id(value, param)
-    return ids, (max(value) if value else None)
+    if not ids:
+        return ids, None
+    view = np.frombuffer(ids, dtype=np.uint32)  # no copy; max() in C (Python's: 0.3 ms at 32K)
+    if _has_bool(value, view):
+        _raise_bad_id(value, param)
+    return ids, int(view.max())
 
 
-def _has_bool(values: list[Any]) -> bool:
-    """True when a JSON-decoded list of ints holds a bool. orjson writes ints as digits and
-    bools as `true`/`false`: one pass in C instead of a type check per element."""
+def _has_bool(values: list[Any], converted: np.ndarray) -> bool:
+    """True when a JSON-decoded list of ints holds a bool. A JSON true/false converted to 1/0,
+    so only the positions holding 0 or 1 are looked at (a BOS token or a few); many of them
+    take one pass in C instead: orjson writes ints as digits and bools as `true`/`false`."""
+    suspects = np.flatnonzero(converted <= 1)
+    if len(suspects) <= 64:
+        return any(type(values[i]) is bool for i in suspects.tolist())
     dumped = orjson.dumps(values)
     return b"true" in dumped or b"false" in dumped
 

@@ -1,7 +1,8 @@
 """Cache-aware engine choice.
 
 Per request: the page hashes of the prompt (namespace and page size from the bucket's
-heartbeats), ONE `EVALSHA` of `PREFIX_LOOKUP_LUA` over their Redis keys, then for every live
+heartbeats), ONE `EVALSHA` of `PREFIX_LOOKUP_LUA` (a binary search per engine over the page
+chain, which every engine holds prefix-closed), then for every live
 candidate
 
     score = page_size x (device_weight x device pages + host_weight x host-only pages)
@@ -176,11 +177,11 @@ class PrefixIndex:
             return Lookup(None, "redis_down")
         if self.clock() < self._skip_until:
             return Lookup(None, "redis_timeout")
-        keys = [redis_keys.page(h) for h in hashes]
+        argv = redis_keys.lookup_argv(hashes)
         started = self.clock()
         try:
             async with _budget(self.config.redis_timeout_s):
-                flat = await self._evalsha(keys)
+                flat = await self._evalsha(argv)
         except TimeoutError:
             return self._on_timeout()
         except (RedisError, OSError) as e:
@@ -200,12 +201,12 @@ class PrefixIndex:
             return Lookup(None, "redis_down")
         return Lookup(hits)
 
-    async def _evalsha(self, keys: list[str]) -> list[Any]:
+    async def _evalsha(self, argv: list[str]) -> list[Any]:
         try:
-            return list(await self.redis.evalsha(LOOKUP_SHA, len(keys), *keys))
+            return list(await self.redis.evalsha(LOOKUP_SHA, 0, *argv))
         except NoScriptError:
             await self.redis.script_load(redis_keys.PREFIX_LOOKUP_LUA)
-            return list(await self.redis.evalsha(LOOKUP_SHA, len(keys), *keys))
+            return list(await self.redis.evalsha(LOOKUP_SHA, 0, *argv))
 
     def _on_timeout(self) -> Lookup:
         self.metrics.store_timeouts.inc()

@@ -45,7 +45,7 @@ from bus_schemas.messages import (
     StatsRequest,
     TokenChunk,
 )
-from bus_schemas.page_hash import make_namespace, page_hashes
+from bus_schemas.page_hash import DIGEST_SIZE, make_namespace, page_hashes
 from bus_schemas.token_ids import as_token_ids
 from services.launch.servers import ServerProcess
 
@@ -436,36 +436,42 @@ async def test_lookup_script_fixed_cases(r: aioredis.Redis) -> None:
         table[h[i]]["e1"] = both if i < 3 else host
     for i in range(2):  # e2: host only
         table[h[i]]["e2"] = host
-    for i in (0, 1, 3, 4):  # e3: a hole at page 2, device everywhere it holds
+    for i in range(4):  # e3: device only, 4 pages
         table[h[i]]["e3"] = dev
     for i in range(1, 8):  # e4: never the first page
         table[h[i]]["e4"] = both
+    for i in range(8):  # e5: every page on both tiers; e6: every page, the first 5 on device
+        table[h[i]]["e5"] = both
+        table[h[i]]["e6"] = both if i < 5 else host
     await write_table(r, table)
-    keys = [redis_keys.page(p) for p in h]
-    expected = {"e1": (6, 3), "e2": (2, 0), "e3": (2, 2)}
+    expected = {"e1": (6, 3), "e2": (2, 0), "e3": (4, 4), "e5": (8, 8), "e6": (8, 5)}
     assert brute_force_lookup(h, table) == expected
 
-    assert parse_lookup(await r.eval(redis_keys.PREFIX_LOOKUP_LUA, len(keys), *keys)) == expected
+    argv = redis_keys.lookup_argv(h)
+    assert parse_lookup(await r.eval(redis_keys.PREFIX_LOOKUP_LUA, 0, *argv)) == expected
     sha = await r.script_load(redis_keys.PREFIX_LOOKUP_LUA)
-    assert parse_lookup(await r.evalsha(sha, len(keys), *keys)) == expected
-    one = await r.evalsha(sha, 1, keys[0])
-    assert parse_lookup(one) == {"e1": (1, 1), "e2": (1, 0), "e3": (1, 1)}
-    missing = [redis_keys.page("0" * 32), *keys]
-    assert parse_lookup(await r.evalsha(sha, len(missing), *missing)) == {}
+    assert parse_lookup(await r.evalsha(sha, 0, *argv)) == expected
+    one = await r.evalsha(sha, 0, *redis_keys.lookup_argv(h[:1]))
+    assert parse_lookup(one) == {e: (1, int(e != "e2")) for e in ("e1", "e2", "e3", "e5", "e6")}
+    missing = redis_keys.lookup_argv(["0" * 32, *h])
+    assert parse_lookup(await r.evalsha(sha, 0, *missing)) == {}
+    assert parse_lookup(await r.evalsha(sha, 0, "")) == {}
+    with pytest.raises(aioredis.ResponseError, match="32 hex chars"):
+        await r.evalsha(sha, 0, h[0][:-1])
+    assert redis_keys.HASH_HEX_LEN == 2 * DIGEST_SIZE
 
 
 @pytest.mark.parametrize("seed", range(8))
 async def test_lookup_script_matches_brute_force(r: aioredis.Redis, seed: int) -> None:
     rng = random.Random(seed)
-    num_pages = 12
+    num_pages = 40
     h = page_hashes(list(range(4 * num_pages)), 4, NS, cache_salt=str(seed))
     table: dict[str, dict[str, int]] = {p: {} for p in h}
-    for engine in ("e0", "e1", "e2"):
-        prefix_len = rng.randrange(0, num_pages + 1)
-        for i in range(prefix_len):
-            if rng.random() < 0.1:
-                continue  # a hole: the script must stop counting there
-            table[h[i]][engine] = rng.choice([1, 2, 3])
+    for engine in ("e0", "e1", "e2", "e3"):
+        # what a radix tree can hold: each tier prefix-closed along the chain
+        on_device, on_host = rng.randrange(num_pages + 1), rng.randrange(num_pages + 1)
+        for i in range(max(on_device, on_host)):
+            table[h[i]][engine] = (i < on_device) * 1 + (i < on_host) * 2
     for i in range(1, num_pages):  # an engine that lacks the first page counts for nothing
         if rng.random() < 0.5:
             table[h[i]]["late"] = 3
@@ -474,8 +480,7 @@ async def test_lookup_script_matches_brute_force(r: aioredis.Redis, seed: int) -
     sha = await r.script_load(redis_keys.PREFIX_LOOKUP_LUA)
     for _ in range(6):
         query = h[: rng.randrange(1, num_pages + 1)]
-        keys = [redis_keys.page(p) for p in query]
-        got = parse_lookup(await r.evalsha(sha, len(keys), *keys))
+        got = parse_lookup(await r.evalsha(sha, 0, *redis_keys.lookup_argv(query)))
         assert got == brute_force_lookup(query, table), (seed, len(query))
 
 

@@ -339,10 +339,10 @@ async def test_two_engines_match_the_router_lookup(mesh: Mesh) -> None:
     assert await mesh.r.smembers(redis_keys.ENGINES) == {"e1", "e2", "e3"}
 
     lookup = mesh.r.register_script(redis_keys.PREFIX_LOOKUP_LUA)
-    flat = await lookup(keys=[redis_keys.page(h) for h in H[0:8]])
+    flat = await lookup(args=redis_keys.lookup_argv(H[0:8]))
     found = {flat[i]: (flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)}
     assert found == {"e1": (6, 4), "e2": (3, 0)}
-    flat = await lookup(keys=[redis_keys.page(h) for h in OTHER])
+    flat = await lookup(args=redis_keys.lookup_argv(OTHER))
     assert flat == ["e3", 4, 4]
 
 

@@ -127,8 +127,8 @@ async def holders(mesh: Mesh, prompt: list[int], salt: str = "") -> dict[str, in
     """Engine -> leading pages of `prompt` the index says it holds (the router's own query)."""
     r = aioredis.from_url(redis_url(mesh))
     try:
-        keys = [rk.page(h) for h in page_hashes(prompt, PAGE, NAMESPACE, salt)]
-        flat = await r.eval(rk.PREFIX_LOOKUP_LUA, len(keys), *keys)
+        argv = rk.lookup_argv(page_hashes(prompt, PAGE, NAMESPACE, salt))
+        flat = await r.eval(rk.PREFIX_LOOKUP_LUA, 0, *argv)
     finally:
         await r.aclose()
     return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 3)}

@@ -64,6 +64,8 @@ def test_ids_pass_to_the_bus_without_a_copy() -> None:
         ([1, True], "input_ids[1] is True: token ids must be integers >= 0"),
         ([False], "input_ids[0] is False: token ids must be integers >= 0"),
         ([1, 2, -1], "input_ids[2] is -1: token ids must be integers >= 0"),
+        ([5, 0, 1, 9, True], "input_ids[4] is True: token ids must be integers >= 0"),
+        ([0] * 100 + [7, False], "input_ids[101] is False: token ids must be integers >= 0"),
         ([1, 2.5], "input_ids[1] is 2.5: token ids must be integers >= 0"),
         ([1, "2"], "input_ids[1] is '2': token ids must be integers >= 0"),
         ([1, None], "input_ids[1] is None: token ids must be integers >= 0"),
