@@ -5,21 +5,29 @@ Subcommands:
   counts per tier (with `--repeat N` the same prompt runs N times, so the cache shows).
 - `up`: the whole mesh on loopback (nats, redis, index, engines, router); prints the URL.
 - `bench`: the multi-turn generated-shared-prefix benchmark, per arm or against a server.
+- `consensus DIR`: read the rank consensus checker's per-rank logs and report the first
+  entry on which the ranks differ.
+
+Only `generate` loads torch (lazily): `up` and `bench` start processes and parse flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from gpu_worker.engine.args import add_engine_args, engine_config_from_args
-from gpu_worker.engine.engine import Engine, InvalidRequestError, sampling_from
 from services.bench.cli import add_bench_args, run_bench
+from services.engine.flags import add_engine_args
 from services.launch.up import add_up_args, run_up
 
 
 def _generate(args: argparse.Namespace) -> int:
-    engine = Engine(engine_config_from_args(args))
+    from gpu_worker.engine.engine import InvalidRequestError, sampling_from
+    from gpu_worker.engine.rank import launch_engine
+    from services.engine.config import engine_config_from_args
+
+    engine, ranks = launch_engine(engine_config_from_args(args))
     try:
         if args.input_ids is not None:
             ids = [int(t) for t in args.input_ids.split(",") if t.strip()]
@@ -27,9 +35,8 @@ def _generate(args: argparse.Namespace) -> int:
             ids = engine.tokenizer.encode(args.prompt)
         sampling = sampling_from(args.max_tokens, args.temperature, args.top_p, args.seed)
         for turn in range(args.repeat):
-            if turn and args.flush_device:
-                engine.cache.drain()  # backups done: evicted pages stay on the host
-                engine.cache.evict_device(engine.cache.tree.num_device_pages)
+            if turn and args.flush_device:  # backups done first: evicted pages stay on host
+                engine.evict_device(engine.cache.tree.num_device_pages)
             out = engine.generate(ids, sampling)
             text = engine.tokenizer.decode(out.output_ids)
             print(
@@ -44,7 +51,17 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     finally:
         engine.close()
+        if ranks is not None:
+            ranks.wait()
     return 0
+
+
+def _consensus(args: argparse.Namespace) -> int:
+    from gpu_worker.consensus.records import report_dir
+
+    text, diverged = report_dir(args.log_dir)
+    print(text)
+    return 1 if diverged else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="multi-turn benchmark: TTFT, ITL, cache hits per arm")
     add_bench_args(bench)
     bench.set_defaults(func=run_bench)
+    cons = sub.add_parser(
+        "consensus",
+        help="report the first divergence in the rank consensus checker's per-rank logs",
+    )
+    cons.add_argument(
+        "log_dir", type=Path, help="the HICACHE_RANK_CONSENSUS_DIR of a run (rank*.jsonl)"
+    )
+    cons.set_defaults(func=_consensus)
     return parser
 
 

@@ -7,10 +7,11 @@ import argparse
 
 import pytest
 
-from gpu_worker.engine.args import add_engine_args, engine_config_from_args
 from gpu_worker.engine.engine import Engine, InvalidRequestError
 from gpu_worker.model.config import PRESETS
 from gpu_worker.model.sampling import SamplingParams
+from services.engine.config import engine_config_from_args
+from services.engine.flags import add_engine_args
 
 
 def make_engine(*flags: str) -> Engine:

@@ -198,12 +198,14 @@ def test_write_kv_rejects_chunks_that_do_not_fit() -> None:
     d = decode.submit_decode(prompt, SP)
     step_until(decode, lambda: d.remote is not None and d.remote.prefix_len >= 0)
     page_bytes = 4 * 2 * PAGE * 2 * 16 * 8  # layers, K/V, tokens, kv heads, head_dim, float64
-    with pytest.raises(ValueError, match="bytes"):
+    with pytest.raises(ValueError, match="bytes"):  # the wrong size: refused at once
         decode.write_kv(d.rid, 0, 4, b"\0" * (page_bytes - 1), None)
-    with pytest.raises(ValueError, match="continue"):
-        decode.write_kv(d.rid, 8, 12, b"\0" * page_bytes, None)
-    with pytest.raises(ValueError, match="no P/D decode request"):
-        decode.write_kv(999, 0, 4, b"\0" * page_bytes, None)
+    # a chunk that does not fit the request's state: the command says why after the step
+    gap = decode.write_kv(d.rid, 8, 12, b"\0" * page_bytes, None)
+    unknown = decode.write_kv(999, 0, 4, b"\0" * page_bytes, None)
+    decode.step()
+    assert gap.error is not None and "continue" in gap.error and gap.written == 0
+    assert unknown.error is not None and "no P/D decode request" in unknown.error
     assert d.state is ReqState.RECEIVING
     decode.abort(d.rid)
     step_until(decode, lambda: d.finish_reason is not None)

@@ -12,6 +12,7 @@ times, `write_back` backs up only what device eviction is about to drop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from array import array
 from collections import deque
@@ -22,9 +23,10 @@ from typing import Literal
 import torch
 
 from bus_schemas.token_ids import TokenIds
-from gpu_worker.cache.load_cost import LoadCostModel
+from gpu_worker.cache.load_cost import LoadCostEstimate, LoadCostModel
 from gpu_worker.cache.radix import KVEventRecord, MatchResult, PageIds, RadixTree, TreeNode
 from gpu_worker.cache.transfer import DelayInjection, TransferAck, TransferEngine, TransferKind
+from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.memory.allocator import HostPageId, PageId
 from gpu_worker.memory.device_pool import DeviceKVPool
 from gpu_worker.memory.host_pool import HOST_LAYOUTS, HostKVPool, HostLayout
@@ -127,23 +129,41 @@ class PrefixCache:
     """One rank's cache. See the module docstring."""
 
     def __init__(
-        self, config: CacheConfig, spec: KVSpec, device: torch.device, namespace: str | None = None
+        self,
+        config: CacheConfig,
+        spec: KVSpec,
+        device: torch.device,
+        namespace: str | None = None,
+        num_host_pages: int | None = None,
+        delay_seed: int = 0,
     ) -> None:
-        """With a `namespace`, the tree hashes its pages and records KV events."""
+        """With a `namespace`, the tree hashes its pages and records KV events.
+
+        `num_host_pages` overrides the size the config gives (a multi-rank engine agrees on
+        one size for all ranks, whose bytes per page differ); `delay_seed` is added to the
+        injected transfer delays' seed, so each rank sees its own readiness."""
         self.config = config
         self.spec = spec
         self.device_pool = DeviceKVPool(spec, config.num_device_pages, device, config.check_reads)
         self.tree = RadixTree(config.page_size, namespace)
         self.host_pool: HostKVPool | None = None
         self.transfers: TransferEngine | None = None
-        if config.enable_hierarchical_cache and config.enable_radix_cache:
-            self.host_pool = HostKVPool(
-                spec, config.num_host_pages(spec), config.hicache_mem_layout, device
-            )
-            self.transfers = TransferEngine(device, config.transfer_workers, config.transfer_delay)
+        if self.hierarchical:
+            host_pages = num_host_pages or config.num_host_pages(spec)
+            self.host_pool = HostKVPool(spec, host_pages, config.hicache_mem_layout, device)
+            delay = config.transfer_delay
+            if delay is not None and delay_seed:
+                delay = dataclasses.replace(delay, seed=delay.seed + delay_seed)
+            self.transfers = TransferEngine(device, config.transfer_workers, delay)
         self.stats = CacheStats()
         self._loads_to_fail = config.debug_fail_loads
-        self.cost = LoadCostModel()
+        self.cost = LoadCostModel()  # rank 0's measurements
+        self.cost_estimate = LoadCostEstimate()  # what every rank decides from (SetLoadCost)
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether this cache has a host tier."""
+        return self.config.enable_hierarchical_cache and self.config.enable_radix_cache
 
     @property
     def page_size(self) -> int:
@@ -163,6 +183,15 @@ class PrefixCache:
     def no_match(self) -> MatchResult:
         return MatchResult(0, 0, array("q"), array("q"), self.tree.root, self.tree.root)
 
+    @rank_consensus(
+        same_params=["len(ids)", "salt"],
+        same_results=[
+            "result.device_len",
+            "result.host_len",
+            "list(result.device_page_ids)",
+            "list(result.host_page_ids)",
+        ],
+    )
     def match(self, ids: TokenIds | Sequence[int], salt: str = "") -> MatchResult:
         """The cached prefix of `ids` (nothing when the radix cache is off).
 
@@ -189,6 +218,7 @@ class PrefixCache:
 
     # ----------------------------------------------------------------- device pages
 
+    @rank_consensus(same_params=["num_pages"], same_results=["result"])
     def alloc(self, num_pages: int) -> list[PageId] | None:
         """Take `num_pages` device pages, evicting unlocked cache if needed; None if impossible."""
         short = num_pages - self.num_free_device_pages
@@ -218,6 +248,10 @@ class PrefixCache:
 
     # ----------------------------------------------------------------- insert
 
+    @rank_consensus(
+        same_params=["len(ids)", "list(page_ids)", "cached_len", "salt"],
+        same_results=["list(result[0])", "result[1].id"],
+    )
     def insert(
         self,
         ids: TokenIds | Sequence[int],
@@ -242,6 +276,7 @@ class PrefixCache:
 
     # ----------------------------------------------------------------- host tier
 
+    @rank_consensus(same_params=["node.id"], same_results=["result"])
     def _backup(self, node: TreeNode) -> bool:
         """Start backing up the path to `node` from where its host coverage ends."""
         assert self.host_pool is not None and self.transfers is not None
@@ -283,6 +318,10 @@ class PrefixCache:
         pages = allocator.alloc(num_pages)
         return None if pages is None else [HostPageId(p) for p in pages]
 
+    @rank_consensus(
+        same_params=["match.host_len", "list(match.host_page_ids)"],
+        same_results=["None if result is None else list(result.page_ids)"],
+    )
     def start_load(self, match: MatchResult) -> LoadTicket | None:
         """Start loading a match's host part back to device pages; None if there is no room.
 
@@ -291,9 +330,8 @@ class PrefixCache:
         """
         if match.host_len == 0 or self.host_pool is None or self.transfers is None:
             return None
-        num_bytes = len(match.host_page_ids) * self.spec.bytes_per_page
-        if self.config.hicache_load_policy == "cost" and not self.cost.worth_loading(
-            num_bytes, match.host_len
+        if self.config.hicache_load_policy == "cost" and not self.cost_estimate.worth_loading(
+            match.host_len
         ):
             self.stats.loads_skipped += 1
             return None

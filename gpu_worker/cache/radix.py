@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 from bus_schemas.page_hash import chain_hashes, root_hash
 from bus_schemas.token_ids import TokenIds, as_token_ids
+from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.memory.allocator import HostPageId, PageId
 
 KVEventRecord = tuple[str, str, list[str]]  # (stored | removed, device | host, page hashes)
@@ -612,6 +613,10 @@ class RadixTree:
             and not any(c.device_page_ids is not None for c in n.children.values())
         )
 
+    @rank_consensus(
+        same_params=["num_pages", "delete_unbacked"],
+        same_results=["list(result.freed_page_ids)", "[n.id for n in result.unbacked]"],
+    )
     def evict_device(self, num_pages: int, delete_unbacked: bool = True) -> EvictResult:
         """Free at least `num_pages` device pages, least recently used unlocked leaves first.
 
@@ -653,6 +658,7 @@ class RadixTree:
             )
         )
 
+    @rank_consensus(same_params=["num_pages"], same_results=["result"])
     def evict_host(self, num_pages: int) -> list[HostPageId]:
         """Free at least `num_pages` host pages from least recently used unpinned host leaves.
 

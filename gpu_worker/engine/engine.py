@@ -1,35 +1,67 @@
-"""The in-process engine API: generate, flush_cache, cache statistics.
+"""The engine API: generate, flush_cache, cache statistics, on rank 0 of the engine's world.
 
-An engine is one model replica in one `torch.distributed` world. Rank 0 takes new requests
-(`submit`), broadcasts them at the start of each step, and every rank runs the same
-scheduler step. Only world size 1 exists so far; the broadcast path is already the real one.
+An engine is one model replica in one `torch.distributed` world of TP x PP ranks, built by
+the launcher (`gpu_worker/engine/rank.py`) and passed in as `ParallelGroups`; a world of one
+needs no process group at all. Rank 0 takes every input (`submit`, `abort`, `flush_cache`,
+`write_kv`, ...) as a typed command (`commands.py`); at the start of each step it hands the
+list to every rank with the agreed count of ready transfer ACKs (`parallel/sync.py`), and
+every rank consumes those ACKs, applies the commands in order and runs the same scheduler
+step. The other ranks run `follow()` until rank 0 sends `Stop`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from bus_schemas.page_hash import make_namespace
 from bus_schemas.token_ids import as_token_ids
 from gpu_worker.cache.hicache import CacheConfig, PrefixCache
-from gpu_worker.engine.world import broadcast_work, init_single_rank_world
+from gpu_worker.cache.load_cost import LoadCostEstimate
+from gpu_worker.consensus import checker as consensus
+from gpu_worker.engine.commands import (
+    Abort,
+    AddRequest,
+    Command,
+    EvictDevice,
+    Flush,
+    SetLoadCost,
+    Stop,
+    WriteKV,
+)
+from gpu_worker.engine.executor import ModelExecutor
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.model.config import parse_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.tokenizer import load_tokenizer
 from gpu_worker.model.weights import build_model
+from gpu_worker.parallel.config import ParallelConfig
+from gpu_worker.parallel.groups import ParallelGroups
+from gpu_worker.parallel.sync import StepSync, agree_min
 from gpu_worker.scheduler.request import GenerateOutput, RemoteKV, Req, ReqState
 from gpu_worker.scheduler.scheduler import Scheduler, SchedulerConfig
+
+KEEPALIVE_S = 5.0  # an idle multi-rank engine still steps this often (its ranks wait in it)
 
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses before it touches any state."""
+
+
+@dataclass(frozen=True, slots=True)
+class DebugHooks:
+    """Test hooks; part of the config, so identical on every rank."""
+
+    disable_agreement: str = "none"  # "pp_sync", "tp_min", "all": ranks use their own counts
+    rank_raise: tuple[int, int] | None = None  # (rank, token): that rank raises on admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,37 +73,67 @@ class EngineConfig:
     context_len: int | None = None  # defaults to the model's
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    debug: DebugHooks = field(default_factory=DebugHooks)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
-        init_single_rank_world()
+    def __init__(self, config: EngineConfig, groups: ParallelGroups | None = None) -> None:
+        """`groups`: this rank's place in the engine's world, from the launcher; None for a
+        world of one."""
+        groups = groups or ParallelGroups.single()
+        if groups.config != config.parallel:
+            raise ValueError(
+                f"the world is {groups.config.describe()}, the config asks for "
+                f"{config.parallel.describe()}"
+            )
         self.config = config
+        self.groups = groups
+        self.rank = groups.rank
         self.device = torch.device(config.device)
+        dtype = parse_dtype(config.dtype)
         self.model_config, self.model = build_model(
             config.model,
             self.device,
-            parse_dtype(config.dtype),
+            dtype,
             seed=config.seed,
             context_len=config.context_len,
+            parallel=config.parallel,
+            rank=self.rank,
         )
+        if groups.tp is not None:
+            tp = groups.tp
+            self.model.set_tp_reduce(lambda t: _all_reduce(t, tp))
         self.tokenizer = load_tokenizer(config.model)
-        mc = self.model_config
+        mc, local = self.model_config, self.model.config  # the whole model, this rank's shard
         self.context_len = min(config.context_len or mc.context_len, mc.context_len)
         self.kv_spec = KVSpec(
-            mc.num_layers,
-            mc.num_kv_heads,
-            mc.head_dim,
-            config.cache.page_size,
-            parse_dtype(config.dtype),
+            local.num_layers, local.num_kv_heads, local.head_dim, config.cache.page_size, dtype
         )
         self.namespace = make_namespace(config.model, config.dtype, config.cache.page_size)
-        self.cache = PrefixCache(config.cache, self.kv_spec, self.device, self.namespace)
-        self.scheduler = Scheduler(
-            config.scheduler, self.model, self.cache, mc.eos_token_ids, self.device
+        host_pages = None
+        if config.cache.enable_hierarchical_cache:  # bytes per page differ between stages
+            host_pages = agree_min(groups, config.cache.num_host_pages(self.kv_spec))
+        self.cache = PrefixCache(
+            config.cache,
+            self.kv_spec,
+            self.device,
+            self.namespace if self.rank == 0 else None,  # rank 0 publishes the KV events
+            num_host_pages=host_pages,
+            delay_seed=7919 * self.rank,
         )
-        self._inbox: list[Req] = []
+        self.consensus = consensus.recorder_for(groups)  # None unless HICACHE_RANK_CONSENSUS
+        consensus.attach(self.consensus)
+        self.sync = StepSync(groups, config.debug.disable_agreement)
+        self.executor = ModelExecutor(self.model, groups, self.device)
+        self.scheduler = Scheduler(
+            config.scheduler, self.executor, self.cache, mc.eos_token_ids, self.device
+        )
+        self._commands: list[Command] = []  # rank 0: what the next step hands to every rank
         self._next_rid = 0
+        self._sent_estimate = LoadCostEstimate()
+        self._last_step = time.monotonic()
+        self.stopped = False  # set by the Stop command
 
     # ----------------------------------------------------------------- requests
 
@@ -112,9 +174,11 @@ class Engine:
         ids = self.validate(prompt_ids, sampling)
         if not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string")
+        if sampling.seed is None:  # drawn once here, so every rank samples the same token
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         req = Req(self._next_rid, as_token_ids(ids), sampling, cache_salt)
         self._next_rid += 1
-        self._inbox.append(req)
+        self._commands.append(AddRequest(req))
         return req
 
     # ----------------------------------------------------------------- P/D
@@ -127,6 +191,7 @@ class Engine:
         reuse: bool = True,
     ) -> Req:
         """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`)."""
+        self._check_pd()
         req = self.submit(prompt_ids, sampling, cache_salt)
         req.remote = RemoteKV(reuse=reuse and self.config.cache.enable_radix_cache)
         return req
@@ -136,6 +201,7 @@ class Engine:
     ) -> Req:
         """A P/D prefill request: compute the prompt, sample one token, and pack the KV from
         `export_from` on (`req.export` when it finishes)."""
+        self._check_pd()
         ps = self.kv_spec.page_size
         ids = self.validate(prompt_ids, sampling)
         if not 0 <= export_from < len(ids) or export_from % ps:
@@ -148,6 +214,12 @@ class Engine:
         req.export_from = export_from
         return req
 
+    def _check_pd(self) -> None:
+        if self.groups.world_size > 1:
+            raise InvalidRequestError(
+                "P/D with a multi-rank engine is not supported yet (--tp-size/--pp-size 1)"
+            )
+
     def write_kv(
         self,
         rid: int,
@@ -155,49 +227,130 @@ class Engine:
         token_end: int,
         payload: bytes | memoryview,
         first_token: int | None,
-    ) -> int:
-        """Write a received KV chunk (page_first bytes) into decode request `rid`; returns the
-        bytes written. Raises ValueError when the chunk does not fit the request."""
-        req = next((r for r in self.scheduler.running if r.rid == rid), None)
-        if req is None or req.remote is None:
-            raise ValueError(f"no P/D decode request {rid} is waiting for KV")
+    ) -> WriteKV:
+        """Queue a received KV chunk (page_first bytes) for decode request `rid`; it is
+        written at the start of the next step, and the returned command then holds the bytes
+        written or why it did not fit. A payload of the wrong size raises ValueError now."""
         spec, ps = self.kv_spec, self.kv_spec.page_size
         num_pages = -(-(token_end - token_start) // ps)
         shape = (num_pages, spec.num_layers, 2, ps, spec.num_kv_heads, spec.head_dim)
         elem = torch.empty((), dtype=spec.dtype).element_size()
-        if len(payload) != math.prod(shape) * elem:
+        if token_end <= token_start or len(payload) != math.prod(shape) * elem:
             raise ValueError(
-                f"KV chunk has {len(payload)} bytes, expected {math.prod(shape) * elem}"
+                f"KV chunk [{token_start}, {token_end}) has {len(payload)} bytes, "
+                f"expected {max(0, math.prod(shape)) * elem}"
             )
+        if first_token is not None and not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token} is outside the vocabulary")
+        cmd = WriteKV(rid, token_start, token_end, (bytes(payload),), first_token)
+        self._commands.append(cmd)
+        return cmd
+
+    def _write_kv(self, cmd: WriteKV) -> None:
+        req = next((r for r in self.scheduler.running if r.rid == cmd.rid), None)
+        if req is None or req.remote is None:
+            cmd.error = f"no P/D decode request {cmd.rid} is waiting for KV"
+            return
+        spec, ps = self.kv_spec, self.kv_spec.page_size
+        payload = cmd.payloads[self.rank if len(cmd.payloads) > 1 else 0]
+        num_pages = -(-(cmd.token_end - cmd.token_start) // ps)
+        shape = (num_pages, spec.num_layers, 2, ps, spec.num_kv_heads, spec.head_dim)
         staging = torch.frombuffer(bytearray(payload), dtype=spec.dtype).view(shape)
-        self.scheduler.write_remote_kv(req, token_start, token_end, staging)
+        try:
+            self.scheduler.write_remote_kv(req, cmd.token_start, cmd.token_end, staging)
+        except ValueError as e:
+            cmd.error = str(e)
+            return
         req.remote.received_bytes += len(payload)
-        if first_token is not None:
-            if not 0 <= first_token < self.model_config.vocab_size:
-                raise ValueError(f"first token {first_token} is outside the vocabulary")
-            req.remote.first_token = first_token
-        return len(payload)
+        if cmd.first_token is not None:
+            req.remote.first_token = cmd.first_token
+        cmd.written = len(payload)
 
     def abort(self, rid: int) -> None:
         """Stop request `rid`; it finishes with reason "abort" and keeps what it computed."""
-        for req in self._inbox:
-            if req.rid == rid:
-                self._inbox.remove(req)
-                req.state, req.finish_reason = ReqState.FINISHED, "abort"
+        for cmd in self._commands:
+            if isinstance(cmd, AddRequest) and cmd.req.rid == rid:  # no other rank has it yet
+                self._commands.remove(cmd)
+                cmd.req.state, cmd.req.finish_reason = ReqState.FINISHED, "abort"
                 return
-        self.scheduler.abort(rid)
+        self._commands.append(Abort(rid))
+
+    def evict_device(self, num_pages: int) -> None:
+        """Test hook: after the step's transfers drain, evict `num_pages` device pages."""
+        self._commands.append(EvictDevice(num_pages))
+        self.step()
 
     @property
     def has_pending(self) -> bool:
-        """Submitted requests not yet handed to the scheduler."""
-        return bool(self._inbox)
+        """Commands not yet handed to the ranks."""
+        return bool(self._commands)
+
+    @property
+    def keepalive_due(self) -> bool:
+        """A multi-rank engine that idled for `KEEPALIVE_S` should step (its ranks wait)."""
+        return self.groups.world_size > 1 and time.monotonic() - self._last_step > KEEPALIVE_S
 
     def step(self) -> list[Req]:
-        """One scheduler step on every rank; returns the requests that finished."""
-        for req in broadcast_work(self._inbox):
-            self.scheduler.add(req)
-        self._inbox = []
+        """One step on every rank (rank 0 hands out its commands); returns the requests that
+        finished in it."""
+        if self.consensus is not None:
+            self.consensus.check()  # raises RankDivergenceError once ranks diverged
+        commands: list[Command] | None = None
+        if self.rank == 0:
+            self._offer_load_cost()
+            commands, self._commands = self._commands, []
+            self._last_step = time.monotonic()
+        commands, num_acks = self.sync.exchange(commands, self.cache.num_ready_acks())
+        self.scheduler.consume_acks(num_acks)
+        for cmd in commands:
+            self._apply(cmd)
+        if self.stopped:
+            return []
         return self.scheduler.step()
+
+    def follow(self) -> None:
+        """Ranks other than 0: step as rank 0 says until it sends Stop."""
+        while not self.stopped:
+            self.step()
+
+    def _offer_load_cost(self) -> None:
+        """Rank 0: send its load-cost figures when they moved (every rank decides by them)."""
+        if self.config.cache.hicache_load_policy != "cost":
+            return
+        estimate = self.cache.cost.estimate(self.kv_spec.bytes_per_page / self.kv_spec.page_size)
+        if estimate.differs_from(self._sent_estimate):
+            self._sent_estimate = estimate
+            self._commands.append(
+                SetLoadCost(estimate.load_s_per_token, estimate.recompute_s_per_token)
+            )
+
+    def _apply(self, cmd: Command) -> None:
+        """Apply one command; the same on every rank (results land on rank 0's objects)."""
+        if isinstance(cmd, AddRequest):
+            self._debug_raise(cmd.req)
+            self.scheduler.add(cmd.req)
+        elif isinstance(cmd, Abort):
+            self.scheduler.abort(cmd.rid)
+        elif isinstance(cmd, WriteKV):
+            self._write_kv(cmd)
+        elif isinstance(cmd, Flush):
+            cmd.ok = self.scheduler.idle
+            if cmd.ok:
+                self.cache.flush()
+        elif isinstance(cmd, EvictDevice):
+            self.cache.drain()
+            self.cache.evict_device(min(cmd.num_pages, self.cache.tree.num_device_pages))
+        elif isinstance(cmd, SetLoadCost):
+            self.cache.cost_estimate = LoadCostEstimate(
+                cmd.load_s_per_token, cmd.recompute_s_per_token
+            )
+        elif isinstance(cmd, Stop):
+            self.stopped = True
+
+    def _debug_raise(self, req: Req) -> None:
+        hook = self.config.debug.rank_raise
+        if hook is not None and hook[0] == self.rank and hook[1] in req.prompt_ids:
+            raise RuntimeError(f"debug: rank {self.rank} raises on prompt token {hook[1]}")
 
     def run(self, reqs: list[Req]) -> list[GenerateOutput]:
         """Step until every request in `reqs` has finished."""
@@ -221,11 +374,13 @@ class Engine:
     # ----------------------------------------------------------------- cache
 
     def flush_cache(self) -> bool:
-        """Drop all cached KV; refused (False) while requests are running."""
-        if not self.scheduler.idle or self._inbox:
+        """Drop all cached KV on every rank; refused (False) while requests are running."""
+        if not self.scheduler.idle or self._commands:
             return False
-        self.cache.flush()
-        return True
+        cmd = Flush()
+        self._commands.append(cmd)
+        self.step()
+        return bool(cmd.ok)
 
     def cache_stats(self) -> dict[str, Any]:
         c = self.cache
@@ -249,8 +404,24 @@ class Engine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
-    def close(self) -> None:
+    def close(self, stop_ranks: bool = True) -> None:
+        """Rank 0 stops the other ranks first (they leave `follow`), then every rank closes.
+        `stop_ranks=False` when the world is broken (a rank died): no step can run."""
+        if stop_ranks and self.rank == 0 and self.groups.world_size > 1 and not self.stopped:
+            self._commands.append(Stop())
+            self.step()
+        if stop_ranks:  # sends to a dead peer never complete
+            self.sync.close()
+            self.executor.close()
+        if self.consensus is not None:
+            self.consensus.close()
+            consensus.attach(None)
         self.cache.close()
+
+
+def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def sampling_from(

@@ -88,4 +88,19 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=BYTE_BOS_ID,
         name="tiny",
     ),
+    # For tensor parallelism: 8 query and 8 KV heads split over TP 2, 4 or 8, and 8 layers
+    # over PP 2, 4 or 8; float64-exact like tiny.
+    "tiny-tp": ModelConfig(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=8,
+        context_len=8192,
+        eos_token_ids=(BYTE_EOS_ID,),
+        bos_token_id=BYTE_BOS_ID,
+        name="tiny-tp",
+    ),
 }

@@ -10,10 +10,17 @@ the last bits. The float64 cache oracle needs that invariance to demand identica
 from a cache hit and a cold run; it costs speed and is off by default.
 Module names follow Hugging Face (`layers.{i}.self_attn.q_proj`, ...) so that a checkpoint
 maps onto this model by dropping the `model.` prefix.
+
+A tensor- or pipeline-parallel rank runs a shard of this model (`gpu_worker/model/shard.py`):
+its `ModelConfig` has the rank's own head counts and MLP width, `layers` are its stage's
+(numbered from 0 locally: the KV pool holds only them), only the first stage embeds and only
+the last one normalises and computes logits; the row-parallel outputs (`o_proj`,
+`down_proj`) are partial sums that `tp_reduce` (an all_reduce over the TP group) completes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +29,8 @@ from torch import nn
 
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.forward_batch import ForwardBatch, KVCache
+
+TPReduce = Callable[[torch.Tensor], torch.Tensor]
 
 _INVARIANT_ROWS = 64  # rows per block in the batch-invariant ops: bounds their temporaries
 
@@ -190,6 +199,7 @@ class Attention(nn.Module):
     shard only needs to construct it with fewer heads and slice the weights."""
 
     batch_invariant: bool = False
+    tp_reduce: TPReduce | None = None  # sums the row-parallel o_proj over the TP group
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -224,11 +234,14 @@ class Attention(nn.Module):
             out[span.start : span.end] = causal_attention(
                 q[span.start : span.end], k_seq, v_seq, span.mask, self.batch_invariant
             )
-        return self.o_proj(out.view(T, self.num_heads * self.head_dim))  # (T, hidden)
+        out = self.o_proj(out.view(T, self.num_heads * self.head_dim))  # (T, hidden)
+        return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    tp_reduce: TPReduce | None = None  # sums the row-parallel down_proj over the TP group
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -237,7 +250,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.tp_reduce is None else self.tp_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -261,24 +275,38 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, `num_layers` decoder layers, final norm and lm_head (maybe tied)."""
+    """Embedding, decoder layers, final norm and lm_head (maybe tied).
 
-    def __init__(self, config: ModelConfig) -> None:
+    `first_stage` / `last_stage`: which ends of the model this instance holds. A middle or
+    last pipeline stage takes hidden states instead of token ids; a first or middle stage
+    returns hidden states instead of logits. A whole model is both.
+    """
+
+    def __init__(
+        self, config: ModelConfig, first_stage: bool = True, last_stage: bool = True
+    ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.first_stage, self.last_stage = first_stage, last_stage
+        tied = config.tie_word_embeddings
+        self.embed_tokens: nn.Embedding | None = None
+        if first_stage or (last_stage and tied):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm: RMSNorm | None = None
         # Tied: the logits reuse `embed_tokens.weight`, so there is no second parameter
         # whose sharing a device move or `to_empty` could silently break.
         self.lm_head: Linear | None = None
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            if not tied:
+                self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.context_len, config.rope_theta)
         self.batch_invariant = False  # set_batch_invariant()
 
     @property
     def num_layers(self) -> int:
+        """Layers this instance runs (its stage's, under pipeline parallelism)."""
         return self.config.num_layers
 
     def set_batch_invariant(self, enabled: bool) -> None:
@@ -287,6 +315,12 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear | Attention):
                 module.batch_invariant = enabled
+
+    def set_tp_reduce(self, reduce: TPReduce | None) -> None:
+        """Complete the row-parallel outputs with `reduce` (an all_reduce over TP)."""
+        for module in self.modules():
+            if isinstance(module, Attention | MLP):
+                module.tp_reduce = reduce
 
     @property
     def num_kv_heads(self) -> int:
@@ -297,20 +331,36 @@ class LlamaModel(nn.Module):
     def head_dim(self) -> int:
         return self.config.head_dim
 
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Run the batch's new tokens; return logits (batch_size, vocab_size) of each
-        request's last new token, in the model dtype. Writes K/V of every new token."""
+    def forward(
+        self, batch: ForwardBatch, kv_cache: KVCache, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run the batch's new tokens through this instance's layers, writing their K/V.
+
+        The first stage embeds `batch.input_ids`; a later one starts from `hidden` (T,
+        hidden_size), the previous stage's output. Returns hidden states (T, hidden_size) on
+        a stage that is not the last, else logits (batch_size, vocab_size) of each request's
+        last new token, in the model dtype."""
         plan = AttentionPlan.build(batch, self.config.context_len)
         rope = self.rotary(batch.positions)  # cos, sin: (T, 1, head_dim)
-        h = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        if self.first_stage:
+            assert self.embed_tokens is not None
+            h = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        else:
+            if hidden is None or hidden.shape != (len(batch.input_ids), self.config.hidden_size):
+                raise ValueError("a later pipeline stage needs the previous stage's hidden states")
+            h = hidden
         for layer in self.layers:
             h = layer(h, rope, plan, kv_cache)
+        if not self.last_stage:
+            return h  # (T, hidden)
+        assert self.norm is not None
         h = self.norm(h[plan.last_rows])  # (batch_size, hidden)
         return self.compute_logits(h)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normed hidden states (n, hidden) -> logits (n, vocab_size)."""
         if self.lm_head is None:
+            assert self.embed_tokens is not None
             if self.batch_invariant:
                 return batch_invariant_linear(h, self.embed_tokens.weight, None)
             return F.linear(h, self.embed_tokens.weight)
@@ -322,11 +372,13 @@ def create_model(
     device: torch.device | str,
     dtype: torch.dtype,
     batch_invariant: bool = False,
+    first_stage: bool = True,
+    last_stage: bool = True,
 ) -> LlamaModel:
     """An inference-only model on `device` in `dtype` whose parameters are NOT initialised:
     the caller must fill every parameter (see `weights.py`). Nothing is allocated twice."""
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = LlamaModel(config, first_stage, last_stage)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.rotary.reset_tables()
     model.set_batch_invariant(batch_invariant)

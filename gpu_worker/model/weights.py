@@ -12,6 +12,8 @@ from safetensors import safe_open
 
 from gpu_worker.model.config import PRESETS, ModelConfig
 from gpu_worker.model.llama import LlamaModel, create_model
+from gpu_worker.model.shard import ModelShard, shard_model
+from gpu_worker.parallel.config import ParallelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -29,11 +31,21 @@ def build_model(
     seed: int = 0,
     batch_invariant: bool = False,
     context_len: int | None = None,
+    parallel: ParallelConfig | None = None,
+    rank: int = 0,
 ) -> tuple[ModelConfig, LlamaModel]:
     """A preset name (e.g. "tiny") gives seeded random weights; a directory is loaded as a
     Hugging Face checkpoint (`seed` is then unused). `batch_invariant`: see `llama.py`.
     `context_len` sets a preset's context length (random weights have no trained limit, so
-    `--context-length` may raise it, e.g. for 32K-token benchmarks); a checkpoint keeps its own."""
+    `--context-length` may raise it, e.g. for 32K-token benchmarks); a checkpoint keeps its own.
+
+    With a `parallel` layout of more than one rank, the returned model is world rank
+    `rank`'s shard (`shard.py`), cut from the whole model built on the CPU first; the
+    returned config is always the whole model's."""
+    if parallel is not None and parallel.world_size > 1:
+        config, full = build_model(name_or_path, "cpu", dtype, seed, batch_invariant, context_len)
+        shard = ModelShard.of(config, parallel, rank)  # a clear error if it does not split
+        return config, shard_model(full, shard, device, dtype)
     if str(name_or_path) in PRESETS:
         config = PRESETS[str(name_or_path)]
         if context_len is not None:
@@ -45,6 +57,19 @@ def build_model(
         config, model = load_hf_checkpoint(name_or_path, device, dtype)
         model.set_batch_invariant(batch_invariant)
         return config, model
+    raise ValueError(
+        f"{str(name_or_path)!r} is neither a preset ({sorted(PRESETS)}) nor a directory"
+    )
+
+
+def model_config_of(name_or_path: str | Path, context_len: int | None = None) -> ModelConfig:
+    """The whole model's config without building it (a launcher checks the layout first)."""
+    if str(name_or_path) in PRESETS:
+        config = PRESETS[str(name_or_path)]
+        return config if context_len is None else config.replace(context_len=context_len)
+    path = Path(name_or_path)
+    if path.is_dir():
+        return config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
     raise ValueError(
         f"{str(name_or_path)!r} is neither a preset ({sorted(PRESETS)}) nor a directory"
     )

@@ -1,16 +1,21 @@
 """The synchronous scheduler loop of one rank: admit, load, prefill in chunks, decode.
 
-One `step()`:
-1. consume the transfer ACKs that are ready (in order) and move requests whose load-back
-   completed on to prefill;
-2. admit waiting requests first-come-first-served while the page budget allows: the
-   matched prefix is locked, pages for the host part to load and for every token the request
-   may still write are reserved up front (so nothing is ever preempted);
-3. run one forward over a ragged batch: every decoding request plus prefill chunks up to
-   `chunked_prefill_size` tokens;
-4. sample, finish requests, and insert their KV into the tree.
+One step (driven by `Engine.step`):
+1. `consume_acks(n)`: apply the first `n` transfer ACKs, in order; `n` is agreed by every
+   rank (`gpu_worker/parallel/sync.py`), never read from this rank's own queue alone;
+2. the engine applies the step's commands (new requests, aborts, ...);
+3. `step()`: move requests whose load-back completed on to prefill; admit waiting requests
+   first-come-first-served while the page budget allows (the matched prefix is locked,
+   pages for the host part to load and for every token the request may still write are
+   reserved up front, so nothing is ever preempted);
+4. run one forward over a ragged batch (every decoding request plus prefill chunks up to
+   `chunked_prefill_size` tokens) through the `ModelExecutor`, which returns the sampled
+   tokens on every rank;
+5. finish requests, and insert their KV into the tree.
 
-Every rank runs the same steps on the same inputs; nothing here reads a clock.
+Every rank runs the same steps on the same inputs; no decision here reads a clock (the one
+timing taken, of prefill throughput, only feeds rank 0's load-cost measurements, which
+reach every rank as a command).
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ import torch
 
 from bus_schemas.token_ids import TokenIds
 from gpu_worker.cache.hicache import PrefixCache
+from gpu_worker.consensus.checker import rank_consensus
+from gpu_worker.engine.executor import ModelExecutor, SampleSpec
 from gpu_worker.kernels.page_transfer import PageView, transfer_pages
 from gpu_worker.model.forward_batch import ForwardBatch
-from gpu_worker.model.llama import LlamaModel
-from gpu_worker.model.sampling import sample, step_generator
 from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState
 
 log = logging.getLogger(__name__)
@@ -48,13 +53,13 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        model: LlamaModel,
+        executor: ModelExecutor,
         cache: PrefixCache,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
     ) -> None:
         self.config = config
-        self.model = model
+        self.executor = executor
         self.cache = cache
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = device
@@ -85,9 +90,14 @@ class Scheduler:
 
     # ----------------------------------------------------------------- step
 
+    @rank_consensus(same_params=["num_acks"])
+    def consume_acks(self, num_acks: int) -> None:
+        """Apply the first `num_acks` queued transfer ACKs (the agreed count), in order."""
+        self.cache.consume(num_acks)
+
     def step(self) -> list[Req]:
-        """Run one scheduling step; returns the requests that finished in it."""
-        self.cache.consume(self.cache.num_ready_acks())
+        """Run one scheduling step (after `consume_acks` and the step's commands); returns
+        the requests that finished in it."""
         self._finish_loads()
         finished = self._finish_aborted()
         self._admit()
@@ -225,26 +235,34 @@ class Scheduler:
             slots = pool.slot_ids(req.page_ids, prefix_len + len(new_ids))
             seqs.append((new_ids, prefix_len, slots))
         batch = ForwardBatch.build(seqs, self.device)
+        specs = [
+            SampleSpec(req.sampling, len(req.output_ids), req.logits_trace is not None)
+            if req.state is ReqState.DECODE or req.computed_len + len(new_ids) >= req.prompt_len
+            else None  # a prefill chunk before the last: no token yet
+            for req, new_ids in plan
+        ]
         start = time.perf_counter()
-        with torch.inference_mode():
-            logits = self.model(batch, pool)  # (batch_size, vocab)
+        outcomes = self.executor.run(batch, self.cache.device_pool, specs)
         num_prefill = sum(len(ids) for r, ids in plan if r.state is ReqState.PREFILL)
-        if num_prefill:  # measured for the load-or-recompute decision only
+        if num_prefill:  # rank 0's measurement for the load-or-recompute estimate only
             self.cache.cost.observe_prefill(len(batch.input_ids), time.perf_counter() - start)
         finished = []
-        for i, (req, new_ids) in enumerate(plan):
+        for (req, new_ids), outcome in zip(plan, outcomes, strict=True):
             if req.state is ReqState.PREFILL:
                 req.computed_len += len(new_ids)
                 if req.computed_len < req.prompt_len:
                     continue  # more chunks to go: no token yet
                 req.state = ReqState.DECODE
                 self._cache_prompt(req)
-            if req.logits_trace is not None:
-                req.logits_trace.append(logits[i].detach().clone())
-            token = self._sample(req, logits[i])
-            if token is None:
+            assert outcome is not None
+            if req.logits_trace is not None and outcome.logits is not None:
+                req.logits_trace.append(outcome.logits)
+            if outcome.token is None:
+                log.warning("request %d failed: %s", req.rid, outcome.error)
+                self._fail(req, outcome.error or "sampling failed")
                 finished.append(req)
                 continue
+            token = outcome.token
             req.output_ids.append(token)
             if self._is_finished(req, token):
                 self._finish(req)
@@ -252,22 +270,6 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.state is not ReqState.FINISHED]
         return finished
-
-    def _sample(self, req: Req, logits: torch.Tensor) -> int | None:
-        """The next token of `req` from its `logits` (vocab,); None when sampling failed.
-
-        Sampling is the one per-request computation in a step: an error there (logits with
-        no finite value, a torch error on odd values) fails this request alone with a 500,
-        and the batch goes on. Errors in the batched forward are not isolable: they raise.
-        """
-        seed = req.sampling.seed
-        try:
-            gen = None if seed is None else step_generator(seed, len(req.output_ids))
-            return sample(logits, req.sampling, gen)
-        except Exception as e:  # the request fails, with the reason; the engine keeps going
-            log.warning("request %d failed in sampling: %s", req.rid, e)
-            self._fail(req, f"sampling failed: {e}")
-            return None
 
     def _fail(self, req: Req, message: str) -> None:
         """Finish `req` with an internal error; its KV goes back without entering the tree

@@ -16,7 +16,8 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
-from gpu_worker.engine.args import add_engine_args, engine_config_from_args
+from services.engine.config import engine_config_from_args
+from services.engine.flags import add_engine_args
 from services.engine.pd import PDConfig
 from services.engine.service import EngineService, EngineServiceConfig
 

@@ -1,10 +1,18 @@
-"""The engine's own thread: runs the synchronous scheduler loop, fed by commands.
+"""The engine's own thread: rank 0 of the engine's world, fed by commands.
 
 The asyncio service never touches the engine directly. It sends commands through a
-thread-safe queue (`submit`, `abort`, `call`), and the runner reports back through
-`Outbox` callbacks that it schedules onto the service's event loop: new tokens per request,
-KV events, and answers to calls. One thread owns the engine, so the scheduler stays the one
-writer of the tree.
+thread-safe queue (`submit`, `abort`, `flush`, `write_kv`, `query`), and the runner reports
+back through `Outbox` callbacks that it schedules onto the service's event loop: new tokens
+per request, KV events, and answers. One thread owns the engine, so the scheduler stays the
+one writer of the tree; the engine turns every state-changing input into a command that it
+hands to all its ranks at the next step (`gpu_worker/engine/commands.py`), and a command's
+result (a KV write, a flush) is answered after that step. `query` runs read-only functions
+(stats, snapshots) on rank 0 between steps.
+
+With `--tp-size`/`--pp-size` above 1 the runner launches the other ranks as processes
+(`gpu_worker/engine/rank.py`) and watches them: a rank that exits ends the engine at once,
+exactly like a crash of the step loop. An idle multi-rank engine still steps every
+`KEEPALIVE_S` seconds, so its ranks never wait out a collective's timeout.
 
 A request's own failure (e.g. in its sampling) is the scheduler's to isolate: it finishes
 that request with an error. Anything that escapes `engine.step()` kills the step loop: the
@@ -15,19 +23,24 @@ heartbeating, fails every request it holds and exits the process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gpu_worker.engine.commands import WriteKV
 from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.engine.rank import RankProcesses, launch_engine
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import CachedTokens, KVExport, Req
 
 log = logging.getLogger(__name__)
+
+RANK_WATCH_S = 0.1  # how often the child ranks are checked for an exit
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +144,8 @@ class EngineRunner:
         self._by_request: dict[str, int] = {}
         self.load = LoadInfo(0, 0, 0)
         self.engine: Engine | None = None
+        self.ranks: RankProcesses | None = None  # ranks 1..N-1 of a multi-rank engine
+        self._awaiting: list[tuple[WriteKV, Future[int]]] = []  # answered after the step
         self._ready: Future[None] = Future()
         self._thread = threading.Thread(target=self._main, name="engine-runner", daemon=True)
 
@@ -191,8 +206,8 @@ class EngineRunner:
         payload: memoryview,
         first_token: int | None,
     ) -> Future[int]:
-        """P/D decode: write a received KV chunk; the future fails with ValueError if it does
-        not fit the request."""
+        """P/D decode: write a received KV chunk (at the next step); the future gives the bytes
+        written, or fails with ValueError if the chunk does not fit the request."""
         done: Future[int] = Future()
 
         def command() -> None:
@@ -201,11 +216,11 @@ class EngineRunner:
             try:
                 if rid is None:
                     raise ValueError(f"unknown request {request_id}")
-                done.set_result(
-                    self.engine.write_kv(rid, token_start, token_end, payload, first_token)
-                )
+                cmd = self.engine.write_kv(rid, token_start, token_end, payload, first_token)
             except ValueError as e:
                 done.set_exception(e)
+                return
+            self._awaiting.append((cmd, done))
 
         self._put(command, done)
         return done
@@ -218,8 +233,13 @@ class EngineRunner:
 
         self._put(command, Future())
 
-    def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
-        """Run `fn(engine)` on the runner thread between steps (flush, stats, snapshot)."""
+    def flush(self) -> Future[bool]:
+        """Flush every rank's cache (a command); False while requests are running."""
+        return self.query(lambda e: e.flush_cache())
+
+    def query(self, fn: Callable[[Engine], Any]) -> Future[Any]:
+        """Run `fn(engine)` on the runner thread between steps: read-only functions (stats,
+        snapshots), or the engine API, which turns any change into commands for every rank."""
         done: Future[Any] = Future()
 
         def command() -> None:
@@ -253,37 +273,80 @@ class EngineRunner:
 
     def _main(self) -> None:
         try:
-            self.engine = Engine(self._config)
+            self.engine, self.ranks = launch_engine(self._config)
         except Exception as e:
             self._ready.set_exception(e)
             return
         engine = self.engine
         if self._ready.cancelled():  # the service stopped while the engine was being built
-            engine.close()
+            self._close(engine)
             return
+        if self.ranks is not None:
+            threading.Thread(
+                target=self._watch_ranks, args=(self.ranks,), name="rank-watch", daemon=True
+            ).start()
         self._ready.set_result(None)
+        crashed = False
         try:
             self._loop_steps(engine)
         except Exception as e:
+            crashed = True
             log.exception("engine step loop crashed")
             self._die(f"engine step loop crashed: {type(e).__name__}: {e}")
         finally:
-            engine.close()
+            if self._dead is not None:
+                self._fail_local(self._dead)
+            if (crashed or self._dead is not None) and self.ranks is not None:
+                self.ranks.kill()  # a world that lost a rank or rank 0's loop cannot step on
+            self._close(engine)
+
+    def _close(self, engine: Engine) -> None:
+        try:
+            engine.close(stop_ranks=self._dead is None)  # a broken world cannot step again
+        finally:
+            if self.ranks is not None:
+                self.ranks.wait()
+
+    def _watch_ranks(self, ranks: RankProcesses) -> None:
+        """A rank that exits ends the engine at once (rank 0 may be blocked in a collective
+        with it): the service stops heartbeating, fails every request and exits."""
+        while not self._stop.is_set():
+            dead = ranks.dead()
+            if dead:
+                if self._stop.is_set():
+                    return
+                rank, status = dead[0]
+                reason = f"engine rank {rank} exited with status {status}"
+                log.error("%s: the engine is down", reason)
+                self._die(reason)
+                return
+            self._stop.wait(RANK_WATCH_S)
 
     def _loop_steps(self, engine: Engine) -> None:
         worked = True
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self._dead is None:
             # Block briefly when there is nothing to compute (idle, or only waiting for
             # loads / P/D KV): commands wake it at once, copies finish within the wait.
             self._run_commands(block=engine.scheduler.idle or not worked)
-            if engine.scheduler.idle and not engine.has_pending:
+            idle = engine.scheduler.idle and not engine.has_pending
+            if idle and not engine.keepalive_due:
                 self._publish_events()
                 continue
             self._debug_crash()
             engine.step()
             worked = engine.scheduler.last_step_worked
+            self._answer_awaiting()
             self._publish_tokens()
             self._publish_events()
+
+    def _answer_awaiting(self) -> None:
+        """Commands applied in the step just run: give their callers the results."""
+        awaiting, self._awaiting = self._awaiting, []
+        for cmd, done in awaiting:
+            if cmd.error is not None:
+                done.set_exception(ValueError(cmd.error))
+            else:
+                done.set_result(cmd.written)
 
     def _debug_crash(self) -> None:
         """Test hook (`--debug-crash-on-prompt-token`): a step with a request whose prompt
@@ -370,20 +433,36 @@ class EngineRunner:
             self._loop.call_soon_threadsafe(self._outbox.kv_events, events)
 
     def _die(self, reason: str) -> None:
-        """Refuse all further commands, fail the queued ones and every admission still
-        awaited, then tell the service (after any token updates already scheduled)."""
+        """Refuse all further commands, fail the queued ones, then tell the service (after
+        any token updates already scheduled). Called once, from the runner thread or the
+        rank watcher; the runner thread also fails what only it touches (`_fail_local`)."""
         with self._lock:
+            if self._dead is not None:
+                return
             self._dead = reason
         while True:
             try:
                 _, done = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if not done.done():
-                done.set_exception(EngineCrashedError(reason))
+            _fail(done, EngineCrashedError(reason))
+        if threading.current_thread() is self._thread:
+            self._fail_local(reason)
+        self._loop.call_soon_threadsafe(self._outbox.crashed, reason)
+
+    def _fail_local(self, reason: str) -> None:
+        """Runner thread: fail every admission and command result still awaited."""
         for t in self._tracked.values():
-            if t.admitted is not None and not t.admitted.done():
-                t.admitted.set_exception(EngineCrashedError(reason))
+            if t.admitted is not None:
+                _fail(t.admitted, EngineCrashedError(reason))
+        for _, done in self._awaiting:
+            _fail(done, EngineCrashedError(reason))
         self._tracked.clear()
         self._by_request.clear()
-        self._loop.call_soon_threadsafe(self._outbox.crashed, reason)
+        self._awaiting.clear()
+
+
+def _fail(done: Future[Any], error: BaseException) -> None:
+    if not done.done():
+        with contextlib.suppress(InvalidStateError):
+            done.set_exception(error)

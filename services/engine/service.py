@@ -422,7 +422,7 @@ class EngineService:
 
     async def _on_flush(self, msg: Msg) -> None:
         assert self._runner is not None
-        ok = await asyncio.wrap_future(self._runner.call(lambda e: e.flush_cache()))
+        ok = await asyncio.wrap_future(self._runner.flush())
         text = "" if ok else "requests are running; flush refused"
         if msg.reply:
             reply = FlushReply(self.config.engine_id, bool(ok), text)
@@ -430,7 +430,7 @@ class EngineService:
 
     async def _on_stats(self, msg: Msg) -> None:
         assert self._runner is not None
-        stats = await asyncio.wrap_future(self._runner.call(lambda e: e.cache_stats()))
+        stats = await asyncio.wrap_future(self._runner.query(lambda e: e.cache_stats()))
         if msg.reply:
             ints = {k: int(v) for k, v in stats.items()}
             reply = StatsReply(self.config.engine_id, self.config.bucket, self.epoch, ints)
@@ -446,7 +446,7 @@ class EngineService:
 
     async def _publish_snapshot(self) -> None:
         assert self._runner is not None
-        events = await asyncio.wrap_future(self._runner.call(lambda e: e.cache.snapshot_events()))
+        events = await asyncio.wrap_future(self._runner.query(lambda e: e.cache.snapshot_events()))
         self._enqueue_events(events, snapshot=True)
 
     def kv_events(self, events: list[tuple[str, str, list[str]]]) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from gpu_worker.engine.args import add_engine_args, engine_argv
+from services.engine.flags import add_engine_args, engine_argv
 from services.launch.servers import free_port, nats_argv, redis_argv, wait_for_port
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
 

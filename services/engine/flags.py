@@ -1,13 +1,20 @@
-"""Engine command-line flags (named like SGLang's) and their mapping to EngineConfig."""
+"""The engine's command-line flags (named like SGLang's), without importing torch.
+
+`hicache-mesh up`, `hicache-mesh generate`, the bench and the engine service all define
+their engine flags here, so a launcher parses and forwards them without loading torch;
+`services/engine/config.py` maps the parsed flags onto an `EngineConfig` (that one needs
+torch). The choice lists repeat the names `gpu_worker` validates (a test checks that they
+agree).
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from gpu_worker.cache.hicache import LOAD_POLICIES, WRITE_POLICIES, CacheConfig
-from gpu_worker.engine.engine import EngineConfig
-from gpu_worker.memory.host_pool import HOST_LAYOUTS
-from gpu_worker.scheduler.scheduler import SchedulerConfig
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HOST_LAYOUTS = ("layer_first", "page_first")
+LOAD_POLICIES = ("always", "cost")
+DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -17,11 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--model-path",
         dest="model",
         default="tiny",
-        help="preset name (tiny) or a Hugging Face checkpoint directory",
+        help="preset name (tiny, tiny-tp) or a Hugging Face checkpoint directory",
     )
-    g.add_argument(
-        "--dtype", default="float64", choices=["float64", "float32", "bfloat16", "float16"]
-    )
+    g.add_argument("--dtype", default="float64", choices=DTYPES)
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--model-seed", type=int, default=0, help="seed of a preset's random weights")
     g.add_argument(
@@ -60,6 +65,44 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="test hook: the next N host->device loads fail",
     )
+    p = parser.add_argument_group("parallelism")
+    p.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        dest="tp_size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (KV heads are split across them)",
+    )
+    p.add_argument(
+        "--pp-size",
+        "--pipeline-parallel-size",
+        dest="pp_size",
+        type=int,
+        default=1,
+        help="pipeline stages (layers are split evenly across them)",
+    )
+    p.add_argument(
+        "--debug-transfer-delay-ms",
+        type=float,
+        default=0.0,
+        help="test hook: each host<->device copy first sleeps a random [0, N] ms, "
+        "seeded per rank, so ranks see different readiness",
+    )
+    p.add_argument(
+        "--debug-disable-agreement",
+        default="none",
+        choices=["none", "pp_sync", "tp_min", "all"],
+        help="test hook: ranks consume their own ready-ACK counts instead of the agreed "
+        "ones (the rank consensus checker must then report a divergence)",
+    )
+    p.add_argument(
+        "--debug-rank-raise",
+        default=None,
+        metavar="RANK:TOKEN",
+        help="test hook: rank RANK raises in its step loop when a request whose prompt "
+        "holds TOKEN is admitted",
+    )
     h = parser.add_argument_group("hierarchical cache")
     h.add_argument(
         "--enable-hierarchical-cache",
@@ -85,43 +128,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="always",
         choices=LOAD_POLICIES,
         help="cost: load a host hit only when the measured copy is cheaper than "
-        "recomputing it (single-rank engines)",
+        "recomputing it (rank 0 measures, every rank decides from its figures)",
     )
     h.add_argument(
         "--hicache-write-through-threshold",
         type=int,
         default=2,
         help="hits before write_through_selective backs a node up",
-    )
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    page_size = args.page_size
-    if page_size <= 0 or args.max_total_tokens < page_size:
-        raise ValueError("--page-size must be positive and --max-total-tokens >= --page-size")
-    cache = CacheConfig(
-        page_size=page_size,
-        num_device_pages=args.max_total_tokens // page_size,
-        enable_radix_cache=not args.disable_radix_cache
-        and (args.disaggregation_mode != "decode" or args.disaggregation_decode_enable_radix_cache),
-        enable_hierarchical_cache=args.enable_hierarchical_cache,
-        hicache_ratio=args.hicache_ratio,
-        hicache_size_gb=args.hicache_size,
-        hicache_write_policy=args.hicache_write_policy,
-        hicache_mem_layout=args.hicache_mem_layout,
-        write_through_threshold=args.hicache_write_through_threshold,
-        debug_fail_loads=args.debug_fail_loads,
-        hicache_load_policy=args.hicache_load_policy,
-    )
-    sched = SchedulerConfig(args.chunked_prefill_size, args.max_running_requests)
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.model_seed,
-        context_len=args.context_length,
-        cache=cache,
-        scheduler=sched,
     )
 
 

@@ -1,0 +1,73 @@
+"""Typed commands: the only way state-changing input reaches an engine's ranks.
+
+The engine's API on rank 0 (`Engine.submit`, `abort`, `flush_cache`, `write_kv`, ...) turns
+every input into one of these. At the start of each step rank 0 hands its list to every
+rank (`gpu_worker/parallel/sync.py`), and every rank applies the same list in the same
+order before its scheduler runs, so all ranks change state at the same logical points.
+Commands are pickled for the other ranks; the fields marked "result" are filled on rank 0's
+own objects when they are applied (rank 0 reports them to its caller).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_worker.scheduler.request import Req
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """A new request, already validated and given its rid and sampling seed by rank 0."""
+
+    req: Req
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    rid: int
+
+
+@dataclass(slots=True)
+class Flush:
+    """Drop every cached page; refused while requests run (every rank decides the same)."""
+
+    ok: bool | None = None  # result
+
+
+@dataclass(slots=True)
+class WriteKV:
+    """P/D decode: KV of tokens [token_start, token_end) for request `rid`, in page_first
+    order. `payloads[r]` is world rank r's shard (its layers and KV heads)."""
+
+    rid: int
+    token_start: int
+    token_end: int
+    payloads: tuple[bytes, ...]
+    first_token: int | None
+    error: str | None = None  # result: why the chunk did not fit the request
+    written: int = 0  # result: bytes written on rank 0
+
+
+@dataclass(frozen=True, slots=True)
+class EvictDevice:
+    """Test hook (`generate --flush-device`): drain transfers, then evict `num_pages` pages
+    of unlocked device cache, so the next hits come from the host tier."""
+
+    num_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetLoadCost:
+    """Rank 0's measured figures for `--hicache-load-policy cost`: every rank decides from
+    these, never from its own clock. Seconds per token, or None while unmeasured."""
+
+    load_s_per_token: float | None
+    recompute_s_per_token: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """The engine is shutting down: every other rank leaves its step loop."""
+
+
+Command = AddRequest | Abort | Flush | WriteKV | EvictDevice | SetLoadCost | Stop

@@ -1,0 +1,186 @@
+"""The launcher of an engine's world: rank 0 here, ranks 1..N-1 as child processes.
+
+`launch_engine(config)` checks that the model splits over the layout, opens the world's
+rendezvous (a TCPStore on a free loopback port), starts one process per other rank
+(`python -m gpu_worker.engine.rank`, its spec pickled on stdin), joins the world as rank 0
+and returns rank 0's `Engine` with a `RankProcesses` handle. The caller drives the engine
+(the engine service's runner thread, `hicache-mesh generate`, a test); the other ranks run
+`Engine.follow()` and exit 0 when rank 0 sends Stop.
+
+Failure: a rank that raises logs why and exits 1, so its peers' next collective with it
+fails and the error reaches rank 0; `RankProcesses.dead()` lets the caller see a dead rank
+at once. Every child asks the kernel to kill it when the thread that started it ends
+(PR_SET_PDEATHSIG), so no rank outlives its engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gpu_worker.consensus.checker import consensus_enabled
+from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.model.shard import ModelShard
+from gpu_worker.model.weights import model_config_of
+from gpu_worker.parallel.groups import (
+    DEFAULT_TIMEOUT_S,
+    destroy_parallel_groups,
+    init_parallel_groups,
+)
+
+log = logging.getLogger(__name__)
+
+RENDEZVOUS_HOST = "127.0.0.1"
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What a child rank needs to join (pickled on its stdin)."""
+
+    config: EngineConfig
+    rank: int
+    port: int
+    parent_pid: int
+    timeout_s: float
+
+
+class RankProcesses:
+    """The child ranks of one engine (world ranks 1..N-1)."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen[bytes]], store: dist.TCPStore) -> None:
+        self.procs = procs
+        self._store = store  # rank 0 hosts the rendezvous: kept alive with the world
+
+    def dead(self) -> list[tuple[int, int]]:
+        """(rank, exit status) of every child that has exited."""
+        return [(r, p.returncode) for r, p in self.procs.items() if p.poll() is not None]
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self.procs.items()}
+
+    def wait(self, timeout_s: float = 10.0) -> None:
+        """Wait for every child to exit; kill what is left after `timeout_s`."""
+        for p in self.procs.values():
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            p.wait()
+
+
+def check_layout(config: EngineConfig) -> None:
+    """A clear error, before any process starts, when the model does not split."""
+    model = model_config_of(config.model, config.context_len)
+    for rank in range(config.parallel.world_size):
+        ModelShard.of(model, config.parallel, rank)
+
+
+def launch_engine(
+    config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> tuple[Engine, RankProcesses | None]:
+    """Rank 0's Engine of a new world of `config.parallel` ranks (see the module doc)."""
+    world = config.parallel.world_size
+    if world == 1:
+        return Engine(config), None
+    check_layout(config)
+    store = dist.TCPStore(
+        RENDEZVOUS_HOST,
+        0,
+        world,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    try:
+        for rank in range(1, world):
+            spec = RankSpec(config, rank, store.port, os.getpid(), timeout_s)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gpu_worker.engine.rank"], stdin=subprocess.PIPE
+            )
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(spec))
+            proc.stdin.close()
+            procs[rank] = proc
+        device = torch.device(config.device)
+        groups = init_parallel_groups(
+            config.parallel, 0, store, device, timeout_s, consensus=consensus_enabled()
+        )
+        engine = Engine(config, groups)
+    except BaseException:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        raise
+    log.info(
+        "engine world %s up: ranks 1..%d are pids %s",
+        config.parallel.describe(),
+        world - 1,
+        [p.pid for p in procs.values()],
+    )
+    return engine, RankProcesses(procs, store)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Be killed when the thread that started this process ends (Linux), and leave at
+    once if it already has."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def main() -> int:
+    spec: RankSpec = pickle.loads(sys.stdin.buffer.read())
+    _die_with_parent(spec.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{spec.rank} %(name)s %(levelname)s %(message)s",
+    )
+    torch.set_num_threads(1)
+    config = spec.config
+    store = dist.TCPStore(
+        RENDEZVOUS_HOST,
+        spec.port,
+        config.parallel.world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=spec.timeout_s),
+    )
+    device = torch.device(config.device)
+    try:
+        groups = init_parallel_groups(
+            config.parallel, spec.rank, store, device, spec.timeout_s, consensus_enabled()
+        )
+        engine = Engine(config, groups)
+        engine.follow()
+        engine.close()
+        destroy_parallel_groups(groups)
+    except Exception:
+        log.exception("rank %d of the engine failed", spec.rank)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

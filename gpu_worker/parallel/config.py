@@ -1,0 +1,71 @@
+"""The parallel layout of one engine: TP x PP ranks, which rank holds what.
+
+Torch-free, so launchers and flags can describe a layout without loading torch. Ranks are
+numbered stage-major: `rank = pp_rank * tp_size + tp_rank`, so the ranks of one pipeline
+stage are consecutive and world rank 0 is TP rank 0 of the first stage (the rank that talks
+to the engine service).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    tp_size: int = 1  # --tp-size: KV heads (and attention/MLP weights) split across ranks
+    pp_size: int = 1  # --pp-size: layers split across pipeline stages
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def rank_of(self, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.tp_size + tp_rank
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(pp_rank, tp_rank) of world rank `rank`."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        return divmod(rank, self.tp_size)
+
+    def stage_ranks(self, pp_rank: int) -> list[int]:
+        """The world ranks of pipeline stage `pp_rank` (its TP group), in TP order."""
+        return [self.rank_of(pp_rank, t) for t in range(self.tp_size)]
+
+    def describe(self) -> str:
+        return f"TP{self.tp_size}/PP{self.pp_size}"
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """The layers pipeline stage `pp_rank` runs: an even split, the first
+    `num_layers % pp_size` stages taking one layer more (the last stage also runs the LM
+    head, so it never gets the extra one)."""
+    if num_layers < pp_size:
+        raise ValueError(
+            f"--pp-size {pp_size} needs at least {pp_size} layers; the model has {num_layers}"
+        )
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+def check_tp_divides(num_heads: int, num_kv_heads: int, intermediate: int, tp_size: int) -> None:
+    """A clear start-up error when the model's heads or MLP do not split over `tp_size`."""
+    for what, n in (
+        ("attention heads", num_heads),
+        ("KV heads", num_kv_heads),
+        ("MLP intermediate size", intermediate),
+    ):
+        if n % tp_size:
+            raise ValueError(
+                f"--tp-size {tp_size} does not divide the model's {n} {what}; "
+                f"choose a TP size that divides {num_heads} heads and {num_kv_heads} KV heads "
+                f"(preset tiny-tp has 8 and 8)"
+            )

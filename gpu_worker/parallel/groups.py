@@ -1,0 +1,120 @@
+"""The process groups of one engine's world, built once by the launcher.
+
+`Engine` never creates a group: the launcher (`gpu_worker/engine/rank.py`) initialises the
+world on every rank and passes the resulting `ParallelGroups` in. Every rank creates every
+group, in the same order (torch.distributed requires it).
+
+Groups:
+- `world`: tensors between ranks (gloo on CPU, nccl on GPU): hidden states stage to stage.
+- `cpu_world`: gloo over the whole world: control messages point to point (the step header
+  of `pp_sync`, sampled tokens) and start-up agreement. The same group as `world` on CPU.
+- `tp` / `tp_cpu`: this stage's TP group for tensors (the row-parallel all_reduce) and for
+  control (rank 0's command list and the ready-ACK MIN); None at TP 1.
+- `consensus`: a dedicated gloo group over the world for the rank consensus checker's side
+  thread, so its collectives never interleave with the scheduler's; None when it is off.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gpu_worker.parallel.config import ParallelConfig
+
+DEFAULT_TIMEOUT_S = 120.0  # any collective that waits longer fails (a hang fails fast)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelGroups:
+    config: ParallelConfig
+    rank: int  # world rank
+    world: dist.ProcessGroup | None = None
+    cpu_world: dist.ProcessGroup | None = None
+    tp: dist.ProcessGroup | None = None
+    tp_cpu: dist.ProcessGroup | None = None
+    consensus: dist.ProcessGroup | None = None
+
+    @classmethod
+    def single(cls) -> ParallelGroups:
+        """A world of one rank: no process group at all, every collective a no-op."""
+        return cls(ParallelConfig(), 0)
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.config.coords(self.rank)[0]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.config.coords(self.rank)[1]
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.config.pp_size - 1
+
+    @property
+    def tp_src(self) -> int:
+        """World rank of TP rank 0 in this stage (the source of its broadcasts)."""
+        return self.config.rank_of(self.pp_rank, 0)
+
+    def stage_peer(self, pp_rank: int) -> int:
+        """The world rank with this rank's TP index in stage `pp_rank`."""
+        return self.config.rank_of(pp_rank, self.tp_rank)
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (PP{self.pp_rank}/TP{self.tp_rank} of {self.config.describe()})"
+
+
+def init_parallel_groups(
+    config: ParallelConfig,
+    rank: int,
+    store: dist.Store,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    consensus: bool = False,
+) -> ParallelGroups:
+    """Join the world as `rank` through `store` and build every group.
+
+    On CPU everything is gloo; on CUDA tensors go over nccl and control over gloo groups.
+    `consensus` must be the same on every rank (it comes from the environment they share).
+    """
+    if config.world_size == 1:
+        return ParallelGroups.single()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    cuda = device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=store,
+        rank=rank,
+        world_size=config.world_size,
+        timeout=timeout,
+    )
+    world = dist.group.WORLD
+    cpu_world = dist.new_group(backend="gloo", timeout=timeout) if cuda else world
+    pp_rank = config.coords(rank)[0]
+    tp = tp_cpu = None
+    if config.tp_size > 1:
+        for stage in range(config.pp_size):  # every rank creates every stage's groups
+            ranks = config.stage_ranks(stage)
+            group = dist.new_group(ranks, timeout=timeout)
+            cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if cuda else group
+            if stage == pp_rank:
+                tp, tp_cpu = group, cpu_group
+    consensus_group = dist.new_group(backend="gloo", timeout=timeout) if consensus else None
+    return ParallelGroups(config, rank, world, cpu_world, tp, tp_cpu, consensus_group)
+
+
+def destroy_parallel_groups(groups: ParallelGroups) -> None:
+    """Leave the world (after the last collective of this rank)."""
+    if groups.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,58 @@
+"""The engine flags (`flags.py`) mapped onto an `EngineConfig` (this one imports torch)."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.cache.transfer import DelayInjection
+from gpu_worker.engine.engine import DebugHooks, EngineConfig
+from gpu_worker.parallel.config import ParallelConfig
+from gpu_worker.scheduler.scheduler import SchedulerConfig
+
+
+def _rank_raise(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        rank, token = (int(part) for part in value.split(":"))
+    except ValueError:
+        raise ValueError(f"--debug-rank-raise wants RANK:TOKEN, got {value!r}") from None
+    return rank, token
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    page_size = args.page_size
+    if page_size <= 0 or args.max_total_tokens < page_size:
+        raise ValueError("--page-size must be positive and --max-total-tokens >= --page-size")
+    if args.debug_transfer_delay_ms < 0:
+        raise ValueError("--debug-transfer-delay-ms must be >= 0")
+    delay = DelayInjection(args.debug_transfer_delay_ms) if args.debug_transfer_delay_ms else None
+    cache = CacheConfig(
+        page_size=page_size,
+        num_device_pages=args.max_total_tokens // page_size,
+        enable_radix_cache=not args.disable_radix_cache
+        and (args.disaggregation_mode != "decode" or args.disaggregation_decode_enable_radix_cache),
+        enable_hierarchical_cache=args.enable_hierarchical_cache,
+        hicache_ratio=args.hicache_ratio,
+        hicache_size_gb=args.hicache_size,
+        hicache_write_policy=args.hicache_write_policy,
+        hicache_mem_layout=args.hicache_mem_layout,
+        write_through_threshold=args.hicache_write_through_threshold,
+        transfer_delay=delay,
+        debug_fail_loads=args.debug_fail_loads,
+        hicache_load_policy=args.hicache_load_policy,
+    )
+    sched = SchedulerConfig(args.chunked_prefill_size, args.max_running_requests)
+    debug = DebugHooks(args.debug_disable_agreement, _rank_raise(args.debug_rank_raise))
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.model_seed,
+        context_len=args.context_length,
+        cache=cache,
+        scheduler=sched,
+        parallel=ParallelConfig(args.tp_size, args.pp_size),
+        debug=debug,
+    )
