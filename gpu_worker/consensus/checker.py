@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 ENV = "HICACHE_RANK_CONSENSUS"
 ENV_DIR = "HICACHE_RANK_CONSENSUS_DIR"
 ROUND_S = 0.02  # how often the side thread compares what it has
+VERDICT_WAIT_S = 5.0  # how long a failed rank waits for the checker before it gives up
 
 F = TypeVar("F", bound=Callable[..., Any])
 _SAFE_BUILTINS = {f.__name__: f for f in (len, list, tuple, int, sum, min, max, sorted, bool)}
@@ -97,6 +99,21 @@ class ConsensusRecorder:
         """The scheduler thread, each step: raise once the side thread found a divergence."""
         if self.divergence is not None:
             raise RankDivergenceError(self.divergence.report())
+
+    def await_verdict(self, timeout_s: float = VERDICT_WAIT_S) -> Divergence | None:
+        """After this rank's step failed: give the side threads time to compare what every
+        rank recorded, so an earlier divergence (the cause) is reported instead of its later
+        symptom (a shape mismatch, a failed collective). The divergence, or None."""
+        deadline = time.monotonic() + timeout_s
+        settled = 0
+        while self.divergence is None and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                break
+            settled = settled + 1 if self.checked == len(self.records) else 0
+            if settled > 10:  # everything this rank holds compared equal, repeatedly
+                break
+            time.sleep(ROUND_S)
+        return self.divergence
 
     # -- side thread
 

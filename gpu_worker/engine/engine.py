@@ -74,6 +74,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # every row's result independent of its batch (SGLang's --enable-deterministic-inference)
+    batch_invariant: bool = False
     debug: DebugHooks = field(default_factory=DebugHooks)
 
 
@@ -97,6 +99,7 @@ class Engine:
             self.device,
             dtype,
             seed=config.seed,
+            batch_invariant=config.batch_invariant,
             context_len=config.context_len,
             parallel=config.parallel,
             rank=self.rank,
@@ -125,7 +128,9 @@ class Engine:
         self.consensus = consensus.recorder_for(groups)  # None unless HICACHE_RANK_CONSENSUS
         consensus.attach(self.consensus)
         self.sync = StepSync(groups, config.debug.disable_agreement)
-        self.executor = ModelExecutor(self.model, groups, self.device)
+        self.executor = ModelExecutor(
+            self.model, groups, self.device, guard_tp=self.consensus is not None
+        )
         self.scheduler = Scheduler(
             config.scheduler, self.executor, self.cache, mc.eos_token_ids, self.device
         )
@@ -293,8 +298,18 @@ class Engine:
     def step(self) -> list[Req]:
         """One step on every rank (rank 0 hands out its commands); returns the requests that
         finished in it."""
-        if self.consensus is not None:
-            self.consensus.check()  # raises RankDivergenceError once ranks diverged
+        if self.consensus is None:
+            return self._step()
+        self.consensus.check()  # raises RankDivergenceError once ranks diverged
+        try:
+            return self._step()
+        except Exception as e:  # a symptom: report the divergence that caused it, if any
+            found = self.consensus.await_verdict()
+            if found is not None:
+                raise consensus.RankDivergenceError(found.report()) from e
+            raise
+
+    def _step(self) -> list[Req]:
         commands: list[Command] | None = None
         if self.rank == 0:
             self._offer_load_cost()

@@ -8,6 +8,12 @@ parallel: the first stage embeds; each stage receives the previous stage's hidde
 stage computes logits and samples, and sends the outcomes to the other stages, which wait
 for them (the next step's schedule depends on them). Every stage then applies the same
 outcomes at the same logical point.
+
+Guards: before the hidden states, a stage sends the batch's shape (tokens, requests), and
+the next stage refuses a batch it did not plan itself (`StageMismatchError`) instead of
+receiving a tensor of another size; with the rank consensus checker on, TP ranks also
+compare their batch shapes before the forward. Ranks that diverged then fail in Python, so
+the checker can report the decision that diverged first rather than a later crash.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from gpu_worker.model.sampling import SamplingParams, sample, step_generator
 from gpu_worker.parallel.groups import ParallelGroups
 from gpu_worker.parallel.sync import (
     TAG_HIDDEN,
+    TAG_HIDDEN_SHAPE,
     TAG_OUTCOMES,
     Sends,
     decode_object,
@@ -46,11 +53,24 @@ class SampleOutcome:
     logits: torch.Tensor | None = None  # (vocab,) when traced
 
 
+class StageMismatchError(RuntimeError):
+    """Ranks of one engine planned different batches: their states diverged."""
+
+
 class ModelExecutor:
-    def __init__(self, model: LlamaModel, groups: ParallelGroups, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        groups: ParallelGroups,
+        device: torch.device,
+        guard_tp: bool = False,
+    ) -> None:
+        """`guard_tp`: compare batch shapes across the TP group before each forward (one
+        small collective per step; on with the consensus checker)."""
         self.model = model
         self.groups = groups
         self.device = device
+        self.guard_tp = guard_tp and groups.tp_cpu is not None
         self.sends = Sends()
 
     def run(
@@ -58,8 +78,12 @@ class ModelExecutor:
     ) -> list[SampleOutcome | None]:
         """Forward `batch`; an outcome for every row whose spec is not None."""
         g = self.groups
+        shape = (len(batch.input_ids), batch.batch_size)
+        if self.guard_tp:
+            self._check_tp_shape(shape)
         hidden = None
         if not g.first_stage:
+            self._check_stage_shape(shape)
             hidden = torch.empty(
                 (len(batch.input_ids), self.model.config.hidden_size),
                 dtype=self.model.rotary.cos.dtype,
@@ -69,12 +93,41 @@ class ModelExecutor:
         with torch.inference_mode():
             out = self.model(batch, pool, hidden)
         if not g.last_stage:
-            self.sends.send(out, g.stage_peer(g.pp_rank + 1), g.world, TAG_HIDDEN)
-            return self._receive_outcomes()
+            dst = g.stage_peer(g.pp_rank + 1)
+            self.sends.send(
+                torch.tensor(shape, dtype=torch.int64), dst, g.cpu_world, TAG_HIDDEN_SHAPE
+            )
+            self.sends.send(out, dst, g.world, TAG_HIDDEN)
+            outcomes = self._receive_outcomes()
+            if len(outcomes) != len(specs):
+                raise StageMismatchError(
+                    f"the last stage sampled {len(outcomes)} rows, this rank planned {len(specs)}"
+                )
+            return outcomes
         outcomes = [None if s is None else _sample(out[i], s) for i, s in enumerate(specs)]
         if g.config.pp_size > 1:
             self._send_outcomes(outcomes)
         return outcomes
+
+    def _check_stage_shape(self, shape: tuple[int, int]) -> None:
+        g = self.groups
+        sent = torch.empty(2, dtype=torch.int64)
+        dist.recv(sent, g.stage_peer(g.pp_rank - 1), group=g.cpu_world, tag=TAG_HIDDEN_SHAPE)
+        if tuple(sent.tolist()) != shape:
+            raise StageMismatchError(
+                f"stage {g.pp_rank - 1} sent a batch of {int(sent[0])} tokens in "
+                f"{int(sent[1])} requests; {g.describe()} planned {shape[0]} in {shape[1]}"
+            )
+
+    def _check_tp_shape(self, shape: tuple[int, int]) -> None:
+        g = self.groups
+        t = torch.tensor([shape[0], shape[1], -shape[0], -shape[1]], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g.tp_cpu)
+        if int(t[0]) != -int(t[2]) or int(t[1]) != -int(t[3]):
+            raise StageMismatchError(
+                f"TP ranks of stage {g.pp_rank} planned different batches "
+                f"({int(t[0])}..{-int(t[2])} tokens); {g.describe()} planned {shape[0]}"
+            )
 
     def _send_outcomes(self, outcomes: list[SampleOutcome | None]) -> None:
         g = self.groups

@@ -34,7 +34,7 @@ MAX_SENDS_IN_FLIGHT = 8  # non-blocking sends kept before waiting for the oldest
 DISABLE_CHOICES = ("none", "pp_sync", "tp_min", "all")
 
 # message tags between two ranks (gloo matches by tag: kinds never take each other's place)
-TAG_HEADER, TAG_COMMANDS, TAG_HIDDEN, TAG_OUTCOMES, TAG_EXPORT = 1, 2, 3, 4, 5
+TAG_HEADER, TAG_COMMANDS, TAG_HIDDEN, TAG_HIDDEN_SHAPE, TAG_OUTCOMES, TAG_EXPORT = 1, 2, 3, 4, 5, 6
 
 
 class Sends:

@@ -54,5 +54,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=cache,
         scheduler=sched,
         parallel=ParallelConfig(args.tp_size, args.pp_size),
+        batch_invariant=args.enable_deterministic_inference,
         debug=debug,
     )

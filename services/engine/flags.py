@@ -48,6 +48,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="no prefix reuse at all (the oracle's cold run)",
     )
     g.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="every row's result is independent of the batch around it (slower; the cache "
+        "oracle compares logits bit for bit with it)",
+    )
+    g.add_argument(
         "--disaggregation-mode",
         default="null",
         choices=["null", "prefill", "decode"],

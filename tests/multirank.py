@@ -1,0 +1,86 @@
+"""Run a workload on rank 0 of a real multi-rank engine world, from a test.
+
+`run_world(config, workload, *args)` spawns a fresh process that launches the engine's
+world exactly as the engine service does (`launch_engine`: rank 0 in that process, ranks
+1..N-1 as child processes over gloo), calls `workload(engine, *args)` on rank 0 and sends its
+result back; the engine is closed and every rank process reaped before it returns. The
+workload must be a module-level function (it is pickled by name). A workload that raises,
+or an engine that dies, raises `WorldFailed` here with the rank-0 traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+WORLD_TIMEOUT_S = 240.0
+
+
+class WorldFailed(AssertionError):
+    pass
+
+
+def _rank0(conn: Connection, job: bytes, env: dict[str, str]) -> None:
+    # The environment first: the checker's decorators read it when gpu_worker is imported,
+    # which unpickling the config and the workload does.
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    from gpu_worker.engine.rank import launch_engine
+
+    engine = ranks = None
+    try:
+        config, workload, args = pickle.loads(job)
+        engine, ranks = launch_engine(config)
+        conn.send(("ok", workload(engine, *args)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        if ranks is not None:
+            ranks.kill()
+        return
+    engine.close()
+    if ranks is not None:
+        ranks.wait()
+
+
+def run_world(
+    config: Any,
+    workload: Callable[..., T],
+    *args: Any,
+    env: dict[str, str] | None = None,
+    timeout_s: float = WORLD_TIMEOUT_S,
+) -> T:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    job = pickle.dumps((config, workload, args))
+    proc = ctx.Process(target=_rank0, args=(child, job, env or {}))
+    saved = dict(os.environ)
+    os.environ.update(env or {})  # the child inherits it from its very first import on
+    try:
+        proc.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise WorldFailed(f"the world gave no result within {timeout_s} s")
+        status, value = parent.recv()
+    except EOFError:
+        raise WorldFailed(f"rank 0 died (exit status {proc.exitcode})") from None
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if status != "ok":
+        raise WorldFailed(f"the workload failed on rank 0:\n{value}")
+    return value  # type: ignore[no-any-return]
