@@ -115,6 +115,7 @@ class MeshSpec:
     pd: bool = False
     heartbeat_s: float = 0.5
     max_total_tokens: int = 4096
+    extra: tuple[str, ...] = ()  # more `up` flags (e.g. --tp-size 2 --pp-size 2)
 
     @property
     def engine_ids(self) -> tuple[str, ...]:
@@ -139,6 +140,7 @@ class MeshSpec:
             "--enable-hierarchical-cache",
             "--heartbeat-interval",
             str(self.heartbeat_s),
+            *self.extra,
         ]
 
 
@@ -198,6 +200,15 @@ class UpMesh:
             role = role_of(argv)
             if role is not None:
                 out.append(Child(role, pid, argv))
+        return out
+
+    def ranks_of(self, engine: str) -> dict[int, int]:
+        """World rank -> pid of the rank processes (ranks 1..N-1) of engine `engine`."""
+        out = {}
+        for pid in descendants(self.pid_of(engine)):
+            argv = _argv(pid)
+            if "gpu_worker.engine.rank" in argv:
+                out[int(_flag(argv, "--rank"))] = pid
         return out
 
     def pid_of(self, role: str) -> int:

@@ -34,13 +34,18 @@ def services(path: Path) -> dict[str, Any]:
     return dict(yaml.safe_load(path.read_text())["services"])
 
 
+def _defaults(arg: str) -> str:
+    """`${VAR:-default}` as docker compose expands it with VAR unset."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", arg)
+
+
 def python_services(path: Path | None = None) -> list[tuple[str, str, list[str]]]:
     out = []
     for file in [path] if path else COMPOSE_FILES:
         for name, svc in services(file).items():
             cmd = svc.get("command", [])
             if cmd[:2] == ["python", "-m"]:
-                out.append((f"{file.name}:{name}", cmd[2], cmd[3:]))
+                out.append((f"{file.name}:{name}", cmd[2], [_defaults(a) for a in cmd[3:]]))
     return out
 
 
@@ -90,6 +95,16 @@ def test_engine_flags_match_up_passthrough() -> None:
                 up_argv += [a] if nxt is None or nxt.startswith("--") else [a, nxt]
         up.parse_args(up_argv)
         assert engine_flags
+
+
+def test_engines_take_the_parallel_layout_from_the_environment() -> None:
+    """TP_SIZE / PP_SIZE set every engine's --tp-size / --pp-size (1 when unset)."""
+    for path in [p for p in COMPOSE_FILES if p.name == "docker-compose.yml"]:
+        for name, svc in services(path).items():
+            cmd = svc.get("command", [])
+            if cmd[:3] == ["python", "-m", "services.engine"]:
+                assert cmd[cmd.index("--tp-size") + 1] == "${TP_SIZE:-1}", name
+                assert cmd[cmd.index("--pp-size") + 1] == "${PP_SIZE:-1}", name
 
 
 def test_dockerfile_copies_every_package() -> None:

@@ -2,7 +2,8 @@
 
 `launch_engine(config)` checks that the model splits over the layout, opens the world's
 rendezvous (a TCPStore on a free loopback port), starts one process per other rank
-(`python -m gpu_worker.engine.rank`, its spec pickled on stdin), joins the world as rank 0
+(`python -m gpu_worker.engine.rank --rank R --world-size N`, which `ps` shows; its spec is
+pickled on stdin), joins the world as rank 0
 and returns rank 0's `Engine` with a `RankProcesses` handle. The caller drives the engine
 (the engine service's runner thread, `hicache-mesh generate`, a test); the other ranks run
 `Engine.follow()` and exit 0 when rank 0 sends Stop.
@@ -114,9 +115,8 @@ def launch_engine(
     try:
         for rank in range(1, world):
             spec = RankSpec(config, rank, store.port, os.getpid(), timeout_s)
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "gpu_worker.engine.rank"], stdin=subprocess.PIPE
-            )
+            argv = [sys.executable, "-m", "gpu_worker.engine.rank", "--rank", str(rank)]
+            proc = subprocess.Popen([*argv, "--world-size", str(world)], stdin=subprocess.PIPE)
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps(spec))
             proc.stdin.close()

@@ -1,0 +1,122 @@
+"""Multi-rank engines in a real mesh (issue 8, acceptance 1 and 3).
+
+`hicache-mesh up --engines 2 --tp-size 2 --pp-size 2`: each engine service is rank 0 of a
+world of 4 rank processes. Through the router, greedy outputs equal an in-process TP1
+engine's, and a repeat hits the cache. Then one rank process of engine-0 is killed with
+SIGKILL while it generates a long stream: the stream ends with a clear error within 10 s,
+the next requests are served by engine-1, every process of the old engine-0 is gone, and
+the supervisor brings engine-0 back (a new epoch) so the mesh is whole again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from fault_helpers import (
+    PAGE,
+    MeshSpec,
+    Req,
+    UpMesh,
+    baseline,
+    epochs,
+    finish_stream,
+    full_round,
+    held_stream,
+    send_all,
+    wait_healed,
+    workload,
+)
+
+from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.model.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(400)
+
+LONG_PROMPT = tuple(range(30, 50))
+TP_PP = ("--tp-size", "2", "--pp-size", "2")
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
+    log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp("tp2pp2")))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    m = UpMesh(MeshSpec(engines=2, extra=TP_PP), log_dir)
+    m.start(timeout_s=180)
+    try:
+        yield m
+    finally:
+        code = m.stop()
+    assert code == 0, f"`up` did not stop cleanly: {code}\n{m.log_tail()}"
+
+
+def tp1_reference(reqs: list[Req]) -> dict[Req, tuple[int, ...]]:
+    eng = Engine(EngineConfig(cache=CacheConfig(page_size=PAGE, enable_radix_cache=False)))
+    out = {}
+    for r in reqs:
+        sp = SamplingParams(max_new_tokens=r.max_tokens, ignore_eos=True)
+        out[r] = tuple(eng.generate(list(r.prompt), sp).output_ids)
+    eng.close()
+    return out
+
+
+async def test_tp2_pp2_mesh_equals_tp1(mesh: UpMesh) -> None:
+    reqs = workload()
+    got = await baseline(mesh.url, reqs)  # plain and streamed, 8 clients at a time
+    assert got == tp1_reference(reqs)
+    assert {len(ranks) for ranks in map(mesh.ranks_of, mesh.spec.engine_ids)} == {3}
+    async with aiohttp.ClientSession() as http:
+        body = {"prompt": list(reqs[0].prompt), "max_tokens": 6, "temperature": 0}
+        async with http.post(f"{mesh.url}/v1/completions", json=body | {"ignore_eos": True}) as r:
+            data = await r.json()
+    assert tuple(data["choices"][0]["token_ids"]) == got[reqs[0]]
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # served from cache
+
+
+async def test_rank_killed_mid_generation(mesh: UpMesh) -> None:
+    reqs = workload()
+    expected = await baseline(mesh.url, reqs)
+    old_epoch = (await epochs(mesh.url, mesh.spec.engine_ids))["engine-0"]
+    old = [mesh.pid_of("engine-0"), *mesh.ranks_of("engine-0").values()]
+    async with aiohttp.ClientSession() as http:
+        held, engine = await held_stream(http, mesh.url, LONG_PROMPT, engine="engine-0")
+        victim = mesh.ranks_of("engine-0")[3]  # PP1/TP1: the last stage, which samples
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        witness = asyncio.create_task(finish_stream(held))
+        answers = await send_all(mesh.url, reqs)  # meanwhile: served by the survivor
+        end = await witness
+    took = time.monotonic() - killed_at
+    print(f"\n[multirank] rank 3 of engine-0 killed: the held stream ended in {took:.2f}s")
+    assert engine == "engine-0"
+    assert end.kind == "error", f"the held stream must end with a clear error: {end}"
+    assert took < 10, f"the held stream took {took:.1f}s to end"
+    bad = [a for a in answers if a.kind != "ok"]
+    assert not bad, f"requests after the kill: {bad[:3]}"
+    assert {a.engine for a in answers} == {"engine-1"}
+    assert [a.tokens for a in answers] == [expected[r] for r in reqs]
+
+    deadline = time.monotonic() + 15
+    while any(_alive(pid) for pid in old):
+        assert time.monotonic() < deadline, f"left behind: {[p for p in old if _alive(p)]}"
+        await asyncio.sleep(0.1)
+
+    await wait_healed(mesh)  # the supervisor restarted engine-0: a new world, a new epoch
+    assert (await epochs(mesh.url, mesh.spec.engine_ids))["engine-0"] != old_epoch
+    assert len(mesh.ranks_of("engine-0")) == 3
+    await full_round(mesh.url, expected)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
