@@ -3,11 +3,16 @@
 Header (little-endian, 80 bytes):
     magic b"HKV1" | request_id (32 bytes, ASCII, NUL-padded) | seq u32 | token_start u32 |
     token_end u32 | first_token i32 (-1 unless last) | last u8 | pad 3 | prefill_cached_device
-    u32 | prefill_cached_host u32 | payload_len u32 | crc32 u32 | reserved 8
+    u32 | prefill_cached_host u32 | payload_len u32 | crc32 u32 | rank u16 | world_size u16 |
+    reserved 4
 The payload holds KV of tokens `[token_start, token_end)` in whole pages, laid out
 `(pages, layer, K/V, token_in_page, kv_head, head_dim)` in the engines' KV dtype; the last
 page of a request may be partly filled. Both ends know the shapes from the namespace they
 share. The receiver checks `crc32` before writing anything.
+
+A multi-rank prefill engine sends one frame per rank for each chunk: `rank`'s own layers
+and KV heads, for the rank with the same index of a decode engine of the same layout
+(`world_size` ranks; frames of an older sender carry 0 there, read as a world of one).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 from bus_schemas.codec import SchemaError
 
 MAGIC = b"HKV1"
-_HEADER = struct.Struct("<4s32sIIIiB3xIIII8x")
+_HEADER = struct.Struct("<4s32sIIIiB3xIIIIHH4x")
 HEADER_SIZE = _HEADER.size
 
 
@@ -33,12 +38,16 @@ class KVFrameHeader:
     last: bool = False
     prefill_cached_device: int = 0
     prefill_cached_host: int = 0
+    rank: int = 0  # the sending rank: its shard of the chunk's KV
+    world_size: int = 1  # ranks of the sending engine
 
     def __post_init__(self) -> None:
         if len(self.request_id.encode()) > 32:
             raise ValueError("request_id is longer than 32 bytes")
         if not 0 <= self.token_start <= self.token_end:
             raise ValueError("token range must satisfy 0 <= start <= end")
+        if not 0 <= self.rank < self.world_size <= 0xFFFF:
+            raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
 
 
 def encode_frame(header: KVFrameHeader, payload: bytes | memoryview) -> bytes:
@@ -56,6 +65,8 @@ def encode_frame(header: KVFrameHeader, payload: bytes | memoryview) -> bytes:
             header.prefill_cached_host,
             len(body),
             zlib.crc32(body),
+            header.rank,
+            header.world_size,
         )
         + body
     )
@@ -65,9 +76,21 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
     """Parse and verify a frame; SchemaError for a bad magic, length or checksum."""
     if len(data) < HEADER_SIZE:
         raise SchemaError(f"KV frame of {len(data)} bytes is shorter than its header")
-    (magic, rid, seq, start, end, first, last, cached_dev, cached_host, length, crc) = (
-        _HEADER.unpack_from(data)
-    )
+    (
+        magic,
+        rid,
+        seq,
+        start,
+        end,
+        first,
+        last,
+        cached_dev,
+        cached_host,
+        length,
+        crc,
+        rank,
+        world,
+    ) = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise SchemaError(f"not a KV frame (magic {magic!r})")
     payload = memoryview(data)[HEADER_SIZE:]
@@ -85,6 +108,8 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
             bool(last),
             cached_dev,
             cached_host,
+            rank,
+            world or 1,
         )
     except (ValueError, UnicodeDecodeError) as e:
         raise SchemaError(f"bad KV frame header: {e}") from None

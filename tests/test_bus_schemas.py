@@ -179,6 +179,17 @@ def test_kv_frame_round_trip_and_corruption() -> None:
             decode_frame(bad)
 
 
+def test_kv_frame_carries_its_rank() -> None:
+    header = KVFrameHeader("r", 0, 0, 8, rank=3, world_size=4)
+    got, _ = decode_frame(encode_frame(header, b"kv"))
+    assert (got.rank, got.world_size) == (3, 4)
+    old = bytearray(encode_frame(KVFrameHeader("r", 0, 0, 8), b"kv"))
+    old[72:76] = b"\0\0\0\0"  # a sender from before ranks: zeros read as a world of one
+    assert decode_frame(bytes(old))[0].world_size == 1
+    with pytest.raises(ValueError, match="not in a world"):
+        KVFrameHeader("r", 0, 0, 8, rank=2, world_size=2)
+
+
 def all_message_classes() -> set[type[Message]]:
     return {
         cls

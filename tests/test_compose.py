@@ -98,8 +98,9 @@ def test_engine_flags_match_up_passthrough() -> None:
 
 
 def test_engines_take_the_parallel_layout_from_the_environment() -> None:
-    """TP_SIZE / PP_SIZE set every engine's --tp-size / --pp-size (1 when unset)."""
-    for path in [p for p in COMPOSE_FILES if p.name == "docker-compose.yml"]:
+    """TP_SIZE / PP_SIZE set every engine's --tp-size / --pp-size (1 when unset): P/D
+    engines share one layout, which their KV frames need."""
+    for path in COMPOSE_FILES:
         for name, svc in services(path).items():
             cmd = svc.get("command", [])
             if cmd[:3] == ["python", "-m", "services.engine"]:

@@ -10,7 +10,7 @@ own objects when they are applied (rank 0 reports them to its caller).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_worker.scheduler.request import Req
 
@@ -37,15 +37,31 @@ class Flush:
 @dataclass(slots=True)
 class WriteKV:
     """P/D decode: KV of tokens [token_start, token_end) for request `rid`, in page_first
-    order. `payloads[r]` is world rank r's shard (its layers and KV heads)."""
+    order. `payloads[r]` is world rank r's shard (its layers and KV heads); every rank writes
+    its own. Rank 0 collects the shards in `parts` until all arrived (not sent on)."""
 
     rid: int
     token_start: int
     token_end: int
     payloads: tuple[bytes, ...]
     first_token: int | None
+    parts: dict[int, bytes] = field(default_factory=dict)  # rank 0 only: shards so far
+    applied: bool = False  # result: the step that wrote it ran
     error: str | None = None  # result: why the chunk did not fit the request
     written: int = 0  # result: bytes written on rank 0
+
+    def __getstate__(self) -> dict[str, object]:
+        """What the other ranks get: the chunk, not rank 0's collection or results."""
+        return {
+            "rid": self.rid,
+            "token_start": self.token_start,
+            "token_end": self.token_end,
+            "payloads": self.payloads,
+            "first_token": self.first_token,
+        }
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        WriteKV.__init__(self, **state)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from gpu_worker.engine.executor import ModelExecutor
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.model.config import parse_dtype
 from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.model.shard import ModelShard
 from gpu_worker.model.tokenizer import load_tokenizer
 from gpu_worker.model.weights import build_model
 from gpu_worker.parallel.config import ParallelConfig
@@ -129,12 +130,13 @@ class Engine:
         consensus.attach(self.consensus)
         self.sync = StepSync(groups, config.debug.disable_agreement)
         self.executor = ModelExecutor(
-            self.model, groups, self.device, guard_tp=self.consensus is not None
+            self.model, groups, self.device, mc, guard_tp=self.consensus is not None
         )
         self.scheduler = Scheduler(
             config.scheduler, self.executor, self.cache, mc.eos_token_ids, self.device
         )
         self._commands: list[Command] = []  # rank 0: what the next step hands to every rank
+        self._partial_kv: dict[tuple[int, int, int], WriteKV] = {}  # rank 0: shards so far
         self._next_rid = 0
         self._sent_estimate = LoadCostEstimate()
         self._last_step = time.monotonic()
@@ -196,7 +198,6 @@ class Engine:
         reuse: bool = True,
     ) -> Req:
         """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`)."""
-        self._check_pd()
         req = self.submit(prompt_ids, sampling, cache_salt)
         req.remote = RemoteKV(reuse=reuse and self.config.cache.enable_radix_cache)
         return req
@@ -205,8 +206,7 @@ class Engine:
         self, prompt_ids: Sequence[int], sampling: SamplingParams, cache_salt: str, export_from: int
     ) -> Req:
         """A P/D prefill request: compute the prompt, sample one token, and pack the KV from
-        `export_from` on (`req.export` when it finishes)."""
-        self._check_pd()
+        `export_from` on (`req.export` when it finishes; every rank's shard on rank 0)."""
         ps = self.kv_spec.page_size
         ids = self.validate(prompt_ids, sampling)
         if not 0 <= export_from < len(ids) or export_from % ps:
@@ -219,12 +219,6 @@ class Engine:
         req.export_from = export_from
         return req
 
-    def _check_pd(self) -> None:
-        if self.groups.world_size > 1:
-            raise InvalidRequestError(
-                "P/D with a multi-rank engine is not supported yet (--tp-size/--pp-size 1)"
-            )
-
     def write_kv(
         self,
         rid: int,
@@ -232,32 +226,57 @@ class Engine:
         token_end: int,
         payload: bytes | memoryview,
         first_token: int | None,
+        rank: int = 0,
     ) -> WriteKV:
-        """Queue a received KV chunk (page_first bytes) for decode request `rid`; it is
-        written at the start of the next step, and the returned command then holds the bytes
-        written or why it did not fit. A payload of the wrong size raises ValueError now."""
-        spec, ps = self.kv_spec, self.kv_spec.page_size
-        num_pages = -(-(token_end - token_start) // ps)
-        shape = (num_pages, spec.num_layers, 2, ps, spec.num_kv_heads, spec.head_dim)
-        elem = torch.empty((), dtype=spec.dtype).element_size()
-        if token_end <= token_start or len(payload) != math.prod(shape) * elem:
+        """Queue a received KV chunk (page_first bytes of world rank `rank`'s shard) for
+        decode request `rid`. A chunk is written on every rank at the start of the step after
+        all ranks' shards of it arrived; the returned command (one per chunk) then holds the
+        bytes written or why it did not fit (`applied`). A payload of the wrong size, a
+        duplicate shard or an unknown rank raises ValueError now."""
+        world = self.groups.world_size
+        if not 0 <= rank < world:
+            raise ValueError(f"KV shard of rank {rank}: this engine has {world} ranks")
+        expected = self._shard_kv_bytes(rank, token_start, token_end)
+        if token_end <= token_start or len(payload) != expected:
             raise ValueError(
-                f"KV chunk [{token_start}, {token_end}) has {len(payload)} bytes, "
-                f"expected {max(0, math.prod(shape)) * elem}"
+                f"KV chunk [{token_start}, {token_end}) of rank {rank} has {len(payload)} "
+                f"bytes, expected {max(0, expected)}"
             )
         if first_token is not None and not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token} is outside the vocabulary")
-        cmd = WriteKV(rid, token_start, token_end, (bytes(payload),), first_token)
-        self._commands.append(cmd)
+        key = (rid, token_start, token_end)
+        cmd = self._partial_kv.get(key)
+        if cmd is None:
+            cmd = self._partial_kv[key] = WriteKV(rid, token_start, token_end, (), first_token)
+        if rank in cmd.parts:
+            raise ValueError(f"KV chunk [{token_start}, {token_end}) of rank {rank} came twice")
+        cmd.parts[rank] = bytes(payload)
+        if first_token is not None:
+            cmd.first_token = first_token
+        if len(cmd.parts) == world:  # every rank's shard is here: hand it to all ranks
+            cmd.payloads = tuple(cmd.parts.pop(r) for r in range(world))
+            del self._partial_kv[key]
+            self._commands.append(cmd)
         return cmd
 
+    def _shard_kv_bytes(self, rank: int, token_start: int, token_end: int) -> int:
+        """Bytes of rank `rank`'s page_first shard of tokens [token_start, token_end)."""
+        local = ModelShard.of(self.model_config, self.config.parallel, rank).local_config(
+            self.model_config
+        )
+        ps = self.kv_spec.page_size
+        num_pages = -(-(token_end - token_start) // ps)
+        elem = torch.empty((), dtype=self.kv_spec.dtype).element_size()
+        return num_pages * local.num_layers * 2 * ps * local.num_kv_heads * local.head_dim * elem
+
     def _write_kv(self, cmd: WriteKV) -> None:
+        cmd.applied = True
         req = next((r for r in self.scheduler.running if r.rid == cmd.rid), None)
         if req is None or req.remote is None:
             cmd.error = f"no P/D decode request {cmd.rid} is waiting for KV"
             return
         spec, ps = self.kv_spec, self.kv_spec.page_size
-        payload = cmd.payloads[self.rank if len(cmd.payloads) > 1 else 0]
+        payload = cmd.payloads[self.rank]
         num_pages = -(-(cmd.token_end - cmd.token_start) // ps)
         shape = (num_pages, spec.num_layers, 2, ps, spec.num_kv_heads, spec.head_dim)
         staging = torch.frombuffer(bytearray(payload), dtype=spec.dtype).view(shape)

@@ -23,11 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.forward_batch import ForwardBatch, KVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.sampling import SamplingParams, sample, step_generator
+from gpu_worker.model.shard import ModelShard
 from gpu_worker.parallel.groups import ParallelGroups
 from gpu_worker.parallel.sync import (
+    TAG_EXPORT,
     TAG_HIDDEN,
     TAG_HIDDEN_SHAPE,
     TAG_OUTCOMES,
@@ -63,11 +66,14 @@ class ModelExecutor:
         model: LlamaModel,
         groups: ParallelGroups,
         device: torch.device,
+        model_config_whole: ModelConfig,
         guard_tp: bool = False,
     ) -> None:
-        """`guard_tp`: compare batch shapes across the TP group before each forward (one
-        small collective per step; on with the consensus checker)."""
+        """`model_config_whole`: the whole model's config (`model` is this rank's shard).
+        `guard_tp`: compare batch shapes across the TP group before each forward (one small
+        collective per step; on with the consensus checker)."""
         self.model = model
+        self.model_config_whole = model_config_whole
         self.groups = groups
         self.device = device
         self.guard_tp = guard_tp and groups.tp_cpu is not None
@@ -128,6 +134,27 @@ class ModelExecutor:
                 f"TP ranks of stage {g.pp_rank} planned different batches "
                 f"({int(t[0])}..{-int(t[2])} tokens); {g.describe()} planned {shape[0]}"
             )
+
+    def collect_export(self, staging: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """P/D prefill: this rank's packed KV (num_pages, layers, 2, page, heads, head_dim)
+        of a finished request; rank 0 gets every rank's, in rank order (the others send
+        theirs to it and get only their own back). Every rank calls it at the same logical
+        point: when the request finishes."""
+        g = self.groups
+        if g.world_size == 1:
+            return (staging,)
+        if g.rank != 0:
+            self.sends.send(staging.contiguous(), 0, g.cpu_world, TAG_EXPORT)
+            return (staging,)
+        whole = self.model_config_whole
+        out = [staging]
+        for rank in range(1, g.world_size):
+            shard = ModelShard.of(whole, g.config, rank).local_config(whole)
+            shape = (staging.shape[0], shard.num_layers, 2, staging.shape[3])
+            part = torch.empty((*shape, shard.num_kv_heads, shard.head_dim), dtype=staging.dtype)
+            dist.recv(part, rank, group=g.cpu_world, tag=TAG_EXPORT)
+            out.append(part)
+        return tuple(out)
 
     def _send_outcomes(self, outcomes: list[SampleOutcome | None]) -> None:
         g = self.groups

@@ -59,13 +59,19 @@ class RemoteKV:
 class KVExport:
     """P/D prefill side: KV of tokens [token_start, token_end) packed for the wire.
 
-    `staging` is (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim), page_first.
+    `stagings[r]` is world rank r's shard, (num_pages, its num_layers, 2, page_size, its
+    num_kv_heads, head_dim), page_first; rank 0 holds every rank's (a world of one: one).
     """
 
-    staging: torch.Tensor
+    stagings: tuple[torch.Tensor, ...]
     token_start: int
     token_end: int
     first_token: int
+
+    @property
+    def staging(self) -> torch.Tensor:
+        """Rank 0's shard (the whole KV in a world of one)."""
+        return self.stagings[0]
 
 
 @dataclass(eq=False, slots=True)

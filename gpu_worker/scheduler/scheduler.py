@@ -340,7 +340,8 @@ class Scheduler:
             torch.tensor(src, dtype=torch.int64, device=self.device),
             torch.arange(len(src), dtype=torch.int64, device=self.device),
         )
-        return KVExport(staging.cpu(), req.export_from, req.prompt_len, req.output_ids[0])
+        stagings = self.executor.collect_export(staging.cpu())  # every rank's, on rank 0
+        return KVExport(stagings, req.export_from, req.prompt_len, req.output_ids[0])
 
     def write_remote_kv(
         self, req: Req, token_start: int, token_end: int, staging: torch.Tensor

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -88,6 +89,7 @@ class DecodeSide:
         publish: Publish,
         open_stream: Callable[[str, str], None],
         fail_stream: FailStream,
+        world_size: int = 1,
     ) -> None:
         self.engine_id = engine_id
         self.runner = runner
@@ -95,7 +97,9 @@ class DecodeSide:
         self.open_stream = open_stream
         self.fail_stream = fail_stream
         self.transfers: dict[str, DecodeTransfer] = {}
+        self.world_size = world_size
         self._watchdogs = OwnedTasks()
+        self._writes = OwnedTasks()  # frames written and ACKed in the background
 
     async def on_admit(self, msg: Msg) -> None:
         try:
@@ -166,6 +170,13 @@ class DecodeSide:
         if transfer is None:
             await self._ack(msg, header.request_id, header.seq, False, "unknown request")
             return
+        if header.world_size != self.world_size:
+            why = (
+                f"the prefill engine has {header.world_size} ranks, this decode engine "
+                f"{self.world_size}: P/D needs the same TP x PP layout on both sides"
+            )
+            await self._ack(msg, header.request_id, header.seq, False, why)
+            return
         transfer.last_frame = asyncio.get_running_loop().time()
         transfer.prefill_engine_id = subj.engine_of(msg.reply or "")
         if header.last:  # before the write: the first token may go out right after it
@@ -173,17 +184,26 @@ class DecodeSide:
                 header.prefill_cached_device, header.prefill_cached_host
             )
         first = header.first_token if header.last else None
+        written = self.runner.write_kv(
+            header.request_id, header.token_start, header.token_end, payload, first, header.rank
+        )
+        # ACKed once written, off this callback: NATS delivers a subscription's messages one
+        # at a time, and a multi-rank chunk is written only when its other ranks' frames came
+        self._writes.spawn(self._ack_written(msg, header, transfer, written), "kv-write")
+
+    async def _ack_written(
+        self, msg: Msg, header: KVFrameHeader, transfer: DecodeTransfer, written: Future[int]
+    ) -> None:
         try:
-            written = await asyncio.wrap_future(
-                self.runner.write_kv(
-                    header.request_id, header.token_start, header.token_end, payload, first
-                )
-            )
+            size = await asyncio.wrap_future(written)
         except ValueError as e:
             transfer.nacks += 1
             await self._ack(msg, header.request_id, header.seq, False, str(e))
             return
-        transfer.transferred_bytes += written
+        except EngineCrashedError as e:
+            await self._ack(msg, header.request_id, header.seq, False, str(e))
+            return
+        transfer.transferred_bytes += size
         transfer.complete = transfer.complete or header.last
         await self._ack(msg, header.request_id, header.seq, True, "")
 
@@ -207,6 +227,7 @@ class DecodeSide:
 
     async def stop(self) -> None:
         await self._watchdogs.cancel_all()
+        await self._writes.cancel_all()
 
 
 @dataclass(slots=True)
@@ -285,35 +306,42 @@ class PrefillSide:
         self._senders.spawn(self._send(job, export, cached), f"kv-send-{request_id}")
 
     def _frames(self, rid: str, export: KVExport, cached: CachedTokens) -> list[bytes]:
-        staging, per = export.staging, self.config.chunk_pages
-        ps = staging.shape[3]
-        num_pages = staging.shape[0]
-        frames = []
-        for seq, lo in enumerate(range(0, num_pages, per)):
+        """Chunk by chunk, one frame per rank (each rank's shard for its decode peer)."""
+        per, world = self.config.chunk_pages, len(export.stagings)
+        ps = export.staging.shape[3]
+        num_pages = export.staging.shape[0]
+        frames: list[bytes] = []
+        for lo in range(0, num_pages, per):
             hi = min(lo + per, num_pages)
             last = hi == num_pages
-            header = KVFrameHeader(
-                rid,
-                seq,
-                export.token_start + lo * ps,
-                min(export.token_start + hi * ps, export.token_end),
-                export.first_token if last else -1,
-                last,
-                cached.device,
-                cached.host,
-            )
-            frames.append(encode_frame(header, staging[lo:hi].contiguous().numpy().tobytes()))
+            for rank, staging in enumerate(export.stagings):
+                header = KVFrameHeader(
+                    rid,
+                    len(frames),
+                    export.token_start + lo * ps,
+                    min(export.token_start + hi * ps, export.token_end),
+                    export.first_token if last else -1,
+                    last,
+                    cached.device,
+                    cached.host,
+                    rank,
+                    world,
+                )
+                payload = staging[lo:hi].contiguous().numpy().tobytes()
+                frames.append(encode_frame(header, payload))
         return frames
 
     async def _send(self, job: _PrefillJob, export: KVExport, cached: CachedTokens) -> None:
         rid = job.request.request_id
         frames = self._frames(rid, export, cached)
+        # decode writes a chunk once every rank's frame of it came: they must fit the window
+        window = max(self.config.window, len(export.stagings))
         attempts = [0] * len(frames)
         inflight: set[int] = set()
         next_seq = acked = 0
         try:
             while acked < len(frames):
-                while next_seq < len(frames) and len(inflight) < self.config.window:
+                while next_seq < len(frames) and len(inflight) < window:
                     await self._send_frame(job, frames, attempts, next_seq)
                     inflight.add(next_seq)
                     next_seq += 1

@@ -145,7 +145,8 @@ class EngineRunner:
         self.load = LoadInfo(0, 0, 0)
         self.engine: Engine | None = None
         self.ranks: RankProcesses | None = None  # ranks 1..N-1 of a multi-rank engine
-        self._awaiting: list[tuple[WriteKV, Future[int]]] = []  # answered after the step
+        # KV writes answered once the step that applies them ran: (command, bytes, future)
+        self._awaiting: list[tuple[WriteKV, int, Future[int]]] = []
         self._ready: Future[None] = Future()
         self._thread = threading.Thread(target=self._main, name="engine-runner", daemon=True)
 
@@ -205,9 +206,11 @@ class EngineRunner:
         token_end: int,
         payload: memoryview,
         first_token: int | None,
+        rank: int = 0,
     ) -> Future[int]:
-        """P/D decode: write a received KV chunk (at the next step); the future gives the bytes
-        written, or fails with ValueError if the chunk does not fit the request."""
+        """P/D decode: write world rank `rank`'s shard of a received KV chunk (at the step
+        after every rank's shard of it came); the future gives this shard's bytes, or fails
+        with ValueError if the chunk does not fit the request."""
         done: Future[int] = Future()
 
         def command() -> None:
@@ -216,11 +219,11 @@ class EngineRunner:
             try:
                 if rid is None:
                     raise ValueError(f"unknown request {request_id}")
-                cmd = self.engine.write_kv(rid, token_start, token_end, payload, first_token)
+                cmd = self.engine.write_kv(rid, token_start, token_end, payload, first_token, rank)
             except ValueError as e:
                 done.set_exception(e)
                 return
-            self._awaiting.append((cmd, done))
+            self._awaiting.append((cmd, len(payload), done))
 
         self._put(command, done)
         return done
@@ -340,13 +343,17 @@ class EngineRunner:
             self._publish_events()
 
     def _answer_awaiting(self) -> None:
-        """Commands applied in the step just run: give their callers the results."""
-        awaiting, self._awaiting = self._awaiting, []
-        for cmd, done in awaiting:
-            if cmd.error is not None:
+        """Commands applied in the step just run: give their callers the results (a chunk
+        whose other ranks' shards have not come yet waits)."""
+        waiting = []
+        for cmd, size, done in self._awaiting:
+            if not cmd.applied:
+                waiting.append((cmd, size, done))
+            elif cmd.error is not None:
                 done.set_exception(ValueError(cmd.error))
             else:
-                done.set_result(cmd.written)
+                done.set_result(size)
+        self._awaiting = waiting
 
     def _debug_crash(self) -> None:
         """Test hook (`--debug-crash-on-prompt-token`): a step with a request whose prompt
@@ -455,7 +462,7 @@ class EngineRunner:
         for t in self._tracked.values():
             if t.admitted is not None:
                 _fail(t.admitted, EngineCrashedError(reason))
-        for _, done in self._awaiting:
+        for _, _, done in self._awaiting:
             _fail(done, EngineCrashedError(reason))
         self._tracked.clear()
         self._by_request.clear()

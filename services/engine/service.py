@@ -182,7 +182,12 @@ class EngineService:
         assert runner is not None
         if role == "decode":
             self._decode = DecodeSide(
-                eid, runner, self._publish_raw, self._open_stream, self._fail_stream
+                eid,
+                runner,
+                self._publish_raw,
+                self._open_stream,
+                self._fail_stream,
+                self.engine_config.parallel.world_size,
             )
             return [
                 await nc.subscribe(subj.engine_decode_admit(eid), cb=self._decode.on_admit),
