@@ -140,10 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        return uvloop.run(serve(args))
+        code = uvloop.run(serve(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if code == 1:  # crashed: a broken world's threads must not run the interpreter's teardown
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(1)
+    return code
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from gpu_worker.scheduler.request import CachedTokens, KVExport, Req
 log = logging.getLogger(__name__)
 
 RANK_WATCH_S = 0.1  # how often the child ranks are checked for an exit
+DEAD_RANK_WAIT_S = 1.0  # after a failed collective: how long to look for the rank that died
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,13 +297,24 @@ class EngineRunner:
         except Exception as e:
             crashed = True
             log.exception("engine step loop crashed")
-            self._die(f"engine step loop crashed: {type(e).__name__}: {e}")
+            self._die(self._crash_reason(e))
         finally:
             if self._dead is not None:
                 self._fail_local(self._dead)
             if (crashed or self._dead is not None) and self.ranks is not None:
                 self.ranks.kill()  # a world that lost a rank or rank 0's loop cannot step on
             self._close(engine)
+
+    def _crash_reason(self, error: Exception) -> str:
+        """Why the step loop died, for every request it held: a rank that exited (rank 0's
+        collective with it failed) is named rather than the collective's error."""
+        if self.ranks is not None:
+            deadline = time.monotonic() + DEAD_RANK_WAIT_S
+            while not self.ranks.dead() and time.monotonic() < deadline:
+                time.sleep(RANK_WATCH_S / 4)
+            for rank, status in self.ranks.dead():
+                return f"engine rank {rank} exited with status {status}"
+        return f"engine step loop crashed: {type(error).__name__}: {error}"
 
     def _close(self, engine: Engine) -> None:
         try:
