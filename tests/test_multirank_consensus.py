@@ -3,7 +3,9 @@
 A TP2 x PP2 engine with injected transfer delays that differ per rank and per transfer
 (so ranks see different ACKs ready at the same logical point) serves 2,000 requests over
 shared prefixes, with flushes and device pressure pushing prefixes to the host tier, with
-the checker on. No divergence may be reported, and every output must equal a TP1 engine's.
+the checker on and `--hicache-load-policy cost` (each load decided from rank 0's timings,
+sent as commands). No divergence may be reported, and every output must equal a TP1
+engine's.
 
 Then the agreement is switched off by the test hooks, once for `pp_sync` (each stage
 consumes its own ready count) and once for the TP MIN (each PP0 rank consumes its own): the
@@ -60,7 +62,6 @@ def stress(engine: Engine, reqs: list[tuple[list[int], SamplingParams]]) -> dict
             outputs.append(out.output_ids)
             host_hits += out.cached.host
         if wave % FLUSH_EVERY == FLUSH_EVERY - 1:
-            engine.cache.drain()
             assert engine.flush_cache()
             flushes += 1
     result: dict[str, object] = {"outputs": outputs, "host_hits": host_hits, "flushes": flushes}
@@ -81,6 +82,7 @@ def stress_config(disable: str = "none") -> EngineConfig:
         enable_hierarchical_cache=True,
         hicache_ratio=4.0,
         transfer_delay=DelayInjection(max_ms=4.0, seed=1),
+        hicache_load_policy="cost",  # rank 0's measured figures, sent to every rank
     )
     return EngineConfig(
         model="tiny-tp",

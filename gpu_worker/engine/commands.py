@@ -73,6 +73,12 @@ class EvictDevice:
 
 
 @dataclass(frozen=True, slots=True)
+class Drain:
+    """Wait for every queued transfer and apply its ACK (on every rank: their queues stay
+    alike, which the per-step agreement relies on)."""
+
+
+@dataclass(frozen=True, slots=True)
 class SetLoadCost:
     """Rank 0's measured figures for `--hicache-load-policy cost`: every rank decides from
     these, never from its own clock. Seconds per token, or None while unmeasured."""
@@ -86,4 +92,4 @@ class Stop:
     """The engine is shutting down: every other rank leaves its step loop."""
 
 
-Command = AddRequest | Abort | Flush | WriteKV | EvictDevice | SetLoadCost | Stop
+Command = AddRequest | Abort | Flush | WriteKV | EvictDevice | Drain | SetLoadCost | Stop

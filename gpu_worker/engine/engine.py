@@ -31,6 +31,7 @@ from gpu_worker.engine.commands import (
     Abort,
     AddRequest,
     Command,
+    Drain,
     EvictDevice,
     Flush,
     SetLoadCost,
@@ -299,6 +300,12 @@ class Engine:
                 return
         self._commands.append(Abort(rid))
 
+    def drain(self) -> None:
+        """Every rank waits for its queued transfers and applies their ACKs. Rank 0's cache
+        must never be drained alone: the ranks' ACK queues must stay alike."""
+        self._commands.append(Drain())
+        self.step()
+
     def evict_device(self, num_pages: int) -> None:
         """Test hook: after the step's transfers drain, evict `num_pages` device pages."""
         self._commands.append(EvictDevice(num_pages))
@@ -334,7 +341,9 @@ class Engine:
             self._offer_load_cost()
             commands, self._commands = self._commands, []
             self._last_step = time.monotonic()
-        commands, num_acks = self.sync.exchange(commands, self.cache.num_ready_acks())
+        commands, num_acks = self.sync.exchange(
+            commands, self.cache.num_ready_acks(), self.cache.num_queued_acks
+        )
         self.scheduler.consume_acks(num_acks)
         for cmd in commands:
             self._apply(cmd)
@@ -374,6 +383,8 @@ class Engine:
         elif isinstance(cmd, EvictDevice):
             self.cache.drain()
             self.cache.evict_device(min(cmd.num_pages, self.cache.tree.num_device_pages))
+        elif isinstance(cmd, Drain):
+            self.cache.drain()
         elif isinstance(cmd, SetLoadCost):
             self.cache.cost_estimate = LoadCostEstimate(
                 cmd.load_s_per_token, cmd.recompute_s_per_token

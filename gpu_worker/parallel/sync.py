@@ -2,12 +2,14 @@
 
 DESIGN.md 4 and the article's PP x HiCache section. Each step:
 
-- PP0 (the first stage). Every rank counts the consecutive finished ACKs at the front of
-  its transfer queue. With TP > 1 one packed int64 all_reduce(MIN) over the stage's TP group
-  carries both that count (MIN: the ACKs finished on every TP rank) and the size of rank 0's
-  pickled command list (as its negative, so MIN picks it up); a broadcast of the list
-  follows only when there is one. So agreement costs no collective of its own: the one that
-  distributes work carries it, and every rank joins it every step, even with empty queues.
+- PP0 (the first stage). Rank 0 sends its pickled command list to its TP peers point to
+  point, non-blocking (a size header, then the bytes when there are any): distributing work
+  never makes rank 0 wait. Every PP0 rank counts the consecutive finished ACKs at the front
+  of its transfer queue, and the stage agrees on their all_reduce(MIN) over its TP group:
+  the ACKs finished on every TP rank. The number of queued ACKs is the same on every rank
+  (they submit and consume at the same logical points), so when it is 0 the count is 0 on
+  every rank and no rank joins the reduction; when it is not, every rank joins it, whatever
+  its own count. In a steady decode with nothing in flight agreement costs no collective.
 - `pp_sync`: PP0 sends the agreed count and the command list down the pipeline, point to
   point to the rank with its TP index in the next stage, as a non-blocking send of its own
   copy; handles are reaped on later rounds, with a bound on sends in flight. Later stages
@@ -16,12 +18,14 @@ DESIGN.md 4 and the article's PP x HiCache section. Each step:
   barrier: a stage only waits for what it needs from the stage before it.
 
 The test switch `disable` ("pp_sync", "tp_min" or "all") makes ranks consume their own ready
-count instead; the rank consensus checker must then report a divergence.
+count instead (the reduction still runs whenever ACKs are queued, so collectives stay
+aligned); the rank consensus checker must then report a divergence.
 """
 
 from __future__ import annotations
 
 import pickle
+import time
 from collections import deque
 from typing import Any
 
@@ -89,20 +93,26 @@ class StepSync:
         self.disable = disable
         self.sends = Sends()
         self.num_steps = 0
+        self.seconds = 0.0  # spent in exchange (measured for the benchmarks, decides nothing)
 
-    def exchange(self, commands: list[Any] | None, local_ready: int) -> tuple[list[Any], int]:
+    def exchange(
+        self, commands: list[Any] | None, local_ready: int, queued: int
+    ) -> tuple[list[Any], int]:
         """The step's command list (rank 0 passes its own and gets the same objects back) and
-        the number of ready ACKs this rank must consume."""
+        the number of ready ACKs this rank must consume. `local_ready`: this rank's finished
+        ACKs at the front of its queue; `queued`: ACKs in its queue (the same on every rank)."""
         self.num_steps += 1
         g = self.groups
         if g.world_size == 1:
             return commands or [], local_ready
+        start = time.perf_counter()
         if g.first_stage:
-            commands, data, agreed = self._first_stage(commands, local_ready)
+            commands, data, agreed = self._first_stage(commands, local_ready, queued)
         else:
             commands, data, agreed = self._later_stage()
         if not g.last_stage:
             self._send_down(agreed, data)
+        self.seconds += time.perf_counter() - start
         return commands, self._consumed(agreed, local_ready)
 
     def _consumed(self, agreed: int, local_ready: int) -> int:
@@ -114,21 +124,31 @@ class StepSync:
         return agreed
 
     def _first_stage(
-        self, commands: list[Any] | None, local_ready: int
+        self, commands: list[Any] | None, local_ready: int, queued: int
     ) -> tuple[list[Any], torch.Tensor, int]:
         g = self.groups
-        own = g.rank == 0
-        data = encode_object(commands or []) if own else torch.empty(0, dtype=torch.uint8)
-        if g.tp_cpu is None:  # TP 1: rank 0 alone in its stage
-            return commands or [], data, local_ready
-        packed = torch.tensor([local_ready, -data.numel() if own else 0], dtype=torch.int64)
-        dist.all_reduce(packed, op=dist.ReduceOp.MIN, group=g.tp_cpu)
-        agreed, size = int(packed[0]), -int(packed[1])
-        if size:
-            if not own:
-                data = torch.empty(size, dtype=torch.uint8)
-            dist.broadcast(data, src=g.tp_src, group=g.tp_cpu)
-        return (commands or []) if own else decode_object(data), data, agreed
+        if g.tp_cpu is None:  # TP 1: rank 0 is the whole first stage
+            return commands or [], encode_object(commands or []), local_ready
+        if g.rank == 0:
+            data = encode_object(commands or [])
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+            for peer in g.config.stage_ranks(0)[1:]:
+                self.sends.send(size, peer, g.cpu_world, TAG_HEADER)
+                if data.numel():
+                    self.sends.send(data, peer, g.cpu_world, TAG_COMMANDS)
+        else:
+            size = torch.empty(1, dtype=torch.int64)
+            dist.recv(size, g.tp_src, group=g.cpu_world, tag=TAG_HEADER)
+            data = torch.empty(int(size[0]), dtype=torch.uint8)
+            if data.numel():
+                dist.recv(data, g.tp_src, group=g.cpu_world, tag=TAG_COMMANDS)
+            commands = decode_object(data)
+        agreed = 0  # nothing queued on any rank: nothing to agree on
+        if queued or self.disable != "none":
+            count = torch.tensor([local_ready], dtype=torch.int64)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=g.tp_cpu)
+            agreed = int(count[0])
+        return commands or [], data, agreed
 
     def _later_stage(self) -> tuple[list[Any], torch.Tensor, int]:
         g = self.groups
