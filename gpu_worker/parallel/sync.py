@@ -17,9 +17,11 @@ DESIGN.md 4 and the article's PP x HiCache section. Each step:
   for a copy of theirs still running and leaves newer ready ACKs queued. No cross-stage
   barrier: a stage only waits for what it needs from the stage before it.
 
-The test switch `disable` ("pp_sync", "tp_min" or "all") makes ranks consume their own ready
-count instead (the reduction still runs whenever ACKs are queued, so collectives stay
-aligned); the rank consensus checker must then report a divergence.
+The test switch `disable` makes ranks consume their own ready count instead: "pp_sync" on
+later stages, "tp_min" on PP0 (its reduction then runs every step, result unused, so the
+collectives stay aligned while the queues drift apart), "all" everywhere with no reduction
+at all (the baseline of the agreement-cost benchmark). The rank consensus checker must then
+report a divergence.
 """
 
 from __future__ import annotations
@@ -144,7 +146,9 @@ class StepSync:
                 dist.recv(data, g.tp_src, group=g.cpu_world, tag=TAG_COMMANDS)
             commands = decode_object(data)
         agreed = 0  # nothing queued on any rank: nothing to agree on
-        if queued or self.disable != "none":
+        # "tp_min" off: queues differ between ranks, so all reduce every step and ignore the
+        # result; "all" off (the agreement-cost benchmark's baseline): no reduction at all
+        if self.disable != "all" and (queued or self.disable == "tp_min"):
             count = torch.tensor([local_ready], dtype=torch.int64)
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=g.tp_cpu)
             agreed = int(count[0])
