@@ -46,7 +46,7 @@ from gpu_worker.model.shard import ModelShard
 from gpu_worker.model.tokenizer import load_tokenizer
 from gpu_worker.model.weights import build_model
 from gpu_worker.parallel.config import ParallelConfig
-from gpu_worker.parallel.groups import ParallelGroups
+from gpu_worker.parallel.groups import ParallelGroups, rank_device
 from gpu_worker.parallel.sync import StepSync, agree_min
 from gpu_worker.scheduler.request import GenerateOutput, RemoteKV, Req, ReqState
 from gpu_worker.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -94,7 +94,9 @@ class Engine:
         self.config = config
         self.groups = groups
         self.rank = groups.rank
-        self.device = torch.device(config.device)
+        self.device = rank_device(config.device, self.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         dtype = parse_dtype(config.dtype)
         self.model_config, self.model = build_model(
             config.model,

@@ -75,6 +75,16 @@ class ParallelGroups:
         return f"rank {self.rank} (PP{self.pp_rank}/TP{self.tp_rank} of {self.config.describe()})"
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of world rank `rank` for an engine on `device`: CUDA ranks take one GPU
+    each, counting from the given index (`cuda` or `cuda:0`: rank r on `cuda:r`); CPU ranks
+    all run on the CPU."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
 def init_parallel_groups(
     config: ParallelConfig,
     rank: int,

@@ -1,0 +1,81 @@
+"""The parallel layout's arithmetic: ranks, stages, layer split, shards, devices, flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from gpu_worker.cache.hicache import HOST_LAYOUTS, LOAD_POLICIES, WRITE_POLICIES
+from gpu_worker.model.config import PRESETS
+from gpu_worker.model.shard import ModelShard
+from gpu_worker.parallel.config import ParallelConfig, stage_layers
+from gpu_worker.parallel.groups import rank_device
+from services.engine import flags
+from services.engine.config import engine_config_from_args
+
+
+def test_ranks_are_stage_major() -> None:
+    p = ParallelConfig(tp_size=2, pp_size=3)
+    assert p.world_size == 6
+    assert [p.coords(r) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert p.stage_ranks(1) == [2, 3] and p.rank_of(2, 1) == 5
+    with pytest.raises(ValueError, match="outside"):
+        p.coords(6)
+    with pytest.raises(ValueError, match="--tp-size must be a positive integer"):
+        ParallelConfig(tp_size=0)
+
+
+def test_layers_split_evenly_the_last_stage_never_longer() -> None:
+    assert [list(stage_layers(8, 2, s)) for s in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [len(stage_layers(10, 4, s)) for s in range(4)] == [3, 3, 2, 2]
+    assert [stage_layers(30, 4, s).start for s in range(4)] == [0, 8, 16, 23]
+    with pytest.raises(ValueError, match="--pp-size 5 needs at least 5 layers"):
+        stage_layers(4, 5, 0)
+
+
+def test_shards_hold_their_heads_and_layers() -> None:
+    tiny_tp = PRESETS["tiny-tp"]
+    shard = ModelShard.of(tiny_tp, ParallelConfig(4, 2), rank=7)  # PP1/TP3
+    local = shard.local_config(tiny_tp)
+    assert (shard.layers, shard.tp_rank, shard.last_stage) == (range(4, 8), 3, True)
+    assert (local.num_heads, local.num_kv_heads, local.num_layers) == (2, 2, 4)
+    assert local.intermediate_size == 32 and local.head_dim == tiny_tp.head_dim
+    with pytest.raises(ValueError, match=r"--tp-size 4 does not divide the model's 2 KV heads"):
+        ModelShard.of(PRESETS["tiny"], ParallelConfig(4, 1), 0)
+
+
+def test_cuda_ranks_take_one_gpu_each() -> None:
+    assert rank_device("cpu", 3) == torch.device("cpu")
+    assert rank_device("cuda", 2) == torch.device("cuda", 2)
+    assert rank_device("cuda:4", 1) == torch.device("cuda", 5)
+
+
+def test_torch_free_flags_match_the_engine() -> None:
+    """services/engine/flags.py repeats gpu_worker's choice lists; they must agree."""
+    assert flags.WRITE_POLICIES == WRITE_POLICIES
+    assert flags.HOST_LAYOUTS == HOST_LAYOUTS
+    assert flags.LOAD_POLICIES == LOAD_POLICIES
+    parser = argparse.ArgumentParser()
+    flags.add_engine_args(parser)
+    argv = ["--tp-size", "2", "--pp-size", "2", "--debug-rank-raise", "1:7"]
+    args = parser.parse_args([*argv, "--debug-transfer-delay-ms", "3"])
+    config = engine_config_from_args(args)
+    assert (config.parallel.tp_size, config.parallel.pp_size) == (2, 2)
+    assert config.debug.rank_raise == (1, 7)
+    assert config.cache.transfer_delay is not None and config.cache.transfer_delay.max_ms == 3
+    assert flags.engine_argv(args)[:4] == ["--tp-size", "2", "--pp-size", "2"]
+    with pytest.raises(ValueError, match="RANK:TOKEN"):
+        engine_config_from_args(parser.parse_args(["--debug-rank-raise", "one"]))
+
+
+def test_the_launcher_cli_and_bench_import_no_torch() -> None:
+    """They parse and pass on engine flags: loading torch for that took seconds."""
+    import subprocess
+    import sys
+
+    modules = "services.launch.up, services.engine.flags, services.cli, services.bench.cli"
+    code = f"import sys, {modules}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
