@@ -9,11 +9,15 @@ starts one) driven from a spawned rank-0 process through one steady-decode workl
 medians:
 - `tok/s`: generated tokens per second of the whole workload;
 - `step ms`: rank 0's mean wall time per decode step (a step that runs only decoding rows);
-- `sync %`: the share of rank 0's step time spent in the per-step exchange (rank 0's command
-  list and the ready-ACK count: the packed all_reduce(MIN) over PP0's TP group and the
-  `pp_sync` header down the pipeline); this bounds the cost of agreement from above, since
-  the same collective distributes the commands;
-- `vs agreed`: the decode step time against the same layout's agreed run.
+- `sync %`: the share of rank 0's decode step time spent in the per-step exchange: rank 0's
+  command list to its TP peers and down the pipeline (`pp_sync`, which carries the agreed
+  count in the same header) and the ready-ACK all_reduce(MIN);
+- `agree %`: the part of it that is agreement's own: the MIN reductions (they run only in
+  steps with ACKs queued; `red/step` counts them) plus rank 0's waits for an agreed ACK
+  whose copy was still running;
+- `vs agreed`: the decode step time against the same layout's agreed run (on a 2-core
+  machine shared by 4 rank processes this ratio moves by tens of percent between runs:
+  the columns above are the direct measurement).
 Variants on TP2 x PP2: "no agreement" (`--debug-disable-agreement all`: each rank consumes
 its own ready count; the collective still carries the commands) and "checker on"
 (`HICACHE_RANK_CONSENSUS=1`).
@@ -65,28 +69,47 @@ class Result:
     tokens_per_s: list[float] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)
     sync_share: list[float] = field(default_factory=list)
+    agree_share: list[float] = field(default_factory=list)
+    reductions_per_step: list[float] = field(default_factory=list)
 
 
-def workload(engine: Engine, args: argparse.Namespace) -> tuple[float, float, float]:
-    """(generated tokens/s, mean decode step ms, exchange share of decode step time)."""
+Measured = tuple[float, float, float, float, float]
+
+
+def workload(engine: Engine, args: argparse.Namespace) -> Measured:
+    """(generated tokens/s, mean decode step ms, exchange and agreement shares of decode step
+    time, agreement reductions per decode step)."""
     prompts = [[(7 * i + j) % 250 for j in range(args.prompt_len)] for i in range(args.requests)]
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=2))  # warm up
     reqs = [engine.submit(p, sp) for p in prompts]
+    sync, transfers = engine.sync, engine.cache.transfers
+    assert transfers is not None
     start = time.perf_counter()
-    decode_s = sync_s = 0.0
-    decode_steps = 0
+    decode_s = sync_s = agree_s = 0.0
+    decode_steps = reductions = 0
     while any(r.finish_reason is None for r in reqs):
         decoding = all(len(r.output_ids) > 0 for r in reqs)
-        sync_before, t0 = engine.sync.seconds, time.perf_counter()
+        before = (sync.seconds, sync.reduce_seconds, transfers.wait_seconds, sync.num_reductions)
+        t0 = time.perf_counter()
         engine.step()
         if decoding:  # every row decodes: the steady state
             decode_s += time.perf_counter() - t0
-            sync_s += engine.sync.seconds - sync_before
+            sync_s += sync.seconds - before[0]
+            agree_s += sync.reduce_seconds - before[1] + transfers.wait_seconds - before[2]
+            reductions += sync.num_reductions - before[3]
             decode_steps += 1
     elapsed = time.perf_counter() - start
     tokens = sum(len(r.output_ids) for r in reqs)
-    return tokens / elapsed, 1e3 * decode_s / max(1, decode_steps), sync_s / max(decode_s, 1e-9)
+    steps = max(1, decode_steps)
+    busy = max(decode_s, 1e-9)
+    return (
+        tokens / elapsed,
+        1e3 * decode_s / steps,
+        sync_s / busy,
+        agree_s / busy,
+        reductions / steps,
+    )
 
 
 def _rank0(conn: Connection, config: EngineConfig, args: argparse.Namespace) -> None:
@@ -104,7 +127,7 @@ def _rank0(conn: Connection, config: EngineConfig, args: argparse.Namespace) -> 
             ranks.wait()
 
 
-def run_case(case: Case, args: argparse.Namespace) -> tuple[float, float, float]:
+def run_case(case: Case, args: argparse.Namespace) -> Measured:
     cache = CacheConfig(
         page_size=16, num_device_pages=1024, enable_hierarchical_cache=True, hicache_ratio=2.0
     )
@@ -127,7 +150,7 @@ def run_case(case: Case, args: argparse.Namespace) -> tuple[float, float, float]
         if saved is not None:
             os.environ["HICACHE_RANK_CONSENSUS"] = saved
     child.close()
-    result: tuple[float, float, float] = parent.recv()
+    result: Measured = parent.recv()
     proc.join(60)
     return result
 
@@ -147,25 +170,30 @@ def main() -> None:
     with tqdm(total=args.rounds * len(cases), desc="worlds") as bar:
         for _ in range(args.rounds):
             for case in cases:
-                tps, step_ms, share = run_case(case, args)
+                tps, step_ms, share, agree, per_step = run_case(case, args)
                 r = results[case.name]
                 r.tokens_per_s.append(tps)
                 r.step_ms.append(step_ms)
                 r.sync_share.append(share)
+                r.agree_share.append(agree)
+                r.reductions_per_step.append(per_step)
                 bar.update()
     print(
         f"\ntiny-tp float32, {args.requests} requests x ({args.prompt_len} prompt + "
         f"{args.max_new_tokens} new tokens), median of {args.rounds} interleaved rounds; "
         f"{os.cpu_count()} CPU cores"
     )
-    print(f"{'case':<22} {'tok/s':>8} {'step ms':>8} {'sync %':>7} {'vs agreed':>10}")
+    head = f"{'case':<22} {'tok/s':>8} {'step ms':>8} {'sync %':>7} {'agree %':>8}"
+    print(f"{head} {'red/step':>9} {'vs agreed':>10}")
     med = {name: statistics.median(r.step_ms) for name, r in results.items()}
     for case in cases:
         r = results[case.name]
         vs = f"{med[case.name] / med[case.baseline]:.3f}x" if case.baseline else ""
         print(
             f"{case.name:<22} {statistics.median(r.tokens_per_s):>8.1f} {med[case.name]:>8.2f} "
-            f"{100 * statistics.median(r.sync_share):>6.2f}% {vs:>10}"
+            f"{100 * statistics.median(r.sync_share):>6.2f}% "
+            f"{100 * statistics.median(r.agree_share):>7.3f}% "
+            f"{statistics.median(r.reductions_per_step):>9.3f} {vs:>10}"
         )
 
 

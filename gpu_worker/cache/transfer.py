@@ -114,6 +114,7 @@ class TransferEngine:
         # so a long-running engine does not grow it with every transfer
         self.completion_log: collections.deque[int] = collections.deque(maxlen=COMPLETION_LOG_LEN)
         self.num_completed = 0  # copies finished (successfully) since start
+        self.wait_seconds = 0.0  # spent in pop() waiting for unfinished copies (measured only)
         self._stream: torch.cuda.Stream | None = None
         self._pool: ThreadPoolExecutor | None = None
         if device.type == "cuda":
@@ -214,7 +215,10 @@ class TransferEngine:
             raise ValueError(f"asked to consume {n} ACKs, only {len(self._queue)} queued")
         taken = [self._queue.popleft() for _ in range(n)]
         for ack in taken:
-            ack.completion.wait()
+            if not ack.completion.done():
+                start = time.perf_counter()
+                ack.completion.wait()
+                self.wait_seconds += time.perf_counter() - start
         return taken
 
     def close(self) -> None:

@@ -206,15 +206,16 @@ def rank_consensus(
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = fn(*args, **kwargs)
             recorder = _recorder
-            if recorder is not None:
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                env = dict(bound.arguments)
-                p = "; ".join(sel(env) for sel in params)
-                env["result"] = result
-                recorder.record(name, p, "; ".join(sel(env) for sel in results))
+            if recorder is None:
+                return fn(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            env = dict(bound.arguments)
+            p = "; ".join(sel(env) for sel in params)  # before the call: it may change them
+            result = fn(*args, **kwargs)
+            env["result"] = result
+            recorder.record(name, p, "; ".join(sel(env) for sel in results))
             return result
 
         return wrapper  # type: ignore[return-value]

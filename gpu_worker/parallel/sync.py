@@ -95,7 +95,11 @@ class StepSync:
         self.disable = disable
         self.sends = Sends()
         self.num_steps = 0
-        self.seconds = 0.0  # spent in exchange (measured for the benchmarks, decides nothing)
+        # measured for the benchmarks (they decide nothing): time in exchange, and in the
+        # agreement's own reductions (the ready-ACK MIN), and how many of those ran
+        self.seconds = 0.0
+        self.reduce_seconds = 0.0
+        self.num_reductions = 0
 
     def exchange(
         self, commands: list[Any] | None, local_ready: int, queued: int
@@ -150,7 +154,10 @@ class StepSync:
         # result; "all" off (the agreement-cost benchmark's baseline): no reduction at all
         if self.disable != "all" and (queued or self.disable == "tp_min"):
             count = torch.tensor([local_ready], dtype=torch.int64)
+            start = time.perf_counter()
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=g.tp_cpu)
+            self.reduce_seconds += time.perf_counter() - start
+            self.num_reductions += 1
             agreed = int(count[0])
         return commands or [], data, agreed
 

@@ -172,42 +172,51 @@ class Scheduler:
         return aborted
 
     def _admit(self) -> None:
-        cache, ps = self.cache, self.cache.page_size
         while self.waiting and len(self.running) < self.config.max_running_requests:
-            req = self.waiting[0]
-            match = (
-                cache.no_match()
-                if req.remote is not None and not req.remote.reuse
-                else cache.match(req.prompt_ids, req.cache_salt)
-            )
-            cache.lock(match.last_device_node)
-            load_pages = len(match.host_page_ids)
-            own_pages = -(-req.max_seq_len // ps) - match.total_len // ps
-            if load_pages + own_pages > cache.num_available_device_pages:
-                cache.unlock(match.last_device_node)
-                if not self.running:  # nothing will ever free more: the engine checks sizes
-                    raise RuntimeError(f"request {req.rid} does not fit the device pool")
+            if not self._admit_next(self.waiting[0]):
                 return
-            self.waiting.popleft()
-            ticket = cache.start_load(match)
-            if ticket is None and match.host_len:  # no room to load: compute it instead
-                own_pages += load_pages
-            pages = cache.alloc(own_pages)
-            assert pages is not None, "the budget check guaranteed these pages"
-            req.last_node = match.last_device_node
-            req.cached_len = match.device_len
-            host_len = match.host_len if ticket is not None else 0
-            req.computed_len = match.device_len + host_len
-            req.cached = CachedTokens(device=match.device_len, host=host_len)
-            req.page_ids = list(match.device_page_ids) + (ticket.page_ids if ticket else []) + pages
-            req.load = ticket
-            idle = ReqState.RECEIVING if req.remote is not None else ReqState.PREFILL
-            req.state = ReqState.LOADING if ticket else idle
-            if req.remote is not None:
-                req.remote.prefix_len = req.remote.received_end = req.computed_len
-            cache.stats.device_hit_tokens += match.device_len
-            cache.stats.host_hit_tokens += host_len
-            self.running.append(req)
+
+    @rank_consensus(
+        same_params=["req.rid", "req.prompt_len"],
+        same_results=["result", "req.cached", "list(req.page_ids)"],
+    )
+    def _admit_next(self, req: Req) -> bool:
+        """Admit the first waiting request if the page budget allows; whether it did."""
+        cache, ps = self.cache, self.cache.page_size
+        match = (
+            cache.no_match()
+            if req.remote is not None and not req.remote.reuse
+            else cache.match(req.prompt_ids, req.cache_salt)
+        )
+        cache.lock(match.last_device_node)
+        load_pages = len(match.host_page_ids)
+        own_pages = -(-req.max_seq_len // ps) - match.total_len // ps
+        if load_pages + own_pages > cache.num_available_device_pages:
+            cache.unlock(match.last_device_node)
+            if not self.running:  # nothing will ever free more: the engine checks sizes
+                raise RuntimeError(f"request {req.rid} does not fit the device pool")
+            return False
+        self.waiting.popleft()
+        ticket = cache.start_load(match)
+        if ticket is None and match.host_len:  # no room to load: compute it instead
+            own_pages += load_pages
+        pages = cache.alloc(own_pages)
+        assert pages is not None, "the budget check guaranteed these pages"
+        req.last_node = match.last_device_node
+        req.cached_len = match.device_len
+        host_len = match.host_len if ticket is not None else 0
+        req.computed_len = match.device_len + host_len
+        req.cached = CachedTokens(device=match.device_len, host=host_len)
+        req.page_ids = list(match.device_page_ids) + (ticket.page_ids if ticket else []) + pages
+        req.load = ticket
+        idle = ReqState.RECEIVING if req.remote is not None else ReqState.PREFILL
+        req.state = ReqState.LOADING if ticket else idle
+        if req.remote is not None:
+            req.remote.prefix_len = req.remote.received_end = req.computed_len
+        cache.stats.device_hit_tokens += match.device_len
+        cache.stats.host_hit_tokens += host_len
+        self.running.append(req)
+        return True
 
     # ----------------------------------------------------------------- forward
 
