@@ -94,12 +94,11 @@ def prompts() -> list[list[int]]:
     return make_prompts()
 
 
+# every layout under every write policy, host layouts alternating
 CASES = [
-    (2, 1, "write_through", "layer_first"),
-    (1, 2, "write_back", "page_first"),
-    (2, 2, "write_through", "layer_first"),
-    (2, 2, "write_through_selective", "page_first"),
-    (2, 2, "write_back", "layer_first"),
+    (tp, pp, policy, ("layer_first", "page_first")[(i + j) % 2])
+    for i, (tp, pp) in enumerate([(2, 1), (1, 2), (2, 2)])
+    for j, policy in enumerate(["write_through", "write_through_selective", "write_back"])
 ]
 
 

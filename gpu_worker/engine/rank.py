@@ -150,7 +150,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def main() -> int:
+def main() -> None:
     spec: RankSpec = pickle.loads(sys.stdin.buffer.read())
     _die_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
@@ -180,8 +180,9 @@ def main() -> int:
         log.exception("rank %d of the engine failed", spec.rank)
         logging.shutdown()
         os._exit(1)  # at once: rank 0 names this exit to every request; no teardown of gloo
-    return 0
+    logging.shutdown()
+    os._exit(0)  # done: the interpreter's teardown of torch would take another second or two
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -76,6 +76,20 @@ class Linear(nn.Linear):
         return super().forward(x)
 
 
+class Embedding(nn.Module):
+    """Token embedding (`weight`: (vocab, hidden)) with no initialiser of its own: the
+    weights are always filled afterwards, and `nn.Embedding`'s `normal_` on a meta tensor
+    imports torch._dynamo (1.6 s of every process start)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (T,) int64 -> (T, embedding_dim)."""
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -90,9 +104,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (max_len, head_dim) float64, halves repeated (rotate-half layout)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # (max_len, D/2)
+    """cos and sin, each (max_len, head_dim) float64 on the CPU, halves repeated (rotate-half
+    layout). Always computed on the CPU: under a meta device context (`create_model`) the
+    meta kernels would import torch._dynamo, a second of every process start."""
+    cpu = torch.device("cpu")
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu)
+    inv_freq = 1.0 / theta ** (steps / head_dim)
+    positions = torch.arange(max_len, dtype=torch.float64, device=cpu)
+    freqs = torch.outer(positions, inv_freq)  # (max_len, D/2)
     angles = torch.cat([freqs, freqs], dim=-1)  # (max_len, head_dim)
     return angles.cos(), angles.sin()
 
@@ -289,9 +308,9 @@ class LlamaModel(nn.Module):
         self.config = config
         self.first_stage, self.last_stage = first_stage, last_stage
         tied = config.tie_word_embeddings
-        self.embed_tokens: nn.Embedding | None = None
+        self.embed_tokens: Embedding | None = None
         if first_stage or (last_stage and tied):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm: RMSNorm | None = None
         # Tied: the logits reuse `embed_tokens.weight`, so there is no second parameter
@@ -367,6 +386,20 @@ class LlamaModel(nn.Module):
         return self.lm_head(h)
 
 
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every meta parameter and buffer uninitialised storage on `device` in `dtype`
+    (what `.to(dtype).to_empty(device)` does, without the meta-tensor reference kernels that
+    import torch's symbolic-shape machinery: most of a second at every process start)."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                data = torch.empty(param.shape, dtype=dtype, device=device)
+                module._parameters[name] = nn.Parameter(data, requires_grad=False)
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = torch.empty(buf.shape, dtype=dtype, device=device)
+
+
 def create_model(
     config: ModelConfig,
     device: torch.device | str,
@@ -379,7 +412,7 @@ def create_model(
     the caller must fill every parameter (see `weights.py`). Nothing is allocated twice."""
     with torch.device("meta"):
         model = LlamaModel(config, first_stage, last_stage)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    _materialize(model, torch.device(device), dtype)
     model.rotary.reset_tables()
     model.set_batch_invariant(batch_invariant)
     return model.eval().requires_grad_(False)
