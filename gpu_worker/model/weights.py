@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from gpu_worker.model.config import PRESETS, ModelConfig
+from gpu_worker.model.gguf import GGUF_PRESETS, gguf_path, load_gguf, read_gguf
 from gpu_worker.model.llama import LlamaModel, create_model
 from gpu_worker.model.shard import ModelShard, shard_model
 from gpu_worker.parallel.config import ParallelConfig
@@ -53,12 +54,18 @@ def build_model(
         model = create_model(config, device, dtype, batch_invariant)
         init_random_weights(model, seed)
         return config, model
+    gguf = gguf_path(name_or_path)
+    if gguf is not None:
+        config, model = load_gguf(gguf, device, dtype)
+        model.set_batch_invariant(batch_invariant)
+        return config, model
     if Path(name_or_path).is_dir():
         config, model = load_hf_checkpoint(name_or_path, device, dtype)
         model.set_batch_invariant(batch_invariant)
         return config, model
     raise ValueError(
-        f"{str(name_or_path)!r} is neither a preset ({sorted(PRESETS)}) nor a directory"
+        f"{str(name_or_path)!r} is neither a preset ({sorted(PRESETS) + sorted(GGUF_PRESETS)}), "
+        "a *.gguf file nor a Hugging Face checkpoint directory"
     )
 
 
@@ -67,11 +74,15 @@ def model_config_of(name_or_path: str | Path, context_len: int | None = None) ->
     if str(name_or_path) in PRESETS:
         config = PRESETS[str(name_or_path)]
         return config if context_len is None else config.replace(context_len=context_len)
+    gguf = gguf_path(name_or_path)
+    if gguf is not None:
+        return read_gguf(gguf)[0].model_config()
     path = Path(name_or_path)
     if path.is_dir():
         return config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
     raise ValueError(
-        f"{str(name_or_path)!r} is neither a preset ({sorted(PRESETS)}) nor a directory"
+        f"{str(name_or_path)!r} is neither a preset ({sorted(PRESETS) + sorted(GGUF_PRESETS)}), "
+        "a *.gguf file nor a Hugging Face checkpoint directory"
     )
 
 
