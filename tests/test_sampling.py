@@ -129,3 +129,100 @@ def test_engine_serves_poison_sampling_values() -> None:
         assert len(out.output_ids) == 4
         assert all(0 <= i < engine.model_config.vocab_size for i in out.output_ids)
     engine.check_integrity()
+
+
+# --------------------------------------------------------------- the other parameters
+
+from gpu_worker.model.sampling import sample_with_logprobs  # noqa: E402
+
+BASE = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
+
+
+def draws(params: SamplingParams, logits: torch.Tensor = BASE, **history: object) -> set[int]:
+    return {
+        sample(logits, params, torch.Generator().manual_seed(s), **history)  # type: ignore[arg-type]
+        for s in range(60)
+    }
+
+
+def test_top_k_and_min_p_cut_the_draw() -> None:
+    hot = SamplingParams(temperature=10.0)
+    assert len(draws(hot)) == 6
+    assert draws(SamplingParams(temperature=10.0, top_k=2)) == {0, 1}
+    assert draws(SamplingParams(temperature=10.0, top_k=1)) == {0}
+    # at T=1, p(i)/p(0) = e^-(0.5 i): min_p 0.5 keeps ids 0 and 1 (e^-0.5 = 0.61 >= 0.5)
+    assert draws(SamplingParams(temperature=1.0, min_p=0.5)) == {0, 1}
+    assert draws(SamplingParams(temperature=1.0, min_p=1.0)) == {0}
+
+
+def test_logit_bias_moves_the_greedy_choice() -> None:
+    assert sample(BASE, SamplingParams(), None) == 0
+    assert sample(BASE, SamplingParams(logit_bias=((5, 100.0),)), None) == 5
+    assert sample(BASE, SamplingParams(logit_bias=((0, -100.0), (1, -100.0))), None) == 2
+    assert sample(BASE, SamplingParams(logit_bias=((999, 100.0),)), None) == 0  # no such id
+
+
+def test_repetition_presence_and_frequency_penalties() -> None:
+    # repetition (HF): a seen token's positive logit is divided: 2.0 / 2.5 = 0.8 < 1.5
+    rep = SamplingParams(repetition_penalty=2.5)
+    assert sample(BASE, rep, None, prompt_ids=[0]) == 1
+    assert sample(BASE, rep, None, output_ids=[0, 1]) == 2  # 1.5 / 2.5 = 0.6 < 1.0
+    assert sample(BASE, rep, None) == 0  # nothing seen
+    # presence (OpenAI): minus 0.6 once for each output token seen: 2.0 - 0.6 < 1.5
+    assert sample(BASE, SamplingParams(presence_penalty=0.6), None, output_ids=[0]) == 1
+    assert sample(BASE, SamplingParams(presence_penalty=0.6), None, prompt_ids=[0]) == 0
+    # frequency: minus 0.3 per occurrence: once 1.7 > 1.5, twice 1.4 < 1.5
+    freq = SamplingParams(frequency_penalty=0.3)
+    assert sample(BASE, freq, None, output_ids=[0]) == 0
+    assert sample(BASE, freq, None, output_ids=[0, 0]) == 1
+
+
+def test_logprobs_are_the_model_log_softmax() -> None:
+    got = sample_with_logprobs(BASE, SamplingParams(logprobs=3, logit_bias=((5, 100.0),)), None)
+    want = torch.log_softmax(BASE, dim=-1)
+    assert got.token == 5  # the biased choice, with the model's own logprob
+    assert got.logprob == pytest.approx(float(want[5]))
+    assert [t for t, _ in got.top_logprobs] == [0, 1, 2]
+    assert [lp for _, lp in got.top_logprobs] == pytest.approx(want[:3].tolist())
+    assert sample_with_logprobs(BASE, SamplingParams(), None).logprob is None
+    assert sample_with_logprobs(BASE, SamplingParams(logprobs=0), None).top_logprobs == ()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("top_k", -1),
+        ("top_k", 1.5),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", math.inf),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("logit_bias", ((1, 101.0),)),
+        ("logit_bias", ((-1, 1.0),)),
+        ("logprobs", 21),
+    ],
+)
+def test_out_of_range_values_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field.split("_")[0]):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_penalties_and_logprobs_through_the_engine() -> None:
+    engine = Engine(EngineConfig())
+    plain = engine.generate(PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    strong = SamplingParams(max_new_tokens=12, ignore_eos=True, repetition_penalty=50.0)
+    penalised = engine.generate(PROMPT, strong).output_ids
+    assert penalised != plain.output_ids  # the history reaches the sampler
+    assert not set(penalised) & set(PROMPT)  # a huge penalty avoids every token seen
+    assert len(set(penalised)) == len(penalised)
+    req = engine.submit(PROMPT, SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=2))
+    req.logits_trace = []
+    engine.run([req])
+    assert len(req.logprobs) == 5 and len(req.logits_trace) == 5
+    for token, (lp, top), logits in zip(
+        req.output_ids, req.logprobs, req.logits_trace, strict=True
+    ):
+        want = torch.log_softmax(logits.double(), dim=-1)
+        assert lp == pytest.approx(float(want[token]))
+        assert top[0][0] == token  # greedy: the chosen token is the most likely

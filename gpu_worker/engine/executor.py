@@ -18,6 +18,7 @@ the checker can report the decision that diverged first rather than a later cras
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.forward_batch import ForwardBatch, KVCache
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.model.sampling import SamplingParams, sample, step_generator
+from gpu_worker.model.sampling import SamplingParams, sample_with_logprobs, step_generator
 from gpu_worker.model.shard import ModelShard
 from gpu_worker.parallel.groups import ParallelGroups
 from gpu_worker.parallel.sync import (
@@ -42,11 +43,14 @@ from gpu_worker.parallel.sync import (
 
 @dataclass(frozen=True, slots=True)
 class SampleSpec:
-    """How to sample one batch row: its request's sampling, which output token this is."""
+    """How to sample one batch row: its request's sampling, which output token this is,
+    and the tokens seen so far (read only by penalties; this rank's replica of them)."""
 
     sampling: SamplingParams
     step: int  # index of the output token being sampled
     trace: bool = False  # keep the logits (the cache oracle's hook)
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,8 @@ class SampleOutcome:
     token: int | None  # None when sampling failed
     error: str | None = None
     logits: torch.Tensor | None = None  # (vocab,) when traced
+    logprob: float | None = None  # when the request asked for logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 class StageMismatchError(RuntimeError):
@@ -186,6 +192,7 @@ def _sample(logits: torch.Tensor, spec: SampleSpec) -> SampleOutcome:
     seed = spec.sampling.seed
     try:
         gen = None if seed is None else step_generator(seed, spec.step)
-        return SampleOutcome(sample(logits, spec.sampling, gen), logits=traced)
+        s = sample_with_logprobs(logits, spec.sampling, gen, spec.prompt_ids, spec.output_ids)
+        return SampleOutcome(s.token, None, traced, s.logprob, s.top_logprobs)
     except Exception as e:  # the request fails, with the reason; the engine keeps going
         return SampleOutcome(None, f"sampling failed: {e}", traced)

@@ -245,7 +245,7 @@ class Scheduler:
             seqs.append((new_ids, prefix_len, slots))
         batch = ForwardBatch.build(seqs, self.device)
         specs = [
-            SampleSpec(req.sampling, len(req.output_ids), req.logits_trace is not None)
+            _spec(req)
             if req.state is ReqState.DECODE or req.computed_len + len(new_ids) >= req.prompt_len
             else None  # a prefill chunk before the last: no token yet
             for req, new_ids in plan
@@ -273,6 +273,8 @@ class Scheduler:
                 continue
             token = outcome.token
             req.output_ids.append(token)
+            if outcome.logprob is not None:
+                req.logprobs.append((outcome.logprob, outcome.top_logprobs))
             if self._is_finished(req, token):
                 self._finish(req)
                 finished.append(req)
@@ -388,3 +390,17 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.held_page_ids())
+
+
+def _spec(req: Req) -> SampleSpec:
+    """How to sample `req`'s next token (the tokens seen so far only when a penalty reads
+    them: references, not copies)."""
+    sp = req.sampling
+    history = sp.uses_history
+    return SampleSpec(
+        sp,
+        len(req.output_ids),
+        req.logits_trace is not None,
+        req.prompt_ids if history else (),
+        req.output_ids if history else (),
+    )
