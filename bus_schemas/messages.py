@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -13,6 +14,8 @@ TIERS = ("device", "host")
 
 @dataclass(frozen=True, slots=True)
 class Sampling(Message):
+    """A request's sampling (the engine validates the ranges: `SamplingParams`)."""
+
     TYPE: ClassVar[str] = "sampling"
 
     max_new_tokens: int = 16
@@ -21,6 +24,13 @@ class Sampling(Message):
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] = field(default_factory=dict)  # token id (as a string) -> bias
+    logprobs: int | None = None  # None: none; k: the chosen token's and the top k's
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +38,7 @@ class GenerateRequest(Message):
     """Router -> engine: generate for `input_ids`, stream `TokenChunk`s to `reply_to`."""
 
     TYPE: ClassVar[str] = "generate"
-    VERSION: ClassVar[int] = 2  # 2: input_ids as base64 uint32 (TokenIds)
+    VERSION: ClassVar[int] = 3  # 2: input_ids as base64 uint32 (TokenIds); 3: more sampling
 
     request_id: str
     input_ids: TokenIds  # a list[int] given here is converted once
@@ -49,7 +59,7 @@ class TokenChunk(Message):
     """
 
     TYPE: ClassVar[str] = "token_chunk"
-    VERSION: ClassVar[int] = 3  # 2: P/D fields; 3: engine_crashed
+    VERSION: ClassVar[int] = 4  # 2: P/D fields; 3: engine_crashed; 4: logprobs
 
     request_id: str
     seq: int
@@ -72,6 +82,11 @@ class TokenChunk(Message):
     prefill_engine_id: str = ""
     prefill_cached_device: int = 0
     prefill_cached_host: int = 0
+    # when the request asked for logprobs: one per token of `token_ids` (null for a P/D
+    # request's first token, sampled by prefill), and for each the top tokens' ids and logprobs
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprob_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +100,7 @@ class DecodeAdmit(Message):
     """
 
     TYPE: ClassVar[str] = "decode_admit"
-    VERSION: ClassVar[int] = 2  # 2: input_ids as base64 uint32 (TokenIds)
+    VERSION: ClassVar[int] = 3  # 2: input_ids as base64 uint32 (TokenIds); 3: more sampling
 
     request_id: str
     input_ids: TokenIds  # a list[int] given here is converted once
@@ -122,7 +137,7 @@ class PrefillRequest(Message):
     """
 
     TYPE: ClassVar[str] = "prefill"
-    VERSION: ClassVar[int] = 2  # 2: input_ids as base64 uint32 (TokenIds)
+    VERSION: ClassVar[int] = 3  # 2: input_ids as base64 uint32 (TokenIds); 3: more sampling
 
     request_id: str
     input_ids: TokenIds  # a list[int] given here is converted once
@@ -154,7 +169,7 @@ class Heartbeat(Message):
     (cumulative since the engine started or flushed; the router exports them per engine)."""
 
     TYPE: ClassVar[str] = "heartbeat"
-    VERSION: ClassVar[int] = 3  # 2: cache usage and counters; 3: eviction counters
+    VERSION: ClassVar[int] = 4  # 2: cache usage and counters; 3: eviction counters; 4: card
 
     engine_id: str
     bucket: str
@@ -177,6 +192,45 @@ class Heartbeat(Message):
     num_backups: int = 0  # device -> host backups
     evicted_device_pages: int = 0  # device pages evicted from the radix cache
     evicted_host_pages: int = 0  # host pages evicted from the radix cache
+    # the digest of the engine's ModelCard: a router that holds no card of that digest asks
+    # the engine for it (request/reply on `subjects.engine_model_card`)
+    card_digest: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCardRequest(Message):
+    TYPE: ClassVar[str] = "model_card_request"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard(Message):
+    """Engine -> router (reply): how to speak the served model's language, so the router
+    tokenizes, applies the chat template and detokenizes exactly as the model expects
+    without importing `gpu_worker` (DESIGN.md 7)."""
+
+    TYPE: ClassVar[str] = "model_card"
+
+    engine_id: str
+    served_model_name: str  # what clients name the model (`--served-model-name`)
+    model: str  # the engine's --model value
+    tokenizer: str  # "bytes" (UTF-8 bytes are ids 0..255: the random presets) or "json"
+    tokenizer_json: str  # a `tokenizers` JSON when tokenizer == "json", else ""
+    chat_template: str | None  # a Jinja chat template, or None for the built-in plain one
+    eos_token_ids: list[int]  # eos and the template's end of turn
+    bos_token_id: int | None
+    context_len: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if self.tokenizer not in ("bytes", "json"):
+            raise ValueError(f"tokenizer must be 'bytes' or 'json', got {self.tokenizer!r}")
+        if (self.tokenizer == "json") != bool(self.tokenizer_json):
+            raise ValueError("tokenizer_json is given exactly when tokenizer is 'json'")
+
+    @property
+    def digest(self) -> str:
+        """A stable digest of the card's content (what heartbeats carry)."""
+        return hashlib.blake2b(self.encode(), digest_size=12).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,7 @@ return out
 """.replace("$WIDTH", str(HASH_HEX_LEN)).replace("$PREFIX", PAGE_PREFIX)
 
 
-def lookup_argv(page_hashes: Sequence[str]) -> list[str]:
-    """The ARGV of `PREFIX_LOOKUP_LUA` (no KEYS) for a prompt's hex page hashes."""
-    return ["".join(page_hashes)]
+def lookup_argv(page_hashes: Sequence[str] | str) -> list[str]:
+    """The ARGV of `PREFIX_LOOKUP_LUA` (no KEYS) for a prompt's hex page hashes, one per item
+    or already concatenated."""
+    return [page_hashes if isinstance(page_hashes, str) else "".join(page_hashes)]

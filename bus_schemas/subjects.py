@@ -52,6 +52,11 @@ def engine_flush(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.flush"
 
 
+def engine_model_card(engine_id: str) -> str:
+    """ModelCardRequest to one engine (request/reply: its ModelCard)."""
+    return f"{PREFIX}.engine.{engine_id}.model_card"
+
+
 def engine_stats(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.stats"
 

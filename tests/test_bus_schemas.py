@@ -38,6 +38,8 @@ from bus_schemas.messages import (
     KVChunkAck,
     KVEvent,
     KVEventBatch,
+    ModelCard,
+    ModelCardRequest,
     PrefillRequest,
     Sampling,
     SnapshotRequest,
@@ -116,7 +118,11 @@ def test_page_hash_properties() -> None:
 # ----------------------------------------------------------------- codec
 
 SAMPLES: dict[type[Message], Message] = {
-    Sampling: Sampling(8, 0.7, 0.9, 42, [2, 3], True),
+    Sampling: Sampling(8, 0.7, 0.9, 42, [2, 3], True, 5, 0.1, 1.2, 0.5, -0.5, {"7": -3.0}, 2),
+    ModelCardRequest: ModelCardRequest(),
+    ModelCard: ModelCard(
+        "e1", "smol", "smollm2", "json", '{"model": {}}', "{{ m }}", [2], 1, 8192, 49152
+    ),
     GenerateRequest: GenerateRequest("r1", [1, 2, 3], Sampling(seed=None), "inbox.1", "salt"),
     TokenChunk: TokenChunk("r1", 3, [5, 6], "e1", 3, 4, 0, True, "stop", None, 0),
     Heartbeat: Heartbeat(
@@ -177,6 +183,18 @@ def test_kv_frame_round_trip_and_corruption() -> None:
     for bad in (frame[:40], b"XXXX" + frame[4:], frame + b"\0"):
         with pytest.raises(SchemaError):
             decode_frame(bad)
+
+
+def test_model_card_digest_and_tokenizer_kinds() -> None:
+    card = SAMPLES[ModelCard]
+    assert isinstance(card, ModelCard)
+    assert card.digest == ModelCard.decode(card.encode()).digest and len(card.digest) == 24
+    other = ModelCard("e1", "smol", "smollm2", "json", '{"model": {}}', None, [2], 1, 8192, 49152)
+    assert other.digest != card.digest  # any change of content changes the digest
+    with pytest.raises(ValueError, match="tokenizer_json"):
+        ModelCard("e1", "t", "tiny", "bytes", "{}", None, [257], 256, 8192, 260)
+    with pytest.raises(ValueError, match="'bytes' or 'json'"):
+        ModelCard("e1", "t", "tiny", "spm", "", None, [257], 256, 8192, 260)
 
 
 def test_kv_frame_carries_its_rank() -> None:
@@ -256,8 +274,9 @@ REJECTED: dict[str, tuple[type[Message], bytes]] = {
     "other type": (GEN, SAMPLES[Heartbeat].encode()),
     "no type": _bad(GEN, type=dataclasses.MISSING),
     "type not a string": _bad(GEN, type=1),
-    "unknown version": _bad(GEN, v=3),
+    "unknown version": _bad(GEN, v=4),
     "version 1 (ids as a JSON list)": _bad(GEN, v=1, input_ids=[1, 2, 3]),
+    "version 2 (before the OpenAI sampling fields)": _bad(GEN, v=2),
     "version as string": _bad(GEN, v="1"),
     "no version": _bad(GEN, v=dataclasses.MISSING),
     "missing field": _bad(GEN, input_ids=dataclasses.MISSING),
@@ -519,7 +538,7 @@ def test_input_ids_travel_as_base64_uint32_le(cls: type[Message]) -> None:
     body = body_of(msg)
     raw = base64.b64decode(body["input_ids"], validate=True)
     assert raw == struct.pack(f"<{len(raw) // 4}I", *msg.input_ids)  # type: ignore[attr-defined]
-    assert cls.VERSION == 2
+    assert cls.VERSION == 3  # 2: ids as base64; 3: the OpenAI sampling fields
     decoded = cls.decode(msg.encode())
     assert decoded.input_ids.typecode == "I"  # type: ignore[attr-defined]
 
@@ -527,7 +546,7 @@ def test_input_ids_travel_as_base64_uint32_le(cls: type[Message]) -> None:
 def test_input_ids_wire_bytes_are_pinned() -> None:
     body = body_of(GenerateRequest("r", [1, 2, 3, 2**32 - 1], Sampling(), "inbox"))
     assert body["input_ids"] == "AQAAAAIAAAADAAAA/////w=="
-    assert body["v"] == 2
+    assert body["v"] == 3
 
 
 def test_message_constructors_convert_lists_once_and_reject_bad_ids() -> None:

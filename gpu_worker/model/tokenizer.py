@@ -95,6 +95,20 @@ def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
     return ByteTokenizer()
 
 
+def load_chat_template(name_or_path: str | Path) -> str | None:
+    """The model's own chat template: a GGUF's `tokenizer.chat_template`, or the
+    `chat_template` of a checkpoint directory's tokenizer_config.json (a string, or the one
+    named "default" of a list); None for the random-weight presets."""
+    gguf = gguf_path(name_or_path)
+    if gguf is not None:
+        return read_gguf_meta(gguf).chat_template
+    template = _read_json(Path(name_or_path) / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
 def _special_id(path: Path, tok: tokenizers.Tokenizer, kind: str) -> int | list[int] | None:
     """`{kind}_token_id` from the first config file that sets it, else the id of the
     `{kind}_token` string in tokenizer_config.json."""

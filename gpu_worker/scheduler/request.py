@@ -94,8 +94,9 @@ class Req:
     remote: RemoteKV | None = None  # P/D decode: KV comes from a prefill engine
     export_from: int | None = None  # P/D prefill: pack KV from this token on at the end
     export: KVExport | None = None
-    # per output token when `sampling.logprobs` is set: (its logprob, the top (id, logprob))
-    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    # per output token when `sampling.logprobs` is set: (its logprob, the top (id, logprob));
+    # None for a P/D decode request's first token (sampled by the prefill engine)
+    logprobs: list[tuple[float | None, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     # test/debug hook: set to [] to collect the logits (vocab,) each sampled token came from,
     # a copy per step, before sampling (the cache oracle compares them to a cold run)
     logits_trace: list[torch.Tensor] | None = None

@@ -155,6 +155,8 @@ class Scheduler:
             req.state = ReqState.DECODE
             self._cache_prompt(req)
             req.output_ids.append(remote.first_token)
+            if req.sampling.logprobs is not None:  # prefill sampled it: its logprob is there
+                req.logprobs.append((None, ()))
             if self._is_finished(req, remote.first_token):
                 self._finish(req)
                 done.append(req)

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from services.engine.config import engine_config_from_args
@@ -91,6 +92,8 @@ async def serve(args: argparse.Namespace) -> int:
         bucket=args.bucket,
         heartbeat_interval_s=args.heartbeat_interval,
         shutdown_grace_s=args.shutdown_grace,
+        served_model_name=args.served_model_name or "",
+        chat_template_file=Path(args.chat_template) if args.chat_template else None,
         debug_crash_on_prompt_token=args.debug_crash_on_prompt_token,
     )
     service = EngineService(config, engine_config_from_args(args))

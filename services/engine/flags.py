@@ -24,7 +24,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--model-path",
         dest="model",
         default="tiny",
-        help="preset name (tiny, tiny-tp) or a Hugging Face checkpoint directory",
+        help="a preset (tiny, tiny-tp: random weights; smollm2-135m-instruct), a *.gguf "
+        "file or a Hugging Face checkpoint directory",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients use for the model (default: the --model value)",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template file instead of the model's own",
     )
     g.add_argument("--dtype", default="float64", choices=DTYPES)
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

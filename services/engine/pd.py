@@ -28,15 +28,14 @@ from bus_schemas import (
     ErrorReply,
     KVChunkAck,
     PrefillRequest,
-    Sampling,
     SchemaError,
 )
 from bus_schemas import subjects as subj
 from bus_schemas.kv_frame import KVFrameHeader, decode_frame, encode_frame, peek_ids
 from gpu_worker.engine.engine import InvalidRequestError
-from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import CachedTokens, KVExport
 from services.engine.runner import Admission, EngineCrashedError, EngineRunner
+from services.engine.sampling import sampling_params
 from services.tasks import OwnedTasks
 
 log = logging.getLogger(__name__)
@@ -59,12 +58,6 @@ class PDConfig:
     max_attempts: int = 3  # sends of one frame before the transfer fails
     debug_corrupt_frames: int = 0  # test hook: corrupt the first N frames this engine sends
     debug_exit_after_frames: int = 0  # test hook: the process dies after sending N frames
-
-
-def sampling_params(s: Sampling) -> SamplingParams:
-    return SamplingParams(
-        s.max_new_tokens, s.temperature, s.top_p, s.seed, tuple(s.stop_token_ids), s.ignore_eos
-    )
 
 
 @dataclass(slots=True)

@@ -58,6 +58,8 @@ class TokenUpdate:
     finish_reason: str | None
     error: tuple[str, int] | None = None  # (message, HTTP-like code)
     received: tuple[int, int, int] | None = None  # P/D decode: prefix_len, tokens, bytes in
+    # when asked for: per new token (its logprob or None, the top (id, logprob) pairs)
+    logprobs: tuple[tuple[float | None, tuple[tuple[int, float], ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,6 +403,7 @@ class EngineRunner:
                 continue
             if not new and not finished:
                 continue
+            logprobs = tuple(req.logprobs[t.sent : t.sent + len(new)])
             t.sent += len(new)
             updates.append(
                 TokenUpdate(
@@ -413,6 +416,7 @@ class EngineRunner:
                     req.finish_reason,
                     req.error,
                     _received(req),
+                    logprobs,
                 )
             )
             if finished:

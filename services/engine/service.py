@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -48,10 +49,11 @@ from bus_schemas import (
 )
 from bus_schemas import subjects as subj
 from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
-from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import CachedTokens, KVExport
+from services.engine.card import build_card
 from services.engine.pd import DecodeSide, PDConfig, PrefillSide
 from services.engine.runner import EngineCrashedError, EngineRunner, TokenUpdate
+from services.engine.sampling import sampling_params
 from services.tasks import OwnedTasks
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,8 @@ class EngineServiceConfig:
     heartbeat_interval_s: float = 1.0
     shutdown_grace_s: float = 10.0
     pd: PDConfig = field(default_factory=PDConfig)
+    served_model_name: str = ""  # default: the engine's --model value
+    chat_template_file: Path | None = None  # --chat-template: instead of the model's own
     debug_crash_on_prompt_token: int | None = None  # test hook: the step loop dies on it
 
     def __post_init__(self) -> None:
@@ -126,6 +130,14 @@ class EngineService:
         mc = engine.model_config
         self._meta = {"context_len": engine.context_len, "vocab_size": mc.vocab_size}
         self._eos = list(mc.eos_token_ids)
+        self.card = build_card(
+            engine,
+            self.config.engine_id,
+            self.config.served_model_name,
+            self.config.chat_template_file,
+        )
+        self._card_bytes = self.card.encode()
+        self._card_digest = self.card.digest  # heartbeats carry it
         self._nc = await self._connect()
         nc, eid = self._nc, self.config.engine_id
         self._work_subs = await self._subscribe_work(nc, eid)
@@ -134,6 +146,7 @@ class EngineService:
         await nc.subscribe(subj.FLUSH_ALL, cb=self._on_flush)
         await nc.subscribe(subj.engine_stats(eid), cb=self._on_stats)
         await nc.subscribe(subj.engine_snapshot(eid), cb=self._on_snapshot)
+        await nc.subscribe(subj.engine_model_card(eid), cb=self._on_model_card)
         self._accepting = True
         self._tasks.spawn(self._publisher(), "publisher")
         self._heartbeat_task = self._tasks.spawn(self._heartbeats(), "heartbeats")
@@ -322,16 +335,8 @@ class EngineService:
         if req.request_id in self._streams:
             self._send_chunk(req.reply_to, req.request_id, 0, error=("duplicate id", 400))
             return
-        s = req.sampling
         try:
-            sampling = SamplingParams(
-                s.max_new_tokens,
-                s.temperature,
-                s.top_p,
-                s.seed,
-                tuple(s.stop_token_ids),
-                s.ignore_eos,
-            )
+            sampling = sampling_params(req.sampling)
         except ValueError as e:
             self._send_chunk(req.reply_to, req.request_id, 0, error=(str(e), 400))
             return
@@ -376,6 +381,9 @@ class EngineService:
                 reason,
                 u.error[0] if u.error else None,
                 u.error[1] if u.error else 0,
+                logprobs=[lp for lp, _ in u.logprobs],
+                top_logprob_ids=[[i for i, _ in top] for _, top in u.logprobs],
+                top_logprobs=[[v for _, v in top] for _, top in u.logprobs],
             )
             transfer = self._decode.transfers.get(u.request_id) if self._decode else None
             if transfer is not None and u.received is not None and stream.seq == 0:
@@ -440,6 +448,10 @@ class EngineService:
             ints = {k: int(v) for k, v in stats.items()}
             reply = StatsReply(self.config.engine_id, self.config.bucket, self.epoch, ints)
             await self._publish_now(msg.reply, reply.encode())
+
+    async def _on_model_card(self, msg: Msg) -> None:
+        if msg.reply:
+            await self._publish_now(msg.reply, self._card_bytes)
 
     async def _on_snapshot(self, msg: Msg) -> None:
         try:
@@ -517,7 +529,7 @@ class EngineService:
                 cfg.engine_id,
                 cfg.bucket,
                 self.epoch,
-                self.engine_config.model,
+                self.card.served_model_name,
                 self.namespace,
                 self.engine_config.cache.page_size,
                 self._meta["context_len"],
@@ -529,6 +541,7 @@ class EngineService:
                 cfg.heartbeat_interval_s,
                 cfg.role,
                 **self._cache_gauges(),
+                card_digest=self._card_digest,
             )
             with contextlib.suppress(Exception):
                 await self._nc.publish(subj.HEARTBEAT, hb.encode())
