@@ -40,9 +40,11 @@ def _rank0(conn: Connection, job: bytes, env: dict[str, str]) -> None:
     try:
         config, workload, args = pickle.loads(job)
         engine, ranks = launch_engine(config)
-        conn.send(("ok", workload(engine, *args)))
+        # plain pickle: Connection.send would share tensor storage by file descriptor, which
+        # this process stops serving when it exits, maybe before the parent has read it
+        conn.send_bytes(pickle.dumps(("ok", workload(engine, *args))))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         if ranks is not None:
             ranks.kill()
         return
@@ -73,7 +75,7 @@ def run_world(
     try:
         if not parent.poll(timeout_s):
             raise WorldFailed(f"the world gave no result within {timeout_s} s")
-        status, value = parent.recv()
+        status, value = pickle.loads(parent.recv_bytes())
     except EOFError:
         raise WorldFailed(f"rank 0 died (exit status {proc.exitcode})") from None
     finally:
