@@ -2,12 +2,33 @@
 
 Starts a real mesh on loopback (nats-server, redis-server, index, `--engines` engines of the
 tiny model with a `--context-length` that fits the longest prompt, router), then for every
-prompt length alternates rounds of the same request sent (a) as a GenerateRequest on engine
-0's NATS subject and (b) as `POST /generate` through the router (HTTP, validation, page
-hashing, and with two or more engines one Redis `EVALSHA` for the cached prefix, routing,
-NATS). Prompt ids are drawn below the vocabulary size the engine announces in its heartbeat.
-Reports p50/p99 of each path, the difference (the router's added latency) and, with
-`--concurrency`, requests per second of each path under that many clients.
+prompt length runs rounds of the same request sent these ways, in turn:
+
+- direct: a GenerateRequest on engine 0's NATS subject (encode, publish, the engine, decode),
+  from a client as lean as the router's own (one wildcard reply subscription; uvloop, which
+  the router runs on too);
+- router: `POST /generate` on one keep-alive HTTP/1.1 connection, written in one call and read
+  by Content-Length (HTTP, validation, page hashing, with two or more engines one Redis
+  `EVALSHA` for the cached prefix, routing, NATS, the response);
+- aiohttp: the same POST through an `aiohttp.ClientSession`, a typical Python client, whose
+  own cost (0.2-0.5 ms at these body sizes) is reported apart;
+- baseline (with `--baseline DIR`): the same POST to a second router started from DIR, e.g.
+  `git archive HEAD router bus_schemas | tar -x -C DIR`: before/after under the same load.
+
+Prompt ids are drawn below the vocabulary size the engine announces in its heartbeat. The
+engine's time grows with the prompt (~170 ms at 32K tokens) and varies by more than the
+router costs, so next to the end-to-end difference (`added`: the median over rounds of
+router minus direct, with its bootstrap 95% interval) every router request also gives the
+router's own time exactly: its total minus the `engine` stage of the router's
+`Server-Timing` header, which times what the direct path times (encode, publish, the engine,
+the replies). `own` is HTTP both ways, parsing, routing and the response, without the
+engine's noise; `parse` and `route` are its stages from the same header.
+
+Two columns say how fast the machine was, since every path slows with it: `other load`, the
+CPU (in cores) that processes outside this benchmark used during the row (on two vCPUs that
+share a core a busy sibling halves the other's speed; above ~0.1 the row is not clean), and
+`cpu check`, the median milliseconds of a fixed Python loop (`cpu_check`) taken every 25
+rounds: a shared host's speed drifts by 2x over minutes, and that shows nowhere else.
 
     .venv/bin/python benchmarks/bench_router.py --requests 300
     .venv/bin/python benchmarks/bench_router.py --prompt-len 1024 --engines 1
@@ -17,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import subprocess
@@ -24,11 +46,12 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import nats
 import orjson
+import uvloop
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -40,17 +63,31 @@ from services.launch.servers import free_port, start_nats, start_redis
 PROMPT_LENS = (64, 1024, 8192, 32768)
 PAGE_SIZE = 64
 JSON_HEADERS = {"Content-Type": "application/json"}
+BOOTSTRAP_ROUNDS = 2000
+
+
+@dataclass(slots=True)
+class Row:
+    """One prompt length's samples (milliseconds; req/s None when not measured)."""
+
+    prompt_len: int
+    direct: list[float] = field(default_factory=list)
+    routed: list[float] = field(default_factory=list)  # lean HTTP client
+    routed_aiohttp: list[float] = field(default_factory=list)
+    baseline: list[float] = field(default_factory=list)  # --baseline's router, lean client
+    own: list[float] = field(default_factory=list)  # routed minus the router's engine stage
+    parse: list[float] = field(default_factory=list)  # Server-Timing stages
+    route: list[float] = field(default_factory=list)
+    foreign_cores: float | None = None  # ForeignLoad over the measured rounds
+    cpu_checks: list[float] = field(default_factory=list)  # cpu_check() every 25 rounds
+    rps_direct: float | None = None
+    rps_router: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Row:
-    """One prompt length's result (milliseconds; req/s None when not measured)."""
-
-    prompt_len: int
-    direct: list[float]
-    routed: list[float]
-    rps_direct: float | None
-    rps_router: float | None
+class Ports:
+    router: int
+    baseline: int | None  # --baseline's router
 
 
 def pct(values: list[float], q: float) -> float:
@@ -58,20 +95,160 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def direct_once(nc: NATS, engine_id: str, ids: TokenIds, timeout: float = 60) -> float:
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    req = GenerateRequest(uuid.uuid4().hex, ids, Sampling(max_new_tokens=1), inbox)
+def paired_median(a: list[float], b: list[float], seed: int) -> tuple[float, float, float]:
+    """Median of a[i] - b[i], and its bootstrap 95% interval."""
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    rng = random.Random(seed)
+    boot = sorted(
+        statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(BOOTSTRAP_ROUNDS)
+    )
+    lo, hi = boot[int(0.025 * BOOTSTRAP_ROUNDS)], boot[int(0.975 * BOOTSTRAP_ROUNDS) - 1]
+    return statistics.median(diffs), lo, hi
+
+
+def cpu_check() -> float:
+    """Milliseconds for a fixed pure-Python loop: how fast the machine runs Python right now
+    (a shared host's speed drifts by 2x over minutes, which no process list shows)."""
     start = time.perf_counter()
-    await nc.publish(subj.engine_generate(engine_id), req.encode())
-    while not TokenChunk.decode((await sub.next_msg(timeout=timeout)).data).finished:
-        pass
-    elapsed = time.perf_counter() - start
-    await sub.unsubscribe()
-    return elapsed
+    x = 0
+    for i in range(200_000):
+        x += i * i
+    return (time.perf_counter() - start) * 1e3
 
 
-async def router_once(http: aiohttp.ClientSession, url: str, body: bytes) -> float:
+class ForeignLoad:
+    """CPU that processes outside this benchmark's process tree used while it ran (Linux
+    /proc; None elsewhere), in cores (1.0: one CPU busy all the time)."""
+
+    def __init__(self) -> None:
+        self.available = os.path.exists("/proc/stat")
+        self._start = self._sample()
+
+    def cores(self) -> float | None:
+        """Average foreign cores since it was made."""
+        end = self._sample()
+        if self._start is None or end is None or end[0] <= self._start[0]:
+            return None
+        (t0, busy0, own0), (t1, busy1, own1) = self._start, end
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        if not self.available:
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        busy = sum(fields[:8]) - fields[3] - fields[4]  # all but idle and iowait
+        return time.monotonic(), busy / tick, _tree_cpu(os.getpid()) / tick
+
+
+def _tree_cpu(root: int) -> int:
+    """utime + stime (ticks) of `root` and every process below it."""
+    stats: dict[int, tuple[int, int]] = {}  # pid -> (parent, ticks)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited
+        stats[int(name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0))[1]
+        todo.extend(children.get(pid, ()))
+    return total
+
+
+class HttpConnection:
+    """One keep-alive HTTP/1.1 connection that does the least client work: each request is
+    one write, each reply is read by its Content-Length (the router sends one on every
+    non-streamed reply). Reopened when the router closed it (idle past its keep-alive, as
+    during a 32K prefill)."""
+
+    def __init__(
+        self, port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.port, self.reader, self.writer = port, reader, writer
+
+    @classmethod
+    async def open(cls, port: int) -> HttpConnection:
+        return cls(port, *await asyncio.open_connection("127.0.0.1", port))
+
+    async def post(self, path: str, body: bytes) -> tuple[float, dict[str, str]]:
+        """Seconds from the write to the whole reply, and the reply's headers (lower case)."""
+        if self.reader.at_eof() or self.writer.is_closing():
+            self.writer.close()
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        start = time.perf_counter()
+        self.writer.write(head + body)
+        status, *lines = (await self.reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines if line)
+        headers = {k.lower(): v for k, v in headers.items()}
+        reply = await self.reader.readexactly(int(headers["content-length"]))
+        elapsed = time.perf_counter() - start
+        if not status.startswith("HTTP/1.1 200"):
+            raise RuntimeError(f"router answered {status}: {reply.decode()}")
+        return elapsed, headers
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """`name;dur=ms, ...` -> {name: ms}."""
+    out = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        out[name] = float(dur)
+    return out
+
+
+class DirectClient:
+    """Requests straight to an engine's subject, as lean as the router's own bus client: one
+    wildcard reply subscription for all of them (no SUB/UNSUB per request)."""
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox()
+        self._waiting: dict[str, asyncio.Queue[bytes]] = {}
+        self._next = 0
+
+    async def start(self) -> None:
+        await self.nc.subscribe(f"{self.prefix}.*", cb=self._on_msg)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        queue = self._waiting.get(msg.subject)
+        if queue is not None:
+            queue.put_nowait(msg.data)
+
+    async def once(self, engine_id: str, ids: TokenIds, timeout: float = 60) -> float:
+        """Seconds from encoding the GenerateRequest to the decoded last chunk."""
+        self._next += 1
+        inbox = f"{self.prefix}.{self._next}"
+        queue = self._waiting[inbox] = asyncio.Queue()
+        try:
+            req = GenerateRequest(uuid.uuid4().hex, ids, Sampling(max_new_tokens=1), inbox)
+            start = time.perf_counter()
+            await self.nc.publish(subj.engine_generate(engine_id), req.encode())
+            async with asyncio.timeout(timeout):
+                while not TokenChunk.decode(await queue.get()).finished:
+                    pass
+            return time.perf_counter() - start
+        finally:
+            del self._waiting[inbox]
+
+
+async def aiohttp_once(http: aiohttp.ClientSession, url: str, body: bytes) -> float:
     """`body` is encoded once by the caller: the client's JSON encoding is not the router's."""
     start = time.perf_counter()
     async with http.post(f"{url}/generate", data=body, headers=JSON_HEADERS) as resp:
@@ -81,8 +258,10 @@ async def router_once(http: aiohttp.ClientSession, url: str, body: bytes) -> flo
     return time.perf_counter() - start
 
 
-async def wait_ready(nc: NATS, http: aiohttp.ClientSession, url: str, engines: int) -> Heartbeat:
-    """Engine 0's heartbeat, once every engine heartbeats and the router is healthy."""
+async def wait_ready(
+    nc: NATS, http: aiohttp.ClientSession, ports: Ports, engines: int
+) -> Heartbeat:
+    """Engine 0's heartbeat, once every engine heartbeats and the router(s) are healthy."""
     seen: dict[str, Heartbeat] = {}
     all_in = asyncio.Event()
 
@@ -95,15 +274,22 @@ async def wait_ready(nc: NATS, http: aiohttp.ClientSession, url: str, engines: i
     sub = await nc.subscribe(subj.HEARTBEAT, cb=on)
     await asyncio.wait_for(all_in.wait(), 180)
     await sub.unsubscribe()
+    for port in (ports.router, ports.baseline):
+        if port is not None:
+            await wait_healthy(http, f"http://127.0.0.1:{port}")
+    return seen["bench-0"]
+
+
+async def wait_healthy(http: aiohttp.ClientSession, url: str) -> None:
     for _ in range(600):
         try:
             async with http.get(f"{url}/health") as resp:
                 if resp.status == 200:
-                    return seen["bench-0"]
+                    return
         except aiohttp.ClientError:
             pass
         await asyncio.sleep(0.2)
-    raise TimeoutError("router never became healthy")
+    raise TimeoutError(f"the router at {url} never became healthy")
 
 
 async def burst(fn: Callable[[], Awaitable[float]], n: int, concurrency: int) -> float:
@@ -118,81 +304,122 @@ async def burst(fn: Callable[[], Awaitable[float]], n: int, concurrency: int) ->
     return n / (time.perf_counter() - start)
 
 
-async def measure_one(
-    args: argparse.Namespace,
-    nc: NATS,
-    http: aiohttp.ClientSession,
-    url: str,
-    hb: Heartbeat,
-    prompt_len: int,
-) -> Row:
+@dataclass(frozen=True, slots=True)
+class Clients:
+    direct: DirectClient
+    http: aiohttp.ClientSession
+    conn: HttpConnection  # to the router
+    baseline: HttpConnection | None  # to --baseline's router
+    url: str  # the router's
+
+
+async def measure_one(args: argparse.Namespace, c: Clients, hb: Heartbeat, prompt_len: int) -> Row:
     rng = random.Random(prompt_len)
     ids = as_token_ids([rng.randrange(hb.vocab_size) for _ in range(prompt_len)])
     body = orjson.dumps({"input_ids": ids.tolist(), "sampling_params": {"max_new_tokens": 1}})
     # the first request prefills the prompt on the CPU: minutes at 32K tokens
-    await direct_once(nc, hb.engine_id, ids, timeout=3600)
-    for _ in range(args.warmup):  # both paths, and the engines' caches
-        await direct_once(nc, hb.engine_id, ids)
-        await router_once(http, url, body)
-    direct, routed = [], []
-    for _ in range(args.requests):
-        direct.append(await direct_once(nc, hb.engine_id, ids) * 1e3)
-        routed.append(await router_once(http, url, body) * 1e3)
-    rps_direct = rps_router = None
+    await c.direct.once(hb.engine_id, ids, timeout=3600)
+    for _ in range(args.warmup):  # every path, and the engines' caches
+        await c.direct.once(hb.engine_id, ids)
+        await c.conn.post("/generate", body)
+        await aiohttp_once(c.http, c.url, body)
+        if c.baseline is not None:
+            await c.baseline.post("/generate", body)
+    row = Row(prompt_len)
+    foreign = ForeignLoad()
+    for i in range(args.requests):
+        if i % 25 == 0:
+            row.cpu_checks.append(cpu_check())
+        row.direct.append(await c.direct.once(hb.engine_id, ids) * 1e3)
+        elapsed, headers = await c.conn.post("/generate", body)
+        timing = server_timing(headers["server-timing"])
+        row.routed.append(elapsed * 1e3)
+        row.own.append(elapsed * 1e3 - timing["engine"])
+        row.parse.append(timing["parse"])
+        row.route.append(timing["route"])
+        row.routed_aiohttp.append(await aiohttp_once(c.http, c.url, body) * 1e3)
+        if c.baseline is not None:
+            row.baseline.append((await c.baseline.post("/generate", body))[0] * 1e3)
+    row.foreign_cores = foreign.cores()
     if args.concurrency > 1:
-        rps_direct = await burst(
-            lambda: direct_once(nc, hb.engine_id, ids), args.requests, args.concurrency
+        row.rps_direct = await burst(
+            lambda: c.direct.once(hb.engine_id, ids), args.requests, args.concurrency
         )
-        rps_router = await burst(
-            lambda: router_once(http, url, body), args.requests, args.concurrency
+        row.rps_router = await burst(
+            lambda: aiohttp_once(c.http, c.url, body), args.requests, args.concurrency
         )
-    return Row(prompt_len, direct, routed, rps_direct, rps_router)
+    return row
 
 
-async def measure(args: argparse.Namespace, nats_url: str, url: str) -> None:
+async def measure(args: argparse.Namespace, nats_url: str, ports: Ports) -> None:
     """Prints the table's header, then each prompt length's row as soon as it is measured."""
     nc = await nats.connect(nats_url, max_reconnect_attempts=0)
     async with aiohttp.ClientSession() as http:
-        hb = await wait_ready(nc, http, url, args.engines)
+        hb = await wait_ready(nc, http, ports, args.engines)
         too_long = [n for n in args.prompt_lens if n + 1 > hb.context_len]
         if too_long:
             raise SystemExit(f"prompts {too_long} do not fit the context length {hb.context_len}")
+        conn = await HttpConnection.open(ports.router)
+        baseline = None
+        if ports.baseline is not None:
+            baseline = await HttpConnection.open(ports.baseline)
+        direct = DirectClient(nc)
+        await direct.start()
+        clients = Clients(direct, http, conn, baseline, f"http://127.0.0.1:{ports.router}")
         print_header(args)
-        for n in args.prompt_lens:
-            print_row(await measure_one(args, nc, http, url, hb, n))
+        try:
+            for n in args.prompt_lens:
+                print_row(await measure_one(args, clients, hb, n))
+        finally:
+            conn.close()
+            if baseline is not None:
+                baseline.close()
     await nc.drain()
 
 
 def print_header(args: argparse.Namespace) -> None:
+    paths = "direct, router, aiohttp" + (", baseline" if args.baseline else "")
     print(
-        f"\nmax_tokens=1, {args.requests} requests per path and prompt length, alternating; "
+        f"\nmax_tokens=1, {args.requests} rounds per prompt length ({paths} in turn); "
         f"{args.engines} engine(s), page {PAGE_SIZE}"
         + (f"; concurrency {args.concurrency} for req/s" if args.concurrency > 1 else "")
     )
     head = (
-        f"{'prompt':>7} {'engine p50':>10} {'router p50':>10} {'added p50':>9} "
-        f"{'engine p99':>10} {'router p99':>10} {'added p99':>9} {'mean added':>10}"
+        f"{'prompt':>7} {'engine p50':>10} {'router p50':>10} {'added p50 [95% CI]':>22} "
+        f"{'own p50':>8} {'own p99':>8} {'parse':>6} {'route':>6} {'aiohttp added':>13} "
+        f"{'other load':>10} {'cpu check':>9}"
     )
     if args.concurrency > 1:
         head += f" {'req/s ratio':>11}"
-    print(head + "   (ms)", flush=True)
+    print(head + "   (ms; other load in cores)", flush=True)
 
 
 def print_row(r: Row) -> None:
-    d50, r50 = pct(r.direct, 0.5), pct(r.routed, 0.5)
-    d99, r99 = pct(r.direct, 0.99), pct(r.routed, 0.99)
-    mean = statistics.mean(r.routed) - statistics.mean(r.direct)
+    added, lo, hi = paired_median(r.routed, r.direct, r.prompt_len)
+    aio_added = statistics.median(x - y for x, y in zip(r.routed_aiohttp, r.direct, strict=True))
+    interval = f"{added:.3f} [{lo:.2f}, {hi:.2f}]"
+    foreign = "-" if r.foreign_cores is None else f"{r.foreign_cores:.2f}"
     line = (
-        f"{r.prompt_len:>7} {d50:>10.3f} {r50:>10.3f} {r50 - d50:>9.3f} "
-        f"{d99:>10.3f} {r99:>10.3f} {r99 - d99:>9.3f} {mean:>10.3f}"
+        f"{r.prompt_len:>7} {pct(r.direct, 0.5):>10.3f} {pct(r.routed, 0.5):>10.3f} "
+        f"{interval:>22} {pct(r.own, 0.5):>8.3f} {pct(r.own, 0.99):>8.3f} "
+        f"{pct(r.parse, 0.5):>6.3f} {pct(r.route, 0.5):>6.3f} {aio_added:>13.3f} {foreign:>10} "
+        f"{statistics.median(r.cpu_checks):>9.2f}"
     )
     if r.rps_direct and r.rps_router:
         line += f" {r.rps_router / r.rps_direct:>11.2f}"
     print(line, flush=True)
+    if r.baseline:
+        base_added = statistics.median(x - y for x, y in zip(r.baseline, r.direct, strict=True))
+        diff, lo, hi = paired_median(r.routed, r.baseline, r.prompt_len)
+        print(
+            f"{'':>7} baseline: added p50 {base_added:.3f}; "
+            f"router - baseline p50 {diff:+.3f} [{lo:+.2f}, {hi:+.2f}]",
+            flush=True,
+        )
 
 
 def spawn(
-    args: argparse.Namespace, nats_url: str, redis_url: str, port: int
+    args: argparse.Namespace, nats_url: str, redis_url: str, ports: Ports
 ) -> list[subprocess.Popen[bytes]]:
     py = sys.executable
     context = max(args.prompt_lens) + 64
@@ -204,15 +431,19 @@ def spawn(
         engine += ["--context-length", str(context)]
         engine += ["--max-total-tokens", str(2 * context), "--chunked-prefill-size", "4096"]
         procs.append(subprocess.Popen(engine))
-    router = [py, "-m", "router", "--port", str(port), *bus, "--redis-url", redis_url]
-    procs.append(subprocess.Popen(router))
+    router = [py, "-m", "router", *bus, "--redis-url", redis_url]
+    procs.append(subprocess.Popen([*router, "--port", str(ports.router)]))
+    if args.baseline:
+        env = dict(os.environ, PYTHONPATH=args.baseline)
+        baseline = [*router, "--port", str(ports.baseline)]
+        procs.append(subprocess.Popen(baseline, cwd=args.baseline, env=env))
     return procs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=200, help="per path and length")
-    parser.add_argument("--warmup", type=int, default=20, help="per path and length")
+    parser.add_argument("--requests", type=int, default=200, help="rounds per length")
+    parser.add_argument("--warmup", type=int, default=20, help="rounds per length")
     parser.add_argument(
         "--prompt-len",
         dest="prompt_lens",
@@ -226,13 +457,18 @@ def main() -> None:
     parser.add_argument(
         "--concurrency", type=int, default=0, help="also measure req/s with this many clients"
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also time a router started from DIR (its router/ and bus_schemas/) side by side",
+    )
     args = parser.parse_args()
     args.prompt_lens = args.prompt_lens or list(PROMPT_LENS)
     nats_server, redis_server = start_nats(), start_redis()
-    port = free_port()
-    procs = spawn(args, nats_server.url, redis_server.url, port)
+    ports = Ports(free_port(), free_port() if args.baseline else None)
+    procs = spawn(args, nats_server.url, redis_server.url, ports)
     try:
-        asyncio.run(measure(args, nats_server.url, f"http://127.0.0.1:{port}"))
+        uvloop.run(measure(args, nats_server.url, ports))  # the router's loop too
     finally:
         for p in reversed(procs):
             p.terminate()

@@ -14,11 +14,8 @@ import logging
 from collections.abc import AsyncIterator
 
 import nats
-import redis.asyncio as aioredis
 from aiohttp import web
 from nats.aio.msg import Msg
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from bus_schemas import subjects
 from router import keys
@@ -28,6 +25,7 @@ from router.handlers import add_routes, auth_middleware, body_middleware, errors
 from router.metrics import RouterMetrics
 from router.natsconn import connect_nats
 from router.record import Recorder
+from router.resp import RespClient
 from router.routing import PrefixIndex, Router
 from router.server import GUARD, ConnectionGuard
 from router.stream import ReplyHub
@@ -111,14 +109,8 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[keys.CONFIG]
-    client = aioredis.Redis.from_url(
-        config.redis_url,
-        decode_responses=True,
-        socket_connect_timeout=0.5,
-        socket_timeout=1.0,
-        retry=Retry(NoBackoff(), 0),  # lookups have a 50 ms budget: no retries inside it
-        max_connections=config.redis_max_connections,
-    )
+    # no retries: a lookup has a 50 ms budget, and Redis trouble only costs cache reuse
+    client = RespClient(config.redis_url, connect_timeout_s=0.5, reply_timeout_s=1.0)
     app[keys.REDIS] = client
     index = PrefixIndex(client, config, app[keys.METRICS], asyncio.get_running_loop().time)
     await index.start()  # a probe task, owned until teardown

@@ -28,7 +28,6 @@ class RouterConfig:
     redis_retry_s: float = 1.0  # an open breaker routes by load alone this long
     redis_probe_s: float = 1.0  # background PING period (the redis_up gauge, /health)
     redis_probe_timeout_s: float = 1.0
-    redis_max_connections: int = 256  # the lookup pool (no connect inside the budget)
     read_timeout_s: float = 30.0  # a request's headers, then its body, must arrive in this
     max_connections: int = 4096  # open client connections; beyond it the idlest go first
     flush_timeout_s: float = 10.0  # per-engine wait in /flush_cache and /stats
@@ -36,6 +35,9 @@ class RouterConfig:
     host_weight: float = 0.5  # score per cached prefix token on the host (needs a load-back)
     load_weight: float = 0.5  # score penalty per in-flight token of the engine
     max_body_bytes: int = 32 * 1024 * 1024
+    # token bytes and page hashes of recent prompts, so a resent history is not hashed
+    # again (router.page_chains); 0 turns it off
+    page_chain_cache_bytes: int = 64 * 1024 * 1024
     max_stop_strings: int = 16
     shutdown_timeout_s: float = 30.0  # in-flight requests get this long at shutdown
     pd_admit_timeout_s: float = 10.0  # wait for a decode engine's DecodeAdmitReply
@@ -71,7 +73,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be a number >= 0, got {value}")
         if self.heartbeat_misses < 1:
             raise ValueError("heartbeat_misses must be >= 1")
-        for name in ("failed_strikes", "redis_breaker_window", "redis_max_connections"):
+        for name in ("failed_strikes", "redis_breaker_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 < self.redis_breaker_ratio <= 1:
@@ -80,6 +82,8 @@ class RouterConfig:
             raise ValueError("max_connections must be >= 2")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.page_chain_cache_bytes < 0:
+            raise ValueError("page_chain_cache_bytes must be >= 0")
         if self.max_stop_strings < 1:
             raise ValueError("max_stop_strings must be >= 1")
         if not self.bucket:

@@ -16,8 +16,8 @@ a retry would take down the next engine too (DESIGN.md 7a). The client gets a 50
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Collection
 from dataclasses import dataclass, field
@@ -33,7 +33,7 @@ from bus_schemas import (
 from router.config import RouterConfig
 from router.detokenize import TextAssembler
 from router.disagg import PDInfo, admit, retry_kind
-from router.engines import COLOCATED, DECODE, PREFILL, EngineTable, EngineView
+from router.engines import COLOCATED, DECODE, PREFILL, EngineTable, EngineView, pd_ready
 from router.errors import ApiError
 from router.metrics import RouterMetrics
 from router.protocol import GenerationSpec
@@ -59,6 +59,7 @@ class Outcome:
 
     request_id: str
     engine_id: str = ""  # the engine that generated (a P/D request's decode engine)
+    model: str = ""  # the model that engine serves
     prompt_tokens: int = 0
     cached_device: int = 0  # prompt tokens not computed (P/D: by the prefill engine)
     cached_host: int = 0
@@ -73,6 +74,37 @@ class Outcome:
     @property
     def cached_tokens(self) -> int:
         return self.cached_device + self.cached_host
+
+
+@dataclass(slots=True)
+class Timings:
+    """Where one request's time went in the router, in `time.perf_counter()` seconds (uvloop's
+    `loop.time()` ticks in whole milliseconds). Sent as the `Server-Timing` header of a
+    generation response (`server_timing`), and the source of the queue, TTFT and E2E metrics.
+    """
+
+    arrived: float  # the handler started: the body has been read
+    parse_s: float = 0.0  # JSON, validation, tokenization, limits
+    route_s: float = 0.0  # page hashes, the Redis lookup, the pick (every attempt)
+    dispatched: float | None = None  # the first request to an engine is about to be encoded
+    finished: float | None = None  # the last chunk was taken
+
+    @property
+    def engine_s(self) -> float | None:
+        """First dispatch to the last chunk: the round trip a client that sends the request
+        to the engine subject itself waits (encode, publish, the engine, the replies)."""
+        if self.dispatched is None or self.finished is None:
+            return None
+        return self.finished - self.dispatched
+
+    def server_timing(self, now: float) -> str:
+        """The `Server-Timing` header value (milliseconds); `total` is arrival to `now`."""
+        parts = [f"parse;dur={1e3 * self.parse_s:.3f}", f"route;dur={1e3 * self.route_s:.3f}"]
+        engine_s = self.engine_s
+        if engine_s is not None:
+            parts.append(f"engine;dur={1e3 * engine_s:.3f}")
+        parts.append(f"total;dur={1e3 * (now - self.arrived):.3f}")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +139,7 @@ class Generation:
         spec: GenerationSpec,
         max_new_tokens: int,
         bucket: str,
-        started_at: float,
+        timings: Timings,
     ) -> None:
         self.hub = hub
         self.table = table
@@ -117,12 +149,14 @@ class Generation:
         self.spec = spec
         self.max_new_tokens = max_new_tokens
         self.bucket = bucket
-        self.started_at = started_at
+        self.timings = timings
         self.outcome = Outcome(request_id=uuid.uuid4().hex)
         self.assembler = TextAssembler(tokenizer, spec.stop)
         self._pd: _PDAttempt | None = None
 
-    def candidates(self, role: str, excluded: Collection[str] = ()) -> list[EngineView]:
+    def candidates(
+        self, role: str | None = None, excluded: Collection[str] = ()
+    ) -> list[EngineView]:
         return [
             e
             for e in self.table.live(self.bucket, role)
@@ -134,7 +168,7 @@ class Generation:
 
         Close the iterator (`contextlib.aclosing`) to stop early: the engine gets an abort.
         """
-        if self.candidates(DECODE) and self.candidates(PREFILL):
+        if pd_ready(self.candidates()):
             self.metrics.pd_requests.inc()
             serve = self._run_pd()
         else:
@@ -151,11 +185,13 @@ class Generation:
             candidates = self.candidates(COLOCATED, excluded)
             if not candidates:
                 raise no_engine_error(self.bucket)
+            started = time.perf_counter()
             choice = await self.router.choose(
                 candidates, self.spec.input_ids, self.spec.cache_salt, retry=attempt > 0
             )
+            self.timings.route_s += time.perf_counter() - started
             engine_id = choice.engine.engine_id
-            self.outcome.engine_id = engine_id
+            self.outcome.engine_id, self.outcome.model = engine_id, choice.engine.model
             self.outcome.route_reason = choice.reason
             try:
                 async for delta in self._serve(engine_id):
@@ -200,7 +236,7 @@ class Generation:
             if route is None:
                 raise error or no_engine_error(self.bucket)
             decode, prefill = route[0].engine.engine_id, route[1].engine.engine_id
-            self.outcome.engine_id = decode
+            self.outcome.engine_id, self.outcome.model = decode, route[0].engine.model
             self.outcome.route_reason = route[0].reason
             # the first attempt's request id is the response's; retries get fresh ones, so
             # KV still in flight for a failed attempt cannot land in the next
@@ -241,9 +277,12 @@ class Generation:
             prefills = [e for e in prefills if e.engine_id == pinned[1]]
         if not decodes or not prefills:
             return None
-        return await self.router.choose_pd(
+        started = time.perf_counter()
+        route = await self.router.choose_pd(
             decodes, prefills, self.spec.input_ids, self.spec.cache_salt, retry=retry
         )
+        self.timings.route_s += time.perf_counter() - started
+        return route
 
     async def _serve_pd(
         self, decode: str, prefill: str, rid: str, reuse: bool
@@ -288,8 +327,10 @@ class Generation:
     # ------------------------------------------------------------ both paths
 
     def _dispatched(self) -> None:
-        if self.outcome.queue_s is None:
-            self.outcome.queue_s = asyncio.get_running_loop().time() - self.started_at
+        timings = self.timings
+        if timings.dispatched is None:
+            timings.dispatched = time.perf_counter()
+            self.outcome.queue_s = timings.dispatched - timings.arrived
 
     def _count(self, f: EngineFailure) -> None:
         self.metrics.bus_errors.labels(f.kind).inc()
@@ -309,6 +350,8 @@ class Generation:
                 self.outcome.finish_reason = chunk.finish_reason or "stop"
             self.outcome.text = self.assembler.text
             self.outcome.output_ids = self.assembler.ids
+            if self.outcome.finish_reason is not None:
+                self.timings.finished = time.perf_counter()
             yield Delta(self.assembler.release(), ids)
             if self.outcome.finish_reason is not None:
                 return
@@ -319,7 +362,7 @@ class Generation:
         if chunk.seq == 0:
             self._first(chunk)
         if out.ttft_s is None and chunk.token_ids:
-            out.ttft_s = asyncio.get_running_loop().time() - self.started_at
+            out.ttft_s = time.perf_counter() - self.timings.arrived
         taken = []
         for t in chunk.token_ids:
             taken.append(t)

@@ -26,7 +26,7 @@ from bus_schemas import (
 from router import keys
 from router.engines import EngineView, can_serve
 from router.errors import ApiError, json_response
-from router.generation import Generation, Outcome, no_engine_error
+from router.generation import Generation, Timings, no_engine_error
 from router.protocol import (
     GenerationSpec,
     check_limits,
@@ -45,6 +45,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Parser = Callable[[Mapping[str, Any], Tokenizer, int], GenerationSpec]
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 ENGINE_HEADER = "X-Hicache-Engine"  # the engine that generated (P/D: the decode engine)
+TIMING_HEADER = "Server-Timing"  # the router's own time per stage (`Timings.server_timing`)
 PREFILL_HEADER = "X-Hicache-Prefill-Engine"  # P/D only: the engine that computed the prompt
 REDIS_DOWN = "redis is down: cache-aware routing is off, routing by load"
 CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before the answer
@@ -73,7 +74,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     if request.path not in OPEN_PATHS:
         resource = request.match_info.route.resource
         endpoint = resource.canonical if resource is not None else "unmatched"
-        request.app[keys.METRICS].requests.labels(endpoint, str(resp.status)).inc()
+        metrics = request.app[keys.METRICS]
+        metrics.child(metrics.requests, endpoint, str(resp.status)).inc()
     return resp
 
 
@@ -147,10 +149,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
     app = request.app
     config, metrics = app[keys.CONFIG], app[keys.METRICS]
-    started_at, time_s = asyncio.get_running_loop().time(), time.time()
+    timings, time_s = Timings(time.perf_counter()), time.time()
     body = await read_json(request)
     spec = parse(body, app[keys.TOKENIZER], config.max_stop_strings)
-    gen = _generation(app, spec, started_at)
+    gen = _generation(app, spec, timings)
+    timings.parse_s = time.perf_counter() - timings.arrived
     recorder = app.get(keys.RECORDER)
     times = _TokenTimes()
     metrics.inflight.inc()
@@ -173,20 +176,38 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
         raise
     finally:
         metrics.inflight.dec()
-    _account(app, gen, times)
-    if recorder is not None:
-        recorder.write(
-            time_s=time_s,
-            endpoint=request.path,
-            status=resp.status,
-            body=body,
-            input_ids=spec.input_ids,
-            outcome=gen.outcome,
-        )
+    # aiohttp writes the response when we return; the bookkeeping runs after it, and so does
+    # freeing the decoded body (the callback holds it: a 32K-id list is 32K decrefs)
+    asyncio.get_running_loop().call_soon(
+        _after_response, app, gen, times, request.path, resp.status, time_s, body
+    )
     return resp
 
 
-def _generation(app: web.Application, spec: GenerationSpec, started_at: float) -> Generation:
+def _after_response(
+    app: web.Application,
+    gen: Generation,
+    times: _TokenTimes,
+    endpoint: str,
+    status: int,
+    time_s: float,
+    body: dict[str, Any],
+) -> None:
+    """Metrics and the record of a served request, once its response is on its way."""
+    _account(app, gen, times)
+    recorder = app.get(keys.RECORDER)
+    if recorder is not None:
+        recorder.write(
+            time_s=time_s,
+            endpoint=endpoint,
+            status=status,
+            body=body,
+            input_ids=gen.spec.input_ids,
+            outcome=gen.outcome,
+        )
+
+
+def _generation(app: web.Application, spec: GenerationSpec, timings: Timings) -> Generation:
     """Route-independent checks (live engines, model, limits), then a Generation."""
     table, router = app[keys.TABLE], app[keys.ROUTER]
     bucket = router.select_bucket(len(spec.input_ids), spec.max_tokens or 0)
@@ -214,7 +235,7 @@ def _generation(app: web.Application, spec: GenerationSpec, started_at: float) -
         spec=spec,
         max_new_tokens=max_new_tokens,
         bucket=bucket,
-        started_at=started_at,
+        timings=timings,
     )
 
 
@@ -229,10 +250,11 @@ async def _whole(request: web.Request, gen: Generation, times: _TokenTimes) -> w
             times.tick(len(delta.token_ids))
             if request.transport is None or request.transport.is_closing():
                 break  # the client left: closing the iterator aborts the engine
-    headers = _engine_headers(gen.outcome)
     if gen.spec.endpoint == "generate":
-        return json_response(generate_body(gen.outcome), headers=headers)
-    return json_response(_shape(gen).whole(gen.outcome), headers=headers)
+        body = generate_body(gen.outcome)
+    else:
+        body = _shape(gen).whole(gen.outcome)
+    return json_response(body, headers=_engine_headers(gen))
 
 
 async def _stream(request: web.Request, gen: Generation, times: _TokenTimes) -> web.StreamResponse:
@@ -247,7 +269,7 @@ async def _stream(request: web.Request, gen: Generation, times: _TokenTimes) -> 
                 times.tick(len(delta.token_ids))
                 out = gen.outcome
                 if not resp.prepared:
-                    resp.headers.update(_engine_headers(out))
+                    resp.headers.update(_engine_headers(gen))
                     await resp.prepare(request)
                     if gen.spec.endpoint != "generate":
                         shape = _shape(gen)
@@ -274,10 +296,14 @@ async def _stream(request: web.Request, gen: Generation, times: _TokenTimes) -> 
     return resp
 
 
-def _engine_headers(out: Outcome) -> dict[str, str]:
+def _engine_headers(gen: Generation) -> dict[str, str]:
+    """The engine(s) that served, and the router's time so far (a stream's headers leave
+    with its first chunk: its `engine` stage is not over yet)."""
+    out = gen.outcome
     headers = {ENGINE_HEADER: out.engine_id}
     if out.disaggregation is not None:
         headers[PREFILL_HEADER] = out.disaggregation.prefill_engine
+    headers[TIMING_HEADER] = gen.timings.server_timing(time.perf_counter())
     return headers
 
 
@@ -294,7 +320,7 @@ class _TokenTimes:
     def tick(self, num_tokens: int) -> None:
         if not num_tokens:
             return
-        now = asyncio.get_running_loop().time()
+        now = time.perf_counter()
         if self.last is not None:
             self.gaps.extend([(now - self.last) / num_tokens] * num_tokens)
         self.last = now
@@ -302,36 +328,34 @@ class _TokenTimes:
 
 def _account(app: web.Application, gen: Generation, times: _TokenTimes) -> None:
     metrics, spec, out = app[keys.METRICS], gen.spec, gen.outcome
+    child = metrics.child
     metrics.prompt_tokens.inc(out.prompt_tokens)
     metrics.completion_tokens.inc(len(out.output_ids))
-    metrics.cached_tokens.labels("device").inc(out.cached_device)
-    metrics.cached_tokens.labels("host").inc(out.cached_host)
+    child(metrics.cached_tokens, "device").inc(out.cached_device)
+    child(metrics.cached_tokens, "host").inc(out.cached_host)
     app[keys.TABLE].account(out.engine_id, out.prompt_tokens, out.cached_tokens)
     model = _model_name(gen)
-    metrics.sg_prompt_tokens.labels(model).inc(out.prompt_tokens)
-    metrics.sg_generation_tokens.labels(model).inc(len(out.output_ids))
-    metrics.sg_cached_tokens.labels(model).inc(out.cached_tokens)
-    e2e_s = asyncio.get_running_loop().time() - gen.started_at
-    metrics.sg_e2e.labels(model).observe(e2e_s)
+    child(metrics.sg_prompt_tokens, model).inc(out.prompt_tokens)
+    child(metrics.sg_generation_tokens, model).inc(len(out.output_ids))
+    child(metrics.sg_cached_tokens, model).inc(out.cached_tokens)
+    e2e_s = time.perf_counter() - gen.timings.arrived
+    child(metrics.sg_e2e, model).observe(e2e_s)
     if out.queue_s is not None:
-        metrics.sg_queue.labels(model).observe(out.queue_s)
+        child(metrics.sg_queue, model).observe(out.queue_s)
     if out.ttft_s is not None:
-        metrics.ttft.labels(spec.endpoint).observe(out.ttft_s)
-        metrics.sg_ttft.labels(model).observe(out.ttft_s)
+        child(metrics.ttft, spec.endpoint).observe(out.ttft_s)
+        child(metrics.sg_ttft, model).observe(out.ttft_s)
         if len(out.output_ids) > 1:
             tpot = (e2e_s - out.ttft_s) / (len(out.output_ids) - 1)
-            metrics.sg_tpot.labels(model).observe(tpot)
-    itl = metrics.sg_itl.labels(model)
+            child(metrics.sg_tpot, model).observe(tpot)
+    itl = child(metrics.sg_itl, model)
     for gap in times.gaps:
         itl.observe(gap)
 
 
 def _model_name(gen: Generation) -> str:
     """The served model of the request: as asked, else the generating engine's."""
-    if gen.spec.model is not None:
-        return gen.spec.model
-    engines = gen.table.live(gen.bucket)
-    return next((e.model for e in engines if e.engine_id == gen.outcome.engine_id), "")
+    return gen.spec.model if gen.spec.model is not None else gen.outcome.model
 
 
 # ------------------------------------------------------------------ the rest

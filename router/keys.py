@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import redis.asyncio as aioredis
 from aiohttp import web
 from nats.aio.client import Client as NatsClient
 
@@ -10,6 +9,7 @@ from router.config import RouterConfig
 from router.engines import EngineTable
 from router.metrics import RouterMetrics
 from router.record import Recorder
+from router.resp import RespClient
 from router.routing import Router
 from router.stream import ReplyHub
 from router.tokenizer import Tokenizer
@@ -19,7 +19,7 @@ METRICS = web.AppKey("metrics", RouterMetrics)
 TOKENIZER = web.AppKey[Tokenizer]("tokenizer")
 NATS = web.AppKey("nats", NatsClient)
 REPLIES = web.AppKey("replies", ReplyHub)  # the shared reply inbox
-REDIS = web.AppKey("redis", aioredis.Redis)
+REDIS = web.AppKey("redis", RespClient)
 TABLE = web.AppKey("engines", EngineTable)
 ROUTER = web.AppKey("router", Router)
 RECORDER = web.AppKey("recorder", Recorder)  # only set with --record

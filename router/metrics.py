@@ -10,8 +10,11 @@ the engines live at that moment. /health and /metrics polls are not counted as r
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 
 PREFIX = "hicache_router"
 SGLANG = "sglang"
@@ -21,12 +24,16 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.
 LOOKUP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
 class RouterMetrics:
     """Every metric the router exports. Label values are small closed sets."""
 
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -158,6 +165,15 @@ class RouterMetrics:
         self.sg_cached_tokens = Counter(
             f"{SGLANG}:cached_tokens", "prompt tokens served from cache", model, registry=r
         )
+
+    def child(self, metric: M, *labels: str) -> M:
+        """`metric.labels(*labels)`, bound once: the per-request path reads a dict instead of
+        prometheus' locked label lookup (label sets are small closed sets)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,9 +1,9 @@
 """Cache-aware engine choice.
 
 Per request: the page hashes of the prompt (namespace and page size from the bucket's
-heartbeats), ONE `EVALSHA` of `PREFIX_LOOKUP_LUA` (a binary search per engine over the page
-chain, which every engine holds prefix-closed), then for every live
-candidate
+heartbeats; the pages it shares with a recent prompt are not hashed again, `PageChains`),
+ONE `EVALSHA` of `PREFIX_LOOKUP_LUA` (a binary search per engine over the page chain, which
+every engine holds prefix-closed), then for every live candidate
 
     score = page_size x (device_weight x device pages + host_weight x host-only pages)
             - load_weight x in-flight tokens
@@ -27,13 +27,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisError
-
-from bus_schemas import page_hashes, redis_keys
+from bus_schemas import redis_keys
+from bus_schemas.token_ids import TokenIds
 from router.config import RouterConfig
 from router.engines import EngineView
 from router.metrics import RouterMetrics
+from router.page_chains import PageChains
+from router.resp import NoScriptError, RedisError, RespClient
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class PrefixIndex:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RespClient,
         config: RouterConfig,
         metrics: RouterMetrics,
         clock: Callable[[], float],
@@ -168,9 +168,9 @@ class PrefixIndex:
             await asyncio.sleep(self.config.redis_probe_s)
             await self.probe()
 
-    async def lookup(self, hashes: Sequence[str]) -> Lookup:
-        """Hits per engine holding the first page; `hits` None when Redis is unavailable
-        (the caller routes by load)."""
+    async def lookup(self, hashes: Sequence[str] | str) -> Lookup:
+        """Hits per engine holding the first page of `hashes` (hex, one per item or
+        concatenated); `hits` None when Redis is unavailable (the caller routes by load)."""
         if not hashes:
             return Lookup({})
         if not self.up:
@@ -203,10 +203,10 @@ class PrefixIndex:
 
     async def _evalsha(self, argv: list[str]) -> list[Any]:
         try:
-            return list(await self.redis.evalsha(LOOKUP_SHA, 0, *argv))
+            return await self.redis.evalsha(LOOKUP_SHA, 0, *argv)
         except NoScriptError:
             await self.redis.script_load(redis_keys.PREFIX_LOOKUP_LUA)
-            return list(await self.redis.evalsha(LOOKUP_SHA, 0, *argv))
+            return await self.redis.evalsha(LOOKUP_SHA, 0, *argv)
 
     def _on_timeout(self) -> Lookup:
         self.metrics.store_timeouts.inc()
@@ -244,6 +244,7 @@ class Router:
         self.index = index
         self.config = config
         self.metrics = metrics
+        self.chains = PageChains(config.page_chain_cache_bytes)
         self._turn = itertools.count()
 
     def select_bucket(self, prompt_len: int, max_tokens: int) -> str:
@@ -255,7 +256,7 @@ class Router:
     async def choose(
         self,
         candidates: Sequence[EngineView],
-        input_ids: Sequence[int],
+        input_ids: TokenIds,
         cache_salt: str,
         retry: bool = False,
     ) -> RouteChoice:
@@ -271,7 +272,7 @@ class Router:
         self,
         decodes: Sequence[EngineView],
         prefills: Sequence[EngineView],
-        input_ids: Sequence[int],
+        input_ids: TokenIds,
         cache_salt: str,
         retry: bool = False,
     ) -> tuple[RouteChoice, RouteChoice]:
@@ -288,9 +289,9 @@ class Router:
             self._pick(prefills, found, namespace, retry),
         )
 
-    async def _lookup(self, first: EngineView, input_ids: Sequence[int], cache_salt: str) -> Lookup:
+    async def _lookup(self, first: EngineView, input_ids: TokenIds, cache_salt: str) -> Lookup:
         """Hits per engine, for pages hashed as `first` (a candidate) hashes them."""
-        hashes = page_hashes(input_ids, first.page_size, first.namespace, cache_salt)
+        hashes = self.chains.hex_hashes(input_ids, first.page_size, first.namespace, cache_salt)
         return await self.index.lookup(hashes)
 
     def _pick(
@@ -317,7 +318,7 @@ class Router:
             reason = found.failure or "redis_down"
         else:
             reason = "cache" if hit.pages > 0 else "load"
-        self.metrics.routing.labels(reason).inc()
+        self.metrics.child(self.metrics.routing, reason).inc()
         return RouteChoice(best, reason, hit)
 
     def _score(self, engine: EngineView, hit: PrefixHit | None) -> float:

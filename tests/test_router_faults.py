@@ -45,6 +45,7 @@ from router.config import RouterConfig
 from router.engines import EngineTable
 from router.keys import TABLE
 from router.metrics import RouterMetrics
+from router.resp import RespClient
 from router.routing import PrefixIndex, _budget
 from services.launch.servers import ServerProcess, free_port, start_redis
 
@@ -412,7 +413,7 @@ async def test_a_hung_redis_times_out_apart_from_down_and_opens_the_breaker(
 ) -> None:
     config = RouterConfig(redis_timeout_s=0.05, redis_breaker_window=10, redis_retry_s=60.0)
     metrics = RouterMetrics()
-    client = aioredis.Redis.from_url(fresh_redis.url, decode_responses=True)
+    client = RespClient(fresh_redis.url)
     index = PrefixIndex(client, config, metrics, asyncio.get_running_loop().time)
     hashes = page_hashes(list(PROMPT.encode()), 4, "ns")
     try:
@@ -438,7 +439,7 @@ async def test_a_hung_redis_times_out_apart_from_down_and_opens_the_breaker(
 
 async def test_one_timeout_among_answers_keeps_cache_routing(fresh_redis: ServerProcess) -> None:
     config = RouterConfig(redis_timeout_s=0.05, redis_breaker_window=10)
-    client = aioredis.Redis.from_url(fresh_redis.url, decode_responses=True)
+    client = RespClient(fresh_redis.url)
     index = PrefixIndex(client, config, RouterMetrics(), asyncio.get_running_loop().time)
     hashes = page_hashes(list(PROMPT.encode()), 4, "ns")
     try:
