@@ -206,11 +206,11 @@ class ModelCardRequest(Message):
 class ModelCard(Message):
     """Engine -> router (reply): how to speak the served model's language, so the router
     tokenizes, applies the chat template and detokenizes exactly as the model expects
-    without importing `gpu_worker` (DESIGN.md 7)."""
+    without importing `gpu_worker` (DESIGN.md 7). It names no engine: every engine of one
+    model, tokenizer and template has the same card, hence the same digest."""
 
     TYPE: ClassVar[str] = "model_card"
 
-    engine_id: str
     served_model_name: str  # what clients name the model (`--served-model-name`)
     model: str  # the engine's --model value
     tokenizer: str  # "bytes" (UTF-8 bytes are ids 0..255: the random presets) or "json"

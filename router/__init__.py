@@ -1,9 +1,11 @@
 """The HTTP front of the mesh: OpenAI-compatible and SGLang-style APIs over NATS engines.
 
 One request, hop by hop:
-1. `handlers` (aiohttp; `app.init(config)` builds the app) reads the body; `protocol`
-   validates it into a `GenerationSpec` (the prompt tokenized by `tokenizer`, chat
-   messages rendered by `chat`); every error is an OpenAI-style 4xx from `errors`.
+1. `handlers` (aiohttp; `app.init(config)` builds the app) reads the body and picks the
+   served model (`models`: the tokenizer and chat template of the model card its engines
+   published); `protocol` validates the body into a `GenerationSpec` (the prompt tokenized
+   by that `tokenizer`, chat messages rendered by its `chat` template); every error is an
+   OpenAI-style 4xx from `errors`.
 2. `engines` (the live-engine table from heartbeats) gives the bucket's live engines;
    `protocol.check_limits` checks the ids and lengths against them.
 3. `routing` hashes the prompt's pages, asks Redis once (`PREFIX_LOOKUP_LUA`), and picks
@@ -14,7 +16,10 @@ One request, hop by hop:
    the engine failed before its first chunk. With a live prefill and decode engine in the
    bucket it serves by P/D instead (`disagg`: admit on decode, prefill sends KV, decode
    streams; restore and transfer failures retried once).
-5. `responses` shapes whole bodies or SSE chunks; `metrics` counts; `record` logs.
+   A request for `n` choices runs them side by side (`choices`): the others once choice 0
+   has cached the prompt, on its engine.
+5. `responses` shapes whole bodies or SSE chunks (logprobs, usage); `metrics` counts;
+   `record` logs.
 
 Nothing here imports torch, triton, gpu_worker or services (DESIGN.md section 1).
 """

@@ -2,7 +2,7 @@
 
     python -m router --port 8000 --nats-url nats://127.0.0.1:4222 \\
         --redis-url redis://127.0.0.1:6379/0 [--api-key KEY] [--record FILE] \\
-        [--tokenizer PATH] [--request-timeout S] [--bucket NAME] \\
+        [--request-timeout S] [--bucket NAME] \\
         [--pd-admit-timeout S] [--pd-transfer-timeout S] [--read-timeout S] \\
         [--max-connections N]
 
@@ -45,7 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' (default: $HICACHE_ROUTER_API_KEY)",
     )
     p.add_argument("--record", metavar="FILE", default=None, help="JSON lines per request")
-    p.add_argument("--tokenizer", metavar="PATH", default=None, help="a tokenizer.json (dir)")
     p.add_argument("--request-timeout", metavar="S", type=float, default=30.0)
     p.add_argument("--bucket", default="default")
     p.add_argument(
@@ -84,7 +83,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         redis_url=args.redis_url,
         api_key=args.api_key or None,
         record_path=args.record,
-        tokenizer_path=args.tokenizer,
         bucket=args.bucket,
         request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,

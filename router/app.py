@@ -23,13 +23,13 @@ from router.config import RouterConfig
 from router.engines import EngineTable
 from router.handlers import add_routes, auth_middleware, body_middleware, errors_middleware
 from router.metrics import RouterMetrics
+from router.models import ModelCards
 from router.natsconn import connect_nats
 from router.record import Recorder
 from router.resp import RespClient
 from router.routing import PrefixIndex, Router
 from router.server import GUARD, ConnectionGuard
 from router.stream import ReplyHub
-from router.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ def init(config: RouterConfig) -> web.Application:
     app[keys.CONFIG] = config
     app[keys.METRICS] = RouterMetrics()
     app[GUARD] = ConnectionGuard(config.max_connections, app[keys.METRICS])
-    app[keys.TOKENIZER] = load_tokenizer(config.tokenizer_path)
     app.cleanup_ctx.extend([nats_ctx, engines_ctx, redis_ctx, recorder_ctx])
     add_routes(app)
     return app
@@ -91,9 +90,13 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     loop = asyncio.get_running_loop()
     table = EngineTable(app[keys.CONFIG], app[keys.METRICS], loop.time)
     app[keys.TABLE] = table
+    cards = ModelCards(app[keys.NATS], app[keys.METRICS], loop.time)
+    app[keys.MODELS] = cards
 
     async def on_heartbeat(msg: Msg) -> None:
-        table.on_heartbeat_data(msg.data)
+        hb = table.on_heartbeat_data(msg.data)
+        if hb is not None:
+            cards.observe(hb.engine_id, hb.card_digest)
 
     sub = await app[keys.NATS].subscribe(subjects.HEARTBEAT, cb=on_heartbeat)
     sweeper = asyncio.create_task(table.run_sweeper(), name="engine-table-sweeper")
@@ -105,6 +108,7 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
             await sweeper
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
+        await cards.close()
 
 
 async def redis_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -12,7 +12,6 @@ class RouterConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     api_key: str | None = None  # when set, every endpoint but /health and /metrics needs it
     record_path: str | None = None  # JSON lines, one per finished request
-    tokenizer_path: str | None = None  # a directory with tokenizer.json; else bytes
     bucket: str = "default"  # the engine bucket requests go to
     request_timeout_s: float = 30.0  # longest wait for the first chunk and between chunks
     liveness_poll_s: float = 0.5  # how often a waiting request checks its engine's heartbeats

@@ -61,6 +61,7 @@ class EngineView:
     vocab_size: int
     load: int  # in-flight tokens
     role: str  # one of ROLES
+    card_digest: str  # its ModelCard's (router.models): requests are tokenized by the card
 
 
 def pd_ready(engines: Iterable[EngineView]) -> bool:
@@ -101,19 +102,21 @@ class EngineTable:
 
     # ------------------------------------------------------------ updates
 
-    def on_heartbeat_data(self, data: bytes) -> None:
-        """Decode and apply one heartbeat message; malformed ones are counted and dropped."""
+    def on_heartbeat_data(self, data: bytes) -> Heartbeat | None:
+        """Decode and apply one heartbeat message, and return it; malformed ones are
+        counted and dropped (None)."""
         try:
             hb = Heartbeat.decode(data)
         except SchemaError as e:
             self.metrics.bus_errors.labels("bad_heartbeat").inc()
             log.debug("dropped a heartbeat: %s", e)
-            return
+            return None
         bad = hb.interval_s <= 0 or hb.page_size <= 0 or hb.role not in ROLES
         if bad or not subjects.valid_token(hb.engine_id):
             self.metrics.bus_errors.labels("bad_heartbeat").inc()
-            return
+            return None
         self.observe(hb)
+        return hb
 
     def observe(self, hb: Heartbeat) -> None:
         now = self.clock()
@@ -233,6 +236,7 @@ class EngineTable:
             vocab_size=hb.vocab_size,
             load=max(entry.local_tokens, hb.inflight_tokens),
             role=hb.role,
+            card_digest=hb.card_digest,
         )
 
 

@@ -36,10 +36,10 @@ from router.disagg import PDInfo, admit, retry_kind
 from router.engines import COLOCATED, DECODE, PREFILL, EngineTable, EngineView, pd_ready
 from router.errors import ApiError
 from router.metrics import RouterMetrics
+from router.models import ServedModel
 from router.protocol import GenerationSpec
 from router.routing import RouteChoice, Router
 from router.stream import DECODE_ERRORS, EngineFailure, EngineStream, ReplyHub
-from router.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
 MAX_ATTEMPTS = 2
@@ -51,6 +51,16 @@ class Delta:
 
     text: str
     token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability, and the top tokens' (as the engine sent them;
+    `logprob` None for a P/D request's first token, which prefill sampled)."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 @dataclass(slots=True)
@@ -70,6 +80,7 @@ class Outcome:
     queue_s: float | None = None  # arrival until first sent to an engine (routing, lookup)
     route_reason: str = ""
     disaggregation: PDInfo | None = None  # set by a P/D request's first chunk
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked, one per output id
 
     @property
     def cached_tokens(self) -> int:
@@ -135,32 +146,41 @@ class Generation:
         router: Router,
         config: RouterConfig,
         metrics: RouterMetrics,
-        tokenizer: Tokenizer,
+        model: ServedModel,
         spec: GenerationSpec,
         max_new_tokens: int,
         bucket: str,
         timings: Timings,
+        choice: int = 0,
+        prefer: str | None = None,
     ) -> None:
+        """`choice`: which of the request's `spec.n` choices this is; `prefer`: an engine to
+        try first (a later choice goes where choice 0 cached the prompt)."""
         self.hub = hub
         self.table = table
         self.router = router
         self.config = config
         self.metrics = metrics
+        self.model = model
         self.spec = spec
         self.max_new_tokens = max_new_tokens
         self.bucket = bucket
         self.timings = timings
+        self.choice = choice
+        self.prefer = prefer
         self.outcome = Outcome(request_id=uuid.uuid4().hex)
-        self.assembler = TextAssembler(tokenizer, spec.stop)
+        self.assembler = TextAssembler(model.tokenizer, spec.stop)
         self._pd: _PDAttempt | None = None
 
     def candidates(
         self, role: str | None = None, excluded: Collection[str] = ()
     ) -> list[EngineView]:
+        """Live engines of the bucket that speak the request's model card (its tokens)."""
+        digest = self.model.digest
         return [
             e
             for e in self.table.live(self.bucket, role)
-            if e.engine_id not in excluded and (self.spec.model in (None, e.model))
+            if e.engine_id not in excluded and e.card_digest == digest
         ]
 
     async def run(self) -> AsyncGenerator[Delta, None]:
@@ -185,6 +205,9 @@ class Generation:
             candidates = self.candidates(COLOCATED, excluded)
             if not candidates:
                 raise no_engine_error(self.bucket)
+            preferred = [e for e in candidates if e.engine_id == self.prefer]
+            if attempt == 0 and preferred:
+                candidates = preferred
             started = time.perf_counter()
             choice = await self.router.choose(
                 candidates, self.spec.input_ids, self.spec.cache_salt, retry=attempt > 0
@@ -212,7 +235,7 @@ class Generation:
                 request = GenerateRequest(
                     request_id=rid,
                     input_ids=self.spec.input_ids,
-                    sampling=self.spec.sampling(self.max_new_tokens),
+                    sampling=self.spec.sampling(self.max_new_tokens, self.choice),
                     reply_to=stream.reply_to,
                     cache_salt=self.spec.cache_salt,
                 )
@@ -287,7 +310,8 @@ class Generation:
     async def _serve_pd(
         self, decode: str, prefill: str, rid: str, reuse: bool
     ) -> AsyncIterator[Delta]:
-        ids, sampling = self.spec.input_ids, self.spec.sampling(self.max_new_tokens)
+        ids = self.spec.input_ids
+        sampling = self.spec.sampling(self.max_new_tokens, self.choice)
         self._pd = None
         with (
             self.table.lease(decode, len(ids) + self.max_new_tokens),
@@ -368,6 +392,8 @@ class Generation:
             taken.append(t)
             if self.assembler.push(t):
                 break
+        if self.spec.logprobs is not None:
+            out.logprobs.extend(_logprobs(chunk, len(taken)))
         return taken
 
     def _first(self, chunk: TokenChunk) -> None:
@@ -383,6 +409,17 @@ class Generation:
         out.cached_host = info.prefill_cached_host
         self.metrics.pd_transferred_tokens.inc(max(info.transferred_tokens, 0))
         self.metrics.pd_transferred_bytes.inc(max(info.transferred_bytes, 0))
+
+
+def _logprobs(chunk: TokenChunk, num_taken: int) -> list[TokenLogprob]:
+    """The first `num_taken` tokens' logprobs of `chunk` (None where the engine sent none)."""
+    out = []
+    for i, t in enumerate(chunk.token_ids[:num_taken]):
+        lp = chunk.logprobs[i] if i < len(chunk.logprobs) else None
+        ids = chunk.top_logprob_ids[i] if i < len(chunk.top_logprob_ids) else []
+        lps = chunk.top_logprobs[i] if i < len(chunk.top_logprobs) else []
+        out.append(TokenLogprob(t, lp, tuple(zip(ids, lps, strict=False))))
+    return out
 
 
 def _retriable(f: EngineFailure) -> bool:

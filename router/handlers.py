@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
@@ -24,9 +25,11 @@ from bus_schemas import (
     subjects,
 )
 from router import keys
+from router.choices import Choices
 from router.engines import EngineView, can_serve
 from router.errors import ApiError, json_response
 from router.generation import Generation, Timings, no_engine_error
+from router.models import ServedModel
 from router.protocol import (
     GenerationSpec,
     check_limits,
@@ -37,12 +40,11 @@ from router.protocol import (
 )
 from router.responses import DONE, SSE_HEADERS, OpenAIShape, generate_body, sse
 from router.server import GUARD, read_body
-from router.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Parser = Callable[[Mapping[str, Any], Tokenizer, int], GenerationSpec]
+Parser = Callable[[Mapping[str, Any], ServedModel, int], GenerationSpec]
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 ENGINE_HEADER = "X-Hicache-Engine"  # the engine that generated (P/D: the decode engine)
 TIMING_HEADER = "Server-Timing"  # the router's own time per stage (`Timings.server_timing`)
@@ -151,17 +153,18 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
     config, metrics = app[keys.CONFIG], app[keys.METRICS]
     timings, time_s = Timings(time.perf_counter()), time.time()
     body = await read_json(request)
-    spec = parse(body, app[keys.TOKENIZER], config.max_stop_strings)
-    gen = _generation(app, spec, timings)
+    model = _served_model(app, body)
+    spec = parse(body, model, config.max_stop_strings)
+    choices = _choices(app, spec, model, timings)
     timings.parse_s = time.perf_counter() - timings.arrived
     recorder = app.get(keys.RECORDER)
     times = _TokenTimes()
     metrics.inflight.inc()
     try:
         if spec.stream:
-            resp = await _stream(request, gen, times)
+            resp = await _stream(request, choices, times)
         else:
-            resp = await _whole(request, gen, times)
+            resp = await _whole(request, choices, times)
     except ApiError as e:
         if recorder is not None:
             recorder.write(
@@ -170,7 +173,7 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
                 status=e.status,
                 body=body,
                 input_ids=spec.input_ids,
-                outcome=gen.outcome,
+                outcome=choices.first.outcome,
                 error=e.message,
             )
         raise
@@ -179,14 +182,14 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
     # aiohttp writes the response when we return; the bookkeeping runs after it, and so does
     # freeing the decoded body (the callback holds it: a 32K-id list is 32K decrefs)
     asyncio.get_running_loop().call_soon(
-        _after_response, app, gen, times, request.path, resp.status, time_s, body
+        _after_response, app, choices, times, request.path, resp.status, time_s, body
     )
     return resp
 
 
 def _after_response(
     app: web.Application,
-    gen: Generation,
+    choices: Choices,
     times: _TokenTimes,
     endpoint: str,
     status: int,
@@ -194,9 +197,10 @@ def _after_response(
     body: dict[str, Any],
 ) -> None:
     """Metrics and the record of a served request, once its response is on its way."""
-    _account(app, gen, times)
+    _account(app, choices, times)
     recorder = app.get(keys.RECORDER)
     if recorder is not None:
+        gen = choices.first
         recorder.write(
             time_s=time_s,
             endpoint=endpoint,
@@ -207,90 +211,143 @@ def _after_response(
         )
 
 
-def _generation(app: web.Application, spec: GenerationSpec, timings: Timings) -> Generation:
-    """Route-independent checks (live engines, model, limits), then a Generation."""
-    table, router = app[keys.TABLE], app[keys.ROUTER]
-    bucket = router.select_bucket(len(spec.input_ids), spec.max_tokens or 0)
-    engines = table.live(bucket) if app[keys.NATS].is_connected else []
-    if not can_serve(engines):
-        raise _unavailable(app, bucket)
-    if spec.model is not None and all(e.model != spec.model for e in engines):
-        served = sorted({e.model for e in engines})
+def _served_model(app: web.Application, body: Mapping[str, Any]) -> ServedModel:
+    """The model the request names (or the one served, when it names none), by the model
+    card most of its live engines speak."""
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
+    live = app[keys.TABLE].live() if app[keys.NATS].is_connected else []
+    if not can_serve(live):
+        raise _unavailable(app, app[keys.CONFIG].bucket)
+    served = sorted({e.model for e in live})
+    engines = [e for e in live if name in (None, "", e.model)]
+    if not engines:
         raise ApiError(
             404,
-            f"model {spec.model!r} is not served here (served: {served})",
+            f"model {name!r} is not served here (served: {served})",
             param="model",
             code="model_not_found",
         )
-    vocab_size = min(e.vocab_size for e in engines)
-    context_len = min(e.context_len for e in engines)
-    max_new_tokens = check_limits(spec, vocab_size, context_len)
-    return Generation(
-        hub=app[keys.REPLIES],
-        table=table,
-        router=router,
-        config=app[keys.CONFIG],
-        metrics=app[keys.METRICS],
-        tokenizer=app[keys.TOKENIZER],
-        spec=spec,
-        max_new_tokens=max_new_tokens,
-        bucket=bucket,
-        timings=timings,
+    if not name and len(served) > 1:
+        raise ApiError(400, f"'model' is required: this router serves {served}", param="model")
+    cards = app[keys.MODELS]
+    for digest, _ in Counter(e.card_digest for e in engines).most_common():
+        model = cards.get(digest)
+        if model is not None:
+            return model
+    raise ApiError(
+        503,
+        f"the model card of {engines[0].model!r} has not arrived yet; try again shortly",
+        code="model_loading",
+        retry_after_s=1,
     )
 
 
-def _shape(gen: Generation) -> OpenAIShape:
-    model = _model_name(gen)
-    return OpenAIShape(gen.spec.endpoint == "chat", gen.outcome.request_id, model, int(time.time()))
+def _choices(
+    app: web.Application, spec: GenerationSpec, model: ServedModel, timings: Timings
+) -> Choices:
+    """Route-independent checks (live engines of the model's card, limits), then the
+    request's generations (one per choice)."""
+    table, router = app[keys.TABLE], app[keys.ROUTER]
+    bucket = router.select_bucket(len(spec.input_ids), spec.max_tokens or 0)
+    engines = [e for e in table.live(bucket) if e.card_digest == model.digest]
+    if not can_serve(engines):
+        raise _unavailable(app, bucket)
+    max_new_tokens = check_limits(spec, model.card.vocab_size, model.card.context_len)
+
+    def make(choice: int, prefer: str | None) -> Generation:
+        return Generation(
+            hub=app[keys.REPLIES],
+            table=table,
+            router=router,
+            config=app[keys.CONFIG],
+            metrics=app[keys.METRICS],
+            model=model,
+            spec=spec,
+            max_new_tokens=max_new_tokens,
+            bucket=bucket,
+            timings=timings if choice == 0 else Timings(timings.arrived),
+            choice=choice,
+            prefer=prefer,
+        )
+
+    return Choices(make, spec.n)
 
 
-async def _whole(request: web.Request, gen: Generation, times: _TokenTimes) -> web.Response:
-    async with aclosing(gen.run()) as deltas:
-        async for delta in deltas:
-            times.tick(len(delta.token_ids))
+def _shape(choices: Choices) -> OpenAIShape:
+    gen = choices.first
+    return OpenAIShape(
+        gen.spec.endpoint == "chat",
+        gen.outcome.request_id,
+        _model_name(gen),
+        int(time.time()),
+        gen.model.tokenizer,
+        gen.spec.include_usage,
+    )
+
+
+async def _whole(request: web.Request, choices: Choices, times: _TokenTimes) -> web.Response:
+    async with aclosing(choices.run()) as deltas:
+        async for index, delta in deltas:
+            if index == 0:
+                times.tick(len(delta.token_ids))
             if request.transport is None or request.transport.is_closing():
-                break  # the client left: closing the iterator aborts the engine
-    if gen.spec.endpoint == "generate":
-        body = generate_body(gen.outcome)
+                break  # the client left: closing the iterator aborts the engines
+    spec = choices.first.spec
+    if spec.endpoint == "generate":
+        body = generate_body(choices.first.outcome, logprobs=spec.logprobs is not None)
     else:
-        body = _shape(gen).whole(gen.outcome)
-    return json_response(body, headers=_engine_headers(gen))
+        outs = [gen.outcome for gen in choices.gens]
+        body = _shape(choices).whole(outs, spec.logprobs is not None)
+    return json_response(body, headers=_engine_headers(choices.first))
 
 
-async def _stream(request: web.Request, gen: Generation, times: _TokenTimes) -> web.StreamResponse:
+async def _stream(request: web.Request, choices: Choices, times: _TokenTimes) -> web.StreamResponse:
     """SSE. Headers go out with the first engine chunk, so an engine that fails before it
     can still be retried or answered with a plain error status."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
+    spec = choices.first.spec
     shape: OpenAIShape | None = None
-    released = ""
-    async with aclosing(gen.run()) as deltas:
+    released = ""  # /generate: the text so far (one choice)
+    opened: set[int] = set()  # chat choices whose role chunk went out
+    sent_logprobs: dict[int, int] = {}  # per choice: logprobs already sent
+    async with aclosing(choices.run()) as deltas:
         try:
-            async for delta in deltas:
-                times.tick(len(delta.token_ids))
-                out = gen.outcome
+            async for index, delta in deltas:
+                if index == 0:
+                    times.tick(len(delta.token_ids))
+                out = choices.gens[index].outcome
                 if not resp.prepared:
-                    resp.headers.update(_engine_headers(gen))
+                    resp.headers.update(_engine_headers(choices.first))
                     await resp.prepare(request)
-                    if gen.spec.endpoint != "generate":
-                        shape = _shape(gen)
-                    if shape is not None and shape.chat:
-                        await resp.write(sse(shape.chunk("", [], first=True)))
+                    if spec.endpoint != "generate":
+                        shape = _shape(choices)
+                if shape is not None and shape.chat and index not in opened:
+                    opened.add(index)
+                    await resp.write(sse(shape.chunk(index, "", [], first=True)))
                 released += delta.text
                 final = out.finish_reason is not None
                 if not (delta.text or delta.token_ids or final):
                     continue
                 if shape is None:
-                    event = generate_body(out, released)
+                    event = generate_body(out, released, spec.logprobs is not None)
                 else:
+                    lps = None
+                    if spec.logprobs is not None:
+                        lps = out.logprobs[sent_logprobs.get(index, 0) :]
+                        sent_logprobs[index] = len(out.logprobs)
                     reason = out.finish_reason
-                    event = shape.chunk(delta.text, delta.token_ids, reason, out if final else None)
+                    event = shape.chunk(index, delta.text, delta.token_ids, reason, lps)
                 await resp.write(sse(event))
+            if shape is not None and shape.include_usage:
+                await resp.write(sse(shape.usage_chunk([g.outcome for g in choices.gens])))
         except ApiError as e:
             if not resp.prepared:
                 raise
             await resp.write(sse(e.body()))
         except ConnectionResetError:
-            return resp  # the client left; closing the iterator aborts the engine
+            return resp  # the client left; closing the iterator aborts the engines
     await resp.write(DONE)
     await resp.write_eof()
     return resp
@@ -326,17 +383,20 @@ class _TokenTimes:
         self.last = now
 
 
-def _account(app: web.Application, gen: Generation, times: _TokenTimes) -> None:
+def _account(app: web.Application, choices: Choices, times: _TokenTimes) -> None:
+    """Counts the prompt once and every choice's output; times are choice 0's."""
+    gen = choices.first
     metrics, spec, out = app[keys.METRICS], gen.spec, gen.outcome
     child = metrics.child
+    num_output = sum(len(g.outcome.output_ids) for g in choices.gens)
     metrics.prompt_tokens.inc(out.prompt_tokens)
-    metrics.completion_tokens.inc(len(out.output_ids))
+    metrics.completion_tokens.inc(num_output)
     child(metrics.cached_tokens, "device").inc(out.cached_device)
     child(metrics.cached_tokens, "host").inc(out.cached_host)
     app[keys.TABLE].account(out.engine_id, out.prompt_tokens, out.cached_tokens)
     model = _model_name(gen)
     child(metrics.sg_prompt_tokens, model).inc(out.prompt_tokens)
-    child(metrics.sg_generation_tokens, model).inc(len(out.output_ids))
+    child(metrics.sg_generation_tokens, model).inc(num_output)
     child(metrics.sg_cached_tokens, model).inc(out.cached_tokens)
     e2e_s = time.perf_counter() - gen.timings.arrived
     child(metrics.sg_e2e, model).observe(e2e_s)
@@ -363,7 +423,7 @@ def _model_name(gen: Generation) -> str:
 
 async def models(request: web.Request) -> web.Response:
     seen: dict[str, int] = {}
-    for e in request.app[keys.TABLE].live():
+    for e in _ready(request.app, request.app[keys.TABLE].live()):
         seen[e.model] = max(seen.get(e.model, 0), e.context_len)
     data = [
         {"id": m, "object": "model", "created": 0, "owned_by": "hicache-mesh", "max_model_len": n}
@@ -374,12 +434,14 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """200 when NATS is up and some bucket can serve: a live colocated engine, or a live
-    prefill and decode engine pair. The status is "degraded" (still 200: requests are
-    served) with `reasons` when a dependency is down that only costs cache reuse (Redis)."""
+    prefill and decode engine pair, whose model card the router holds. The status is
+    "degraded" (still 200: requests are served) with `reasons` when a dependency is down
+    that only costs cache reuse (Redis)."""
     nc = request.app[keys.NATS]
     live = request.app[keys.TABLE].live()
+    ready = _ready(request.app, live)
     buckets: dict[str, list[EngineView]] = {}
-    for e in live:
+    for e in ready:
         buckets.setdefault(e.bucket, []).append(e)
     serving = any(can_serve(engines) for engines in buckets.values())
     redis_up = request.app[keys.ROUTER].index.up
@@ -387,14 +449,27 @@ async def health(request: web.Request) -> web.Response:
         "nats_connected": nc.is_connected,
         "redis_connected": redis_up,
         "live_engines": [e.engine_id for e in live],
+        "ready_engines": [e.engine_id for e in ready],  # live, and their model card is here
+        "models": sorted({e.model for e in ready}),
         "roles": {e.engine_id: e.role for e in live},
     }
     if nc.is_connected and serving:
         reasons = [] if redis_up else [REDIS_DOWN]
         status = "degraded" if reasons else "ok"
         return json_response({"status": status, "reasons": reasons} | state)
-    why = BUS_DOWN if not nc.is_connected else "no live engine can serve"
+    if not nc.is_connected:
+        why = BUS_DOWN
+    elif can_serve(live):
+        why = "waiting for the engines' model cards"
+    else:
+        why = "no live engine can serve"
     return ApiError(503, why, code="unhealthy", retry_after_s=1).response(state)
+
+
+def _ready(app: web.Application, engines: list[EngineView]) -> list[EngineView]:
+    """The engines whose model card the router holds (it can parse requests for them)."""
+    cards = app[keys.MODELS]
+    return [e for e in engines if cards.get(e.card_digest) is not None]
 
 
 BUS_DOWN = "message bus (NATS) unavailable"

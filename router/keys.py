@@ -8,15 +8,15 @@ from nats.aio.client import Client as NatsClient
 from router.config import RouterConfig
 from router.engines import EngineTable
 from router.metrics import RouterMetrics
+from router.models import ModelCards
 from router.record import Recorder
 from router.resp import RespClient
 from router.routing import Router
 from router.stream import ReplyHub
-from router.tokenizer import Tokenizer
 
 CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", RouterMetrics)
-TOKENIZER = web.AppKey[Tokenizer]("tokenizer")
+MODELS = web.AppKey("models", ModelCards)  # the served models, from engines' model cards
 NATS = web.AppKey("nats", NatsClient)
 REPLIES = web.AppKey("replies", ReplyHub)  # the shared reply inbox
 REDIS = web.AppKey("redis", RespClient)

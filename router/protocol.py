@@ -13,9 +13,19 @@ conversion rejects negatives, non-integers and ids >= 2**32 in C, bools are look
 among the ids that converted to 0 or 1 (`_has_bool`), the vocabulary bound is one `max()`;
 the per-element loop runs only to name the first bad id in the error.
 
-OpenAI endpoints ignore unknown top-level fields (clients send many) but reject a set value
-of a feature the router does not implement (`n > 1`, `best_of > 1`, `echo`, `logprobs`,
-`suffix`). `/generate` rejects unknown fields at the top level and in `sampling_params`.
+OpenAI endpoints ignore unknown top-level fields (clients send many) but reject, with a 400
+naming the parameter, a set value of a feature the router does not implement (tools and
+function calling, `response_format` other than text, `echo`, `suffix`, `best_of`, audio,
+...: `UNSUPPORTED`). `/generate` rejects unknown fields at the top level and in
+`sampling_params`.
+
+Sampling parameters, each as OpenAI or SGLang name it: `temperature`, `top_p`, `top_k`
+(0 or -1: off), `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`,
+`logit_bias` (token id -> bias in [-100, 100]), `seed`, `stop`, `stop_token_ids`,
+`ignore_eos`; `n` choices (up to `MAX_N`); `logprobs` (completions: the number of top
+logprobs; chat: `logprobs` true and `top_logprobs`; `/generate`: `return_logprob` and
+`top_logprobs_num`, up to `MAX_LOGPROBS`). Streams send usage only when asked
+(`stream_options.include_usage`).
 """
 
 from __future__ import annotations
@@ -32,19 +42,63 @@ from aiohttp import web
 
 from bus_schemas import Sampling
 from bus_schemas.token_ids import TokenIds, as_token_ids
-from router.chat import ROLES, ChatMessage, render
+from router.chat import ROLES, ChatMessage, ChatTemplateError
 from router.errors import ApiError, bad_request
-from router.tokenizer import Tokenizer
+from router.models import ServedModel
 
 DEFAULT_MAX_TOKENS = 16
 MAX_SEED = 2**63  # seeds are in [0, 2**63): they seed a 64-bit generator
 MAX_SALT_LEN = 1024
 MAX_STOP_LEN = 1024
+MAX_N = 16  # choices per request
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs (the engine's too)
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
-GENERATE_FIELDS = frozenset({"text", "input_ids", "sampling_params", "stream", "cache_salt"})
-SAMPLING_FIELDS = frozenset(
-    {"max_new_tokens", "temperature", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos"}
+GENERATE_FIELDS = frozenset(
+    {
+        "text",
+        "input_ids",
+        "sampling_params",
+        "stream",
+        "cache_salt",
+        "return_logprob",
+        "top_logprobs_num",
+    }
 )
+SAMPLING_FIELDS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+    }
+)
+# OpenAI fields whose set values the router does not implement; a value equal to the
+# listed "off" value is accepted (clients send defaults)
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "parallel_tool_calls": (),
+    "echo": (False,),
+    "suffix": ("",),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "reasoning_effort": (),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,21 +114,40 @@ class GenerationSpec:
     stop: tuple[str, ...] = ()  # stop strings, matched by the router on decoded text
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    logprobs: int | None = None  # None: none; k: each token's logprob and the top k's
+    n: int = 1  # choices
     stream: bool = False
+    include_usage: bool = False  # a stream ends with a usage chunk (stream_options)
     cache_salt: str = ""
     model: str | None = None  # the model the client asked for, if any
     # max(input_ids) when parsing had it cheaply (max over the decoded JSON list costs half
     # of max over the array); None: check_limits computes it
     max_input_id: int | None = None
 
-    def sampling(self, max_new_tokens: int) -> Sampling:
+    def sampling(self, max_new_tokens: int, choice: int = 0) -> Sampling:
+        """The engine's sampling for choice `choice` of `n`: a seeded request's choices draw
+        from seeds `seed`, `seed + 1`, ... (else they would all draw alike)."""
+        seed = None if self.seed is None else (self.seed + choice) % MAX_SEED
         return Sampling(
             max_new_tokens=max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            seed=self.seed,
+            seed=seed,
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={str(t): b for t, b in self.logit_bias},
+            logprobs=self.logprobs,
         )
 
 
@@ -96,19 +169,34 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 # ------------------------------------------------------------------ endpoints
 
 
-def parse_completion(body: Mapping[str, Any], tok: Tokenizer, max_stop: int) -> GenerationSpec:
+def parse_completion(body: Mapping[str, Any], model: ServedModel, max_stop: int) -> GenerationSpec:
     _reject_unsupported(body)
-    ids, max_id = _prompt_ids(body.get("prompt"), tok)
-    return _openai_spec("completions", body, ids, max_stop, max_id)
+    ids, max_id = _prompt_ids(body.get("prompt"), model)
+    logprobs = _Fields(body).int_("logprobs", 0, MAX_LOGPROBS)
+    return _openai_spec("completions", body, ids, max_stop, logprobs, max_id)
 
 
-def parse_chat(body: Mapping[str, Any], tok: Tokenizer, max_stop: int) -> GenerationSpec:
+def parse_chat(body: Mapping[str, Any], model: ServedModel, max_stop: int) -> GenerationSpec:
     _reject_unsupported(body)
-    ids = as_token_ids(tok.encode(render(_messages(body.get("messages")))))
-    return _openai_spec("chat", body, ids, max_stop)
+    f = _Fields(body)
+    want = f.bool_("logprobs", False)
+    top = f.int_("top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not want:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    messages = _messages(body.get("messages"))
+    try:
+        text = model.render_chat(messages)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages", "chat_template_error") from None
+    except ValueError as e:
+        raise ApiError(500, str(e), code="chat_template_unusable") from None
+    ids = as_token_ids(model.tokenizer.encode(text, add_special_tokens=False))
+    ids = _nonempty(ids, "messages")
+    return _openai_spec("chat", body, ids, max_stop, (top or 0) if want else None)
 
 
-def parse_generate(body: Mapping[str, Any], tok: Tokenizer, max_stop: int) -> GenerationSpec:
+def parse_generate(body: Mapping[str, Any], model: ServedModel, max_stop: int) -> GenerationSpec:
+    tok = model.tokenizer
     unknown = sorted(set(body) - GENERATE_FIELDS)
     if unknown:
         raise bad_request(f"unknown field(s) {unknown}", unknown[0], "unknown_field")
@@ -130,22 +218,17 @@ def parse_generate(body: Mapping[str, Any], tok: Tokenizer, max_stop: int) -> Ge
     if unknown:
         param = f"sampling_params.{unknown[0]}"
         raise bad_request(f"unknown sampling parameter(s) {unknown}", param, "unknown_field")
-    f = _Fields(sp, "sampling_params.")
-    stop_token_ids = sp.get("stop_token_ids")
+    top = _Fields(body)
+    want = top.bool_("return_logprob", False)
+    num = top.int_("top_logprobs_num", 0, MAX_LOGPROBS)
     return GenerationSpec(
         endpoint="generate",
         input_ids=input_ids,
-        max_tokens=f.int_("max_new_tokens", 0, None),
-        temperature=f.temperature(),
-        top_p=f.top_p(),
-        seed=f.int_("seed", 0, MAX_SEED - 1),
-        stop=f.stop(max_stop),
-        stop_token_ids=()
-        if stop_token_ids is None
-        else tuple(_token_ids(stop_token_ids, "sampling_params.stop_token_ids", empty_ok=True)[0]),
-        ignore_eos=f.bool_("ignore_eos", False),
-        stream=_Fields(body).bool_("stream", False),
-        cache_salt=_Fields(body).salt("cache_salt"),
+        max_tokens=_Fields(sp, "sampling_params.").int_("max_new_tokens", 0, None),
+        **_sampling(sp, "sampling_params.", max_stop),
+        logprobs=(num or 0) if want else None,
+        stream=top.bool_("stream", False),
+        cache_salt=top.salt("cache_salt"),
         max_input_id=max_id,
     )
 
@@ -155,9 +238,11 @@ def check_limits(spec: GenerationSpec, vocab_size: int, context_len: int) -> int
     that does not fit the context."""
     native = spec.endpoint == "generate"
     stop_param = "sampling_params.stop_token_ids" if native else "stop_token_ids"
+    bias_param = "sampling_params.logit_bias" if native else "logit_bias"
     checks = (
         ("prompt", spec.input_ids, spec.max_input_id),
         (stop_param, spec.stop_token_ids, None),
+        (bias_param, [t for t, _ in spec.logit_bias], None),
     )
     for param, ids, max_id in checks:
         if not ids:
@@ -198,6 +283,7 @@ def _openai_spec(
     body: Mapping[str, Any],
     ids: TokenIds,
     max_stop: int,
+    logprobs: int | None,
     max_input_id: int | None = None,
 ) -> GenerationSpec:
     f = _Fields(body)
@@ -208,41 +294,82 @@ def _openai_spec(
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model", "invalid_type")
+    stream = f.bool_("stream", False)
     # OpenAI's `user` isolates the cache when no explicit cache_salt is given.
     cache_salt = f.salt("cache_salt") or f.salt("user")
     return GenerationSpec(
         endpoint=endpoint,
         input_ids=ids,
         max_tokens=max_tokens,
-        temperature=f.temperature(),
-        top_p=f.top_p(),
-        seed=f.int_("seed", 0, MAX_SEED - 1),
-        stop=f.stop(max_stop),
-        ignore_eos=f.bool_("ignore_eos", False),
-        stream=f.bool_("stream", False),
+        **_sampling(body, "", max_stop),
+        logprobs=logprobs,
+        n=f.int_("n", 1, MAX_N) or 1,
+        stream=stream,
+        include_usage=_include_usage(body, stream),
         cache_salt=cache_salt,
         model=model or None,
         max_input_id=max_input_id,
     )
 
 
+def _sampling(body: Mapping[str, Any], prefix: str, max_stop: int) -> dict[str, Any]:
+    """The sampling fields every endpoint shares, as GenerationSpec keywords."""
+    f = _Fields(body, prefix)
+    stop_token_ids = body.get("stop_token_ids")
+    top_k = f.int_("top_k", -1, None)
+    return {
+        "temperature": f.temperature(),
+        "top_p": f.top_p(),
+        "top_k": 0 if top_k is None or top_k < 0 else top_k,  # -1 (SGLang's off) -> 0
+        "min_p": f.ranged("min_p", 0.0, 0.0, 1.0),
+        "repetition_penalty": f.positive("repetition_penalty", 1.0),
+        "presence_penalty": f.ranged("presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": f.ranged("frequency_penalty", 0.0, -2.0, 2.0),
+        "logit_bias": f.logit_bias(),
+        "seed": f.int_("seed", 0, MAX_SEED - 1),
+        "stop": f.stop(max_stop),
+        "stop_token_ids": ()
+        if stop_token_ids is None
+        else tuple(_token_ids(stop_token_ids, prefix + "stop_token_ids", empty_ok=True)[0]),
+        "ignore_eos": f.bool_("ignore_eos", False),
+    }
+
+
+def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("'stream_options' needs 'stream': true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options", "invalid_type")
+    return _Fields(options, "stream_options.").bool_("include_usage", False)
+
+
 def _reject_unsupported(body: Mapping[str, Any]) -> None:
-    f = _Fields(body)
-    if f.int_("n", 1, None) not in (None, 1):
-        raise bad_request("only n=1 is supported", "n", "unsupported_value")
-    if f.int_("best_of", 1, None) not in (None, 1):
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value not in off:
+            raise bad_request(
+                f"'{name}' is not supported by this server", name, "unsupported_parameter"
+            )
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise bad_request(
+            'only \'response_format\': {"type": "text"} is supported',
+            "response_format",
+            "unsupported_parameter",
+        )
+    if _Fields(body).int_("best_of", 1, None) not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
-    for name in ("echo", "logprobs", "top_logprobs", "suffix"):
-        if body.get(name) not in (None, False, "", 0):
-            raise bad_request(f"'{name}' is not supported", name, "unsupported_value")
 
 
-def _prompt_ids(prompt: Any, tok: Tokenizer) -> tuple[TokenIds, int | None]:
+def _prompt_ids(prompt: Any, model: ServedModel) -> tuple[TokenIds, int | None]:
     """The prompt's ids, and their max when it came cheaply (see GenerationSpec)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return _nonempty(as_token_ids(tok.encode(prompt)), "prompt"), None
+        return _nonempty(as_token_ids(model.tokenizer.encode(prompt)), "prompt"), None
     if isinstance(prompt, list):
         if prompt and all(isinstance(p, str | list) for p in prompt):
             raise bad_request("only one prompt per request", "prompt", "unsupported_value")
@@ -381,6 +508,45 @@ class _Fields:
             param = self.prefix + "top_p"
             raise bad_request(f"'{param}' must be in (0, 1], got {v}", param)
         return 1.0 if v is None else v
+
+    def ranged(self, name: str, default: float, lo: float, hi: float) -> float:
+        v = self.float_(name)
+        if v is None:
+            return default
+        if not lo <= v <= hi:
+            param = self.prefix + name
+            raise bad_request(f"'{param}' must be in [{lo:g}, {hi:g}], got {v}", param)
+        return v
+
+    def positive(self, name: str, default: float) -> float:
+        v = self.float_(name)
+        if v is None:
+            return default
+        if v <= 0:
+            param = self.prefix + name
+            raise bad_request(f"'{param}' must be > 0, got {v}", param)
+        return v
+
+    def logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """`{"token id": bias}` as (id, bias) pairs, ids ascending."""
+        v = self.body.get("logit_bias")
+        param = self.prefix + "logit_bias"
+        if v is None:
+            return ()
+        if not isinstance(v, dict):
+            raise bad_request(f"'{param}' must be an object", param, "invalid_type")
+        if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+            raise bad_request(f"'{param}' allows at most {MAX_LOGIT_BIAS_ENTRIES} entries", param)
+        out = []
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:
+                raise bad_request(f"'{param}' keys must be token ids, got {key!r}", param)
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise bad_request(f"'{param}' values must be numbers", param, "invalid_type")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise bad_request(f"'{param}' values must be in [-100, 100], got {bias}", param)
+            out.append((int(key), float(bias)))
+        return tuple(sorted(out))
 
     def bool_(self, name: str, default: bool) -> bool:
         v = self.body.get(name)

@@ -4,18 +4,32 @@ Extensions to the OpenAI shapes: every choice carries `token_ids` (the generated
 stream chunk, the ids that arrived with it), and `usage.prompt_tokens_details` carries
 `cached_tokens_by_tier: {device, host}`; a P/D request's cached tokens are the prefill
 engine's (the prompt compute it skipped), and its `usage.disaggregation` (`/generate`:
-`meta_info.disaggregation`) says what each side reused and what moved. In a stream the
-chunk with `finish_reason` also carries `usage`. `/generate` streams cumulative `text` and
-`output_ids` (as SGLang does), with `meta_info.finish_reason` null until the last event.
+`meta_info.disaggregation`) says what each side reused and what moved. With `n` choices,
+usage counts the prompt once (choice 0's, whose prefill the others reuse) and the
+completion tokens of all.
+
+Streams send usage only when the request asked for it (`stream_options.include_usage`): then
+every chunk has `"usage": null`, and a last chunk with no choices carries it, as OpenAI's
+API does. `/generate` streams cumulative `text` and `output_ids` (as SGLang does), with
+`meta_info.finish_reason` null until the last event.
+
+Logprobs: completions give OpenAI's legacy shape (`tokens`, `token_logprobs`,
+`top_logprobs`, `text_offset`), chat the `content` list (`token`, `logprob`, `bytes`,
+`top_logprobs`), `/generate` SGLang's `output_token_logprobs` and `output_top_logprobs`
+(`[logprob, token_id, null]`). A token's text is its bytes decoded (a token holding part of
+a UTF-8 character shows U+FFFD; `bytes` has the truth). A P/D request's first token was
+sampled by prefill, which does not report its logprob: it is null.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
-from router.generation import Outcome
+from router.generation import Outcome, TokenLogprob
+from router.tokenizer import Tokenizer
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {
@@ -29,52 +43,69 @@ def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def usage(out: Outcome) -> dict[str, Any]:
-    completion = len(out.output_ids)
+def usage(outs: Sequence[Outcome]) -> dict[str, Any]:
+    first = outs[0]
+    completion = sum(len(out.output_ids) for out in outs)
     body: dict[str, Any] = {
-        "prompt_tokens": out.prompt_tokens,
+        "prompt_tokens": first.prompt_tokens,
         "completion_tokens": completion,
-        "total_tokens": out.prompt_tokens + completion,
+        "total_tokens": first.prompt_tokens + completion,
         "prompt_tokens_details": {
-            "cached_tokens": out.cached_tokens,
-            "cached_tokens_by_tier": {"device": out.cached_device, "host": out.cached_host},
+            "cached_tokens": first.cached_tokens,
+            "cached_tokens_by_tier": {"device": first.cached_device, "host": first.cached_host},
         },
     }
-    if out.disaggregation is not None:
-        body["disaggregation"] = out.disaggregation.as_dict()
+    if first.disaggregation is not None:
+        body["disaggregation"] = first.disaggregation.as_dict()
     return body
 
 
 class OpenAIShape:
     """Bodies for one completions or chat request (`chat` selects the object names)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, created: int) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        created: int,
+        tokenizer: Tokenizer,
+        include_usage: bool = False,
+    ) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = created
+        self.tok = tokenizer
+        self.include_usage = include_usage
+        self._text_offset: dict[int, int] = {}  # per choice: completion characters so far
 
-    def whole(self, out: Outcome) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-        else:
-            choice["text"] = out.text
-        choice |= {"token_ids": out.output_ids, "logprobs": None}
-        choice["finish_reason"] = out.finish_reason
+    def whole(self, outs: Sequence[Outcome], logprobs: bool) -> dict[str, Any]:
+        choices = []
+        for index, out in enumerate(outs):
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": out.text}
+            else:
+                choice["text"] = out.text
+            choice["token_ids"] = out.output_ids
+            choice["logprobs"] = self._logprobs(index, out.logprobs) if logprobs else None
+            choice["finish_reason"] = out.finish_reason
+            choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return self._envelope(obj, [choice]) | {"usage": usage(out)}
+        return self._envelope(obj, choices) | {"usage": usage(outs)}
 
     def chunk(
         self,
+        index: int,
         text: str,
         token_ids: list[int],
         finish_reason: str | None = None,
-        out: Outcome | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
         first: bool = False,
     ) -> dict[str, Any]:
-        """One stream chunk; pass `out` with the last one to include usage."""
-        choice: dict[str, Any] = {"index": 0}
+        """One stream chunk of choice `index`; `logprobs`, when asked, of its tokens."""
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text or first:
@@ -82,12 +113,44 @@ class OpenAIShape:
             choice["delta"] = delta
         else:
             choice["text"] = text
-        choice |= {"token_ids": token_ids, "logprobs": None, "finish_reason": finish_reason}
+        choice["token_ids"] = token_ids
+        choice["logprobs"] = None if logprobs is None else self._logprobs(index, logprobs)
+        choice["finish_reason"] = finish_reason
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = self._envelope(obj, [choice])
-        if out is not None:
-            body["usage"] = usage(out)
+        if self.include_usage:
+            body["usage"] = None
         return body
+
+    def usage_chunk(self, outs: Sequence[Outcome]) -> dict[str, Any]:
+        """A stream's last chunk when usage was asked for: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, []) | {"usage": usage(outs)}
+
+    def _logprobs(self, index: int, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+        if self.chat:
+            content = [
+                _chat_entry(self.tok, lp.token_id, lp.logprob)
+                | {"top_logprobs": [_chat_entry(self.tok, t, v) for t, v in lp.top]}
+                for lp in lps
+            ]
+            return {"content": content, "refusal": None}
+        tokens = [self._text(lp.token_id) for lp in lps]
+        offsets = []
+        offset = self._text_offset.get(index, 0)
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offset[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self._text(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def _text(self, token_id: int) -> str:
+        return self.tok.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -99,7 +162,16 @@ class OpenAIShape:
         }
 
 
-def generate_body(out: Outcome, text: str | None = None) -> dict[str, Any]:
+def _chat_entry(tok: Tokenizer, token_id: int, logprob: float | None) -> dict[str, Any]:
+    data = tok.token_bytes(token_id)
+    return {
+        "token": data.decode("utf-8", errors="replace"),
+        "logprob": logprob,
+        "bytes": list(data),
+    }
+
+
+def generate_body(out: Outcome, text: str | None = None, logprobs: bool = False) -> dict[str, Any]:
     """The `/generate` body; a stream passes the `text` released so far."""
     meta: dict[str, Any] = {
         "id": out.request_id,
@@ -113,6 +185,9 @@ def generate_body(out: Outcome, text: str | None = None) -> dict[str, Any]:
     }
     if out.disaggregation is not None:
         meta["disaggregation"] = out.disaggregation.as_dict()
+    if logprobs:
+        meta["output_token_logprobs"] = [[lp.logprob, lp.token_id, None] for lp in out.logprobs]
+        meta["output_top_logprobs"] = [[[v, t, None] for t, v in lp.top] for lp in out.logprobs]
     return {
         "text": out.text if text is None else text,
         "output_ids": out.output_ids,

@@ -3,7 +3,9 @@
 `FakeEngine` is a real NATS client in the test process speaking the engine side of the
 bus_schemas contract: it publishes `Heartbeat`s, answers `GenerateRequest`s with
 deterministic tokens (`output[i] = (input_ids[i % len] + 1) % vocab_size`, see
-`expected_tokens`), and serves abort, flush and stats. Knobs make it misbehave: go silent
+`expected_tokens`; asked for logprobs, token i has logprob `-(i + 1) / 10` and the top k are
+`expected_top`), and serves abort, flush, stats and its model card (the byte tokenizer, no
+chat template, or `chat_template`). Knobs make it misbehave: go silent
 (no heartbeats, no chunks: a killed engine), stop answering while still heartbeating (a hung
 engine), or answer with an error chunk.
 
@@ -40,6 +42,7 @@ from bus_schemas import (
     FlushReply,
     GenerateRequest,
     Heartbeat,
+    ModelCard,
     PrefillRequest,
     Sampling,
     StatsReply,
@@ -59,6 +62,13 @@ KV_BYTES_PER_TOKEN = 8
 def expected_tokens(input_ids: Sequence[int], n: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
     """What a FakeEngine generates for `input_ids` with max_new_tokens `n` (no EOS hit)."""
     return [(input_ids[i % len(input_ids)] + 1) % vocab_size for i in range(n)]
+
+
+def expected_top(
+    token: int, i: int, k: int, vocab_size: int = VOCAB_SIZE
+) -> list[tuple[int, float]]:
+    """A FakeEngine's top `k` logprobs at output position `i` (token `token` first)."""
+    return [((token + j) % vocab_size, -(i + 1) / 10 - j) for j in range(k)]
 
 
 @dataclass
@@ -88,11 +98,16 @@ class FakeEngine:
     error: tuple[int, str] | None = None  # answer every request with this error chunk
     crashed: bool = False  # mark error chunks engine_crashed (its step loop died)
     flush_success: bool = True
+    chat_template: str | None = None  # its model card's
+    tokenizer_json: str = ""  # its model card's tokenizer (a `tokenizers` JSON), else bytes
+    bos_token_id: int | None = None  # its model card's
+    mute_card: bool = False  # model card requests go unanswered
     # --- what it saw
     received: list[GenerateRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     flushes: int = 0
     stats_requests: int = 0
+    card_requests: int = 0
     epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     _nc: NATS | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -111,6 +126,7 @@ class FakeEngine:
         await self.nc.subscribe(subjects.engine_abort(self.engine_id), cb=self._on_abort)
         await self.nc.subscribe(subjects.engine_flush(self.engine_id), cb=self._on_flush)
         await self.nc.subscribe(subjects.engine_stats(self.engine_id), cb=self._on_stats)
+        await self.nc.subscribe(subjects.engine_model_card(self.engine_id), cb=self._on_card)
         await self.subscribe_role()
         await self.nc.flush()
         await self.beat()
@@ -144,8 +160,23 @@ class FakeEngine:
             role=self.role,
             token_usage=self.token_usage,
             evicted_device_pages=self.evicted_device_pages,
+            card_digest=self.card.digest,
         )
         await self.nc.publish(subjects.HEARTBEAT, hb.encode())
+
+    @property
+    def card(self) -> ModelCard:
+        return ModelCard(
+            self.model,
+            self.model,
+            "json" if self.tokenizer_json else "bytes",
+            self.tokenizer_json,
+            self.chat_template,
+            [EOS_ID],
+            self.bos_token_id,
+            self.context_len,
+            self.vocab_size,
+        )
 
     async def sync(self) -> None:
         """Round trip to the server: everything published to us before is delivered."""
@@ -225,6 +256,16 @@ class FakeEngine:
             }
             if seq == 0 and first:
                 fields |= first
+            if sampling.logprobs is not None:
+                start = seq * self.tokens_per_chunk
+                positions = range(start, start + len(batch))
+                fields["logprobs"] = [-(i + 1) / 10 for i in positions]
+                top = [
+                    expected_top(t, i, sampling.logprobs)
+                    for i, t in zip(positions, batch, strict=True)
+                ]
+                fields["top_logprob_ids"] = [[t for t, _ in pairs] for pairs in top]
+                fields["top_logprobs"] = [[v for _, v in pairs] for pairs in top]
             chunk = TokenChunk(request_id, seq, batch, self.engine_id, **fields)
             if not await self._send(reply_to, chunk):
                 return
@@ -249,6 +290,12 @@ class FakeEngine:
         self.flushes += 1
         message = "flushed" if self.flush_success else "requests are running"
         await msg.respond(FlushReply(self.engine_id, self.flush_success, message).encode())
+
+    async def _on_card(self, msg: Msg) -> None:
+        if self.silent or self.mute_card:
+            return
+        self.card_requests += 1
+        await msg.respond(self.card.encode())
 
     async def _on_stats(self, msg: Msg) -> None:
         if self.silent:
@@ -439,9 +486,19 @@ class Mesh:
         while True:
             resp = await self.client.get("/health", headers=self.auth)
             body = await resp.json()
-            if len(body.get("live_engines", [])) == n:
+            if len(body.get("ready_engines", [])) == n:
                 return
             assert asyncio.get_running_loop().time() < deadline, f"engines not live: {body}"
+            await asyncio.sleep(0.02)
+
+    async def wait_for_ready(self, engine_ids: list[str], timeout_s: float = 5.0) -> None:
+        """Until exactly `engine_ids` are ready (live, their model card held)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            body = await (await self.client.get("/health", headers=self.auth)).json()
+            if sorted(body.get("ready_engines", [])) == sorted(engine_ids):
+                return
+            assert asyncio.get_running_loop().time() < deadline, f"engines not ready: {body}"
             await asyncio.sleep(0.02)
 
     @property

@@ -121,7 +121,7 @@ SAMPLES: dict[type[Message], Message] = {
     Sampling: Sampling(8, 0.7, 0.9, 42, [2, 3], True, 5, 0.1, 1.2, 0.5, -0.5, {"7": -3.0}, 2),
     ModelCardRequest: ModelCardRequest(),
     ModelCard: ModelCard(
-        "e1", "smol", "smollm2", "json", '{"model": {}}', "{{ m }}", [2], 1, 8192, 49152
+        "smol", "smollm2", "json", '{"model": {}}', "{{ m }}", [2], 1, 8192, 49152
     ),
     GenerateRequest: GenerateRequest("r1", [1, 2, 3], Sampling(seed=None), "inbox.1", "salt"),
     TokenChunk: TokenChunk("r1", 3, [5, 6], "e1", 3, 4, 0, True, "stop", None, 0),
@@ -189,12 +189,12 @@ def test_model_card_digest_and_tokenizer_kinds() -> None:
     card = SAMPLES[ModelCard]
     assert isinstance(card, ModelCard)
     assert card.digest == ModelCard.decode(card.encode()).digest and len(card.digest) == 24
-    other = ModelCard("e1", "smol", "smollm2", "json", '{"model": {}}', None, [2], 1, 8192, 49152)
+    other = ModelCard("smol", "smollm2", "json", '{"model": {}}', None, [2], 1, 8192, 49152)
     assert other.digest != card.digest  # any change of content changes the digest
     with pytest.raises(ValueError, match="tokenizer_json"):
-        ModelCard("e1", "t", "tiny", "bytes", "{}", None, [257], 256, 8192, 260)
+        ModelCard("t", "tiny", "bytes", "{}", None, [257], 256, 8192, 260)
     with pytest.raises(ValueError, match="'bytes' or 'json'"):
-        ModelCard("e1", "t", "tiny", "spm", "", None, [257], 256, 8192, 260)
+        ModelCard("t", "tiny", "spm", "", None, [257], 256, 8192, 260)
 
 
 def test_kv_frame_carries_its_rank() -> None:

@@ -147,6 +147,7 @@ async def test_completions_equal_the_engine_and_report_cached_tokens(
     assert cached(second) == (40, 40, 0)  # (43 - 1) // 4 * 4, from the device
 
     body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
     async with http.post(f"{url(mesh)}/v1/completions", json=body) as resp:
         assert resp.status == 200
         events, done = await read_sse(resp)
@@ -211,7 +212,7 @@ async def test_bad_requests_change_nothing(mesh: Mesh, http: aiohttp.ClientSessi
         b"{not json",
         {"prompt": ""},
         {"prompt": [1, 999]},
-        {"prompt": [1], "n": 2},
+        {"prompt": [1], "n": 17},
         {"prompt": [1], "max_tokens": -1},
         {"prompt": list(range(200)) * 60},
         {"prompt": [1], "temperature": "hot"},

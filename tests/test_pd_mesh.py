@@ -107,6 +107,8 @@ async def complete(
         "ignore_eos": True,
         "stream": stream,
     }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     async with http.post(url, json=body) as resp:
         assert resp.status == 200, await resp.text()
         if not stream:

@@ -24,11 +24,11 @@ from fake_engine import FakeEngine, Mesh, expected_tokens, read_sse, running_mes
 from bus_schemas import page_hashes, redis_keys
 from router.__main__ import build_parser, config_from_args
 from router.app import init
-from router.chat import ChatMessage, render
+from router.chat import ChatMessage, ChatTemplate
 from router.config import RouterConfig
 from router.detokenize import TextAssembler
 from router.keys import TABLE
-from router.tokenizer import ByteTokenizer, load_tokenizer
+from router.tokenizer import ByteTokenizer, HFTokenizer
 from services.launch.servers import ServerProcess, free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,7 +73,8 @@ async def metric(mesh: Mesh, name: str, labels: str = "") -> float:
 
 def test_chat_template_is_documented_format() -> None:
     msgs = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi")]
-    assert render(msgs) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    plain = ChatTemplate(None)  # a model card without a template (the random presets)
+    assert plain.render(msgs) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
 
 
 def test_text_assembler_holds_back_partial_stops_and_utf8() -> None:
@@ -93,19 +94,17 @@ def test_text_assembler_holds_back_partial_stops_and_utf8() -> None:
     assert asm2.release() == "\ufffd"
 
 
-def test_tokenizer_json_is_loaded_with_the_tokenizers_library(tmp_path: Path) -> None:
+def test_tokenizer_json_is_loaded_with_the_tokenizers_library() -> None:
     import tokenizers
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 
     tok = tokenizers.Tokenizer(WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, "[UNK]"))
     tok.pre_tokenizer = Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    loaded = load_tokenizer(str(tmp_path))
+    loaded = HFTokenizer.from_json(tok.to_str())  # as a model card carries it
     assert loaded.encode("hello world") == [0, 1]
-    assert load_tokenizer(None).encode("hé") == [104, 195, 169]
-    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
-        load_tokenizer(str(tmp_path / "missing"))
+    assert loaded.decode([1, 0]) == "world hello"
+    assert BYTES.encode("hé") == [104, 195, 169]
 
 
 def test_cli_flags_build_the_config() -> None:
@@ -214,18 +213,20 @@ async def test_streaming_sse_for_all_endpoints(
     async with running_mesh(nats_server.url, redis_server.url, 1, engine_kw=kw) as mesh:
         ids = list(PROMPT.encode())
         want = expected_tokens(ids, 7)
-        r = await mesh.client.post(
-            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 7, "stream": True}
-        )
+        body = {"prompt": PROMPT, "max_tokens": 7, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        r = await mesh.client.post("/v1/completions", json=body)
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
         events, done = await read_sse(r)
-        assert done and len(events) == 4  # 2 + 2 + 2 + 1 tokens
+        assert done and len(events) == 5  # 2 + 2 + 2 + 1 tokens, then the usage chunk
+        usage_event, events = events[-1], events[:-1]
         assert "".join(e["choices"][0]["text"] for e in events) == text_of(want)
         assert [t for e in events for t in e["choices"][0]["token_ids"]] == want
         assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
         assert events[-1]["choices"][0]["finish_reason"] == "length"
-        assert "usage" not in events[0]
-        usage = events[-1]["usage"]
+        assert all(e["usage"] is None for e in events)  # asked for: null until the last
+        assert usage_event["choices"] == []  # OpenAI's usage chunk
+        usage = usage_event["usage"]
         assert usage["completion_tokens"] == 7 and usage["prompt_tokens"] == len(ids)
         assert usage["prompt_tokens_details"]["cached_tokens_by_tier"] == {"device": 4, "host": 0}
 
@@ -234,10 +235,11 @@ async def test_streaming_sse_for_all_endpoints(
         events, done = await read_sse(r)
         assert done and events[0]["object"] == "chat.completion.chunk"
         assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        chat_ids = list(render([ChatMessage("user", "hi")]).encode())
+        chat_ids = list(ChatTemplate(None).render([ChatMessage("user", "hi")]).encode())
         content = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
         assert content == text_of(expected_tokens(chat_ids, 3))
-        assert events[-1]["usage"]["completion_tokens"] == 3
+        assert not any("usage" in e for e in events)  # not asked for: none
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
 
         gen = {"text": "xyz", "sampling_params": {"max_new_tokens": 5}, "stream": True}
         r = await mesh.client.post("/generate", json=gen)
@@ -609,6 +611,7 @@ async def test_shutdown_lets_inflight_streams_finish(
         async with aiohttp.ClientSession() as session:
             await wait_until_async(lambda: _health_ok(session, url))
             body = {"prompt": "hello", "max_tokens": 20, "stream": True}
+            body["stream_options"] = {"include_usage": True}
             resp = await session.post(f"{url}/v1/completions", json=body)
             first = await resp.content.readline()
             assert first.startswith(b"data: ") and await resp.content.readline() == b"\n"
@@ -617,7 +620,7 @@ async def test_shutdown_lets_inflight_streams_finish(
             await cleanup
         events = [orjson.loads(first[len(b"data: ") :]), *rest]
         assert done and events[-1]["usage"]["completion_tokens"] == 20
-        assert len([t for e in events for t in e["choices"][0]["token_ids"]]) == 20
+        assert len([t for e in events for c in e["choices"] for t in c["token_ids"]]) == 20
         assert engine.aborts == []
     finally:
         await (cleanup if cleanup is not None else runner.cleanup())

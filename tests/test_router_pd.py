@@ -111,12 +111,14 @@ async def test_pd_path_when_both_roles_are_live(
         assert prefill.reply_to != admit.reply_to
         assert col.received == [] and no_generate_requests(mesh)
 
-        # streaming: the usage of the last chunk carries the same dict
+        # streaming: the usage chunk (asked for) carries the same dict
         body_s = {"prompt": PROMPT, "max_tokens": 5, "stream": True}
+        body_s["stream_options"] = {"include_usage": True}
         r = await mesh.client.post("/v1/completions", json=body_s)
         assert r.headers["X-Hicache-Prefill-Engine"] == pre.engine_id
         events, done = await read_sse(r)
-        assert done and [t for e in events for t in e["choices"][0]["token_ids"]] == want
+        assert done and events[-1]["choices"] == []
+        assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == want
         assert events[-1]["usage"]["disaggregation"] == want_pd
         assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
 

@@ -17,14 +17,14 @@ from typing import Any
 import orjson
 import pytest
 
-from bus_schemas import GenerateRequest, Sampling
+from bus_schemas import GenerateRequest, ModelCard, Sampling
 from router.errors import ApiError
+from router.models import served_model
 from router.protocol import check_limits, parse_chat, parse_completion, parse_generate
-from router.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-TOK = ByteTokenizer()
 VOCAB = 260
+TOK = served_model(ModelCard("m", "m", "bytes", "", None, [257], None, 512, VOCAB))
 
 
 def generate(ids: Any) -> Any:

@@ -40,7 +40,7 @@ from gpu_worker.engine.commands import (
 )
 from gpu_worker.engine.executor import ModelExecutor
 from gpu_worker.memory.kv_spec import KVSpec
-from gpu_worker.model.config import parse_dtype
+from gpu_worker.model.config import parse_dtype, resolve_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.shard import ModelShard
 from gpu_worker.model.tokenizer import load_tokenizer
@@ -79,6 +79,9 @@ class EngineConfig:
     # every row's result independent of its batch (SGLang's --enable-deterministic-inference)
     batch_invariant: bool = False
     debug: DebugHooks = field(default_factory=DebugHooks)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.model, self.device))
 
 
 class Engine:

@@ -23,6 +23,17 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
 
 
+def resolve_dtype(name: str, model: str, device: str) -> str:
+    """`--dtype auto` (the default of the flags): float64 for the random-weight presets, whose
+    cache-off oracle is then exact; for real checkpoints bfloat16 on a GPU, float32 on the
+    CPU (which has no fast bfloat16 matmul). Any other name is returned as given."""
+    if name != "auto":
+        return name
+    if model in PRESETS:
+        return "float64"
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """A Llama/Qwen2-style decoder. Derived sizes are properties, never stored twice."""

@@ -177,6 +177,7 @@ class BenchClient:
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
+            "stream_options": {"include_usage": True},  # the cached tokens per turn
         }
         engine: str | None = None
         stream = StreamState(sent_at=time.perf_counter())

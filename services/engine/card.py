@@ -10,7 +10,7 @@ from gpu_worker.model.tokenizer import HFTokenizer, load_chat_template
 
 
 def build_card(
-    engine: Engine, engine_id: str, served_model_name: str, chat_template_file: Path | None
+    engine: Engine, served_model_name: str, chat_template_file: Path | None
 ) -> ModelCard:
     """The card of `engine`: its tokenizer as a `tokenizers` JSON (or "bytes" for the
     random-weight presets), its chat template (`--chat-template FILE` first, then the
@@ -26,7 +26,6 @@ def build_card(
     mc = engine.model_config
     as_json = tok.tok.to_str() if isinstance(tok, HFTokenizer) else ""
     return ModelCard(
-        engine_id,
         served_model_name or engine.config.model,
         engine.config.model,
         "json" if as_json else "bytes",

@@ -14,7 +14,8 @@ import argparse
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST_LAYOUTS = ("layer_first", "page_first")
 LOAD_POLICIES = ("always", "cost")
-DTYPES = ("float64", "float32", "bfloat16", "float16")
+# auto: float64 for the random presets, float32 (CPU) or bfloat16 (GPU) for real checkpoints
+DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="a Jinja chat template file instead of the model's own",
     )
-    g.add_argument("--dtype", default="float64", choices=DTYPES)
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="auto: float64 for the random presets, float32 (CPU) / bfloat16 (GPU) otherwise",
+    )
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--model-seed", type=int, default=0, help="seed of a preset's random weights")
     g.add_argument(

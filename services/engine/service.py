@@ -132,7 +132,6 @@ class EngineService:
         self._eos = list(mc.eos_token_ids)
         self.card = build_card(
             engine,
-            self.config.engine_id,
             self.config.served_model_name,
             self.config.chat_template_file,
         )
