@@ -1,0 +1,207 @@
+"""The storage (L3) backend interface, its config, and the registry that picks a backend.
+
+A backend stores immutable objects under string keys that the caller builds (a page hash
+plus a suffix naming the layer range and head group, see DESIGN.md section 5). Every call
+is batched and answers with a count of LEADING keys: the engine only ever uses a prefix of
+pages, so "the first n pages" is the one answer it needs, and a miss in the middle makes
+everything after it useless.
+
+Torch-free: callers pass bytes and writable memoryviews (e.g. `tensor.numpy()` views).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+STORAGE_DIR_ENV = "HICACHE_STORAGE_DIR"  # see default_storage_dir
+
+MAX_KEY_LEN = 200
+_KEY_RE = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_KEY_LEN}}}")
+
+QuarantineReason = Literal["corrupt", "truncated", "misnamed", "wrong_size"]
+QUARANTINE_REASONS: tuple[QuarantineReason, ...] = (
+    "corrupt",
+    "truncated",
+    "misnamed",
+    "wrong_size",
+)
+WriteFailure = Literal["full", "read_only", "other"]
+WRITE_FAILURES: tuple[WriteFailure, ...] = ("full", "read_only", "other")
+
+
+def is_valid_key(key: object) -> bool:
+    """True for a path-safe key: 1..200 of `[A-Za-z0-9_.-]`, not starting with ".".
+
+    No "/", "..", NUL or other separators can pass, so a key is always one file name, and
+    names starting with "." stay free for the backend's own files (temp files, quarantine).
+    """
+    return isinstance(key, str) and not key.startswith(".") and _KEY_RE.fullmatch(key) is not None
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """Raise ValueError naming the first invalid key. Backends call it before any I/O, so a
+    batch with one bad key changes nothing."""
+    for key in keys:
+        if not is_valid_key(key):
+            shown = repr(key) if len(repr(key)) <= 60 else repr(key)[:57] + "..."
+            raise ValueError(
+                f"invalid storage key {shown}: use 1..{MAX_KEY_LEN} characters of "
+                "[A-Za-z0-9_.-], not starting with '.'"
+            )
+
+
+def default_storage_dir() -> Path:
+    """`$HICACHE_STORAGE_DIR` if set, else `$XDG_CACHE_HOME/hicache-mesh/storage`, else
+    `~/.cache/hicache-mesh/storage`.
+
+    Read here rather than in `gpu_worker/env.py` only because this module was added without
+    editing that file; it belongs there beside `HICACHE_CACHE_DIR`.
+    """
+    value = os.environ.get(STORAGE_DIR_ENV)
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hicache-mesh" / "storage"
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    """Which backend, where, and how big. One per engine; every rank builds its backend
+    from the same config."""
+
+    backend: str = "file"  # a name in BACKENDS
+    directory: Path = field(default_factory=default_storage_dir)
+    capacity_bytes: int = 0  # on-disk bytes (headers included) this process keeps; 0 = no cap
+    # Test hooks (fault injection), never set in production:
+    delay_s_per_get: float = 0.0  # sleep this long before reading each object (a slow store)
+    fail_get_after: int | None = None  # after this many objects read, every read is a miss
+
+    def __post_init__(self) -> None:
+        check_backend_name(self.backend)
+        if not isinstance(self.directory, Path):
+            object.__setattr__(self, "directory", Path(self.directory))
+        if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int):
+            raise ValueError(f"capacity_bytes must be an int, got {self.capacity_bytes!r}")
+        if self.capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0 (0 = no cap), got {self.capacity_bytes}")
+        if self.delay_s_per_get < 0:
+            raise ValueError(f"delay_s_per_get must be >= 0, got {self.delay_s_per_get}")
+        if self.fail_get_after is not None and self.fail_get_after < 0:
+            raise ValueError(f"fail_get_after must be None or >= 0, got {self.fail_get_after}")
+
+
+@dataclass(frozen=True, slots=True)
+class StorageStats:
+    """A snapshot of one backend's counters, as this process knows them.
+
+    Counters are cumulative since the backend was made (clear() does not reset them);
+    num_objects and num_bytes describe what the backend believes is stored now.
+    """
+
+    num_objects: int  # objects this process knows are stored (its own view)
+    num_bytes: int  # their on-disk size, headers included (what capacity_bytes caps)
+    scanned: bool  # the start-up scan finished; before it, num_objects/num_bytes undercount
+    num_reads: int  # objects `get` tried to read
+    num_hits: int  # ... read and verified
+    num_misses: int  # ... absent, vanished, failing verification, or refused by a test hook
+    num_written: int  # objects this process wrote (an existing key left alone is not counted)
+    num_evictions: int  # objects this process removed to respect capacity_bytes
+    quarantined: Mapping[QuarantineReason, int]  # objects that failed verification, by reason
+    write_failures: Mapping[WriteFailure, int]  # put calls that stopped early, by reason
+
+    @property
+    def num_quarantined(self) -> int:
+        return sum(self.quarantined.values())
+
+    @property
+    def num_write_failures(self) -> int:
+        return sum(self.write_failures.values())
+
+
+class StorageBackend(abc.ABC):
+    """Batched, write-once object storage shared by engines.
+
+    Every method is thread-safe (the engine calls from background threads), and several
+    processes may use one store at once: an object another process removes is a miss,
+    never an error. Every method validates all its keys first (`check_keys`) and raises
+    ValueError, touching nothing, when one is invalid. After `close`, methods raise
+    RuntimeError.
+    """
+
+    def __init__(self, config: StorageConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def exists(self, keys: Sequence[str]) -> int:
+        """How many LEADING keys are stored; stops at the first missing one.
+
+        Cheap (no payload is read or verified), so a later `get` may still miss. May mark
+        the found objects as recently used. Changes no object.
+        """
+
+    @abc.abstractmethod
+    def get(self, keys: Sequence[str], out: Sequence[memoryview]) -> int:
+        """Read object i into out[i]; return how many LEADING objects were read and verified.
+
+        Before: len(out) == len(keys); each out[i] is a writable C-contiguous buffer of
+        exactly the object's payload size (ValueError otherwise, before any read).
+        The first object that is missing or fails verification stops the count; later ones
+        are not read. An object that fails verification is removed from the store so it is
+        never read again, and counted in `stats().quarantined`. The content of out[i] for
+        i >= the returned count is undefined. Hits are marked recently used.
+        """
+
+    @abc.abstractmethod
+    def put(self, keys: Sequence[str], data: Sequence[bytes | memoryview]) -> int:
+        """Store object i as data[i]; return how many LEADING objects are now stored.
+
+        Write-once: an existing key is left alone and counts as stored (keys name their
+        content). A put never leaves a partial object visible, even with concurrent writers
+        of the same key. It may evict least recently used objects to respect
+        capacity_bytes. A full or read-only store, or any other OSError, never raises: the
+        put stops at that object, returns the count so far, and counts the failure in
+        `stats().write_failures` (logged at most once a minute per reason).
+        Before: len(data) == len(keys); each data[i] is a C-contiguous buffer.
+        """
+
+    @abc.abstractmethod
+    def stats(self) -> StorageStats:
+        """A consistent snapshot of the counters; changes nothing."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Remove every object this backend can see, including other processes' objects in
+        a shared store. Objects being written concurrently may survive."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop background work and release resources. Idempotent; later calls of other
+        methods raise RuntimeError."""
+
+
+def _make_file_backend(config: StorageConfig) -> StorageBackend:
+    from gpu_worker.storage.file import FileBackend  # file.py imports this module
+
+    return FileBackend(config)
+
+
+BACKENDS: dict[str, Callable[[StorageConfig], StorageBackend]] = {
+    "file": _make_file_backend,
+}
+
+
+def check_backend_name(name: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown storage backend {name!r}; choose one of {sorted(BACKENDS)}")
+
+
+def make_backend(config: StorageConfig) -> StorageBackend:
+    """The backend `config.backend` names, built from `config`."""
+    check_backend_name(config.backend)
+    return BACKENDS[config.backend](config)
