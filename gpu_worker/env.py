@@ -5,6 +5,9 @@
 - `HICACHE_RANK_CONSENSUS_DIR`: where each rank writes its consensus log (`rank{N}.jsonl`).
 - `HICACHE_CACHE_DIR`: where de-quantized model weights are cached (default:
   `$XDG_CACHE_HOME/hicache-mesh`, else `~/.cache/hicache-mesh`).
+- `HICACHE_STORAGE_DIR`: the default directory of the `file` storage backend (L3) when
+  `--hicache-storage-dir` is not given (default: `storage` under the cache directory's
+  parent default, `$XDG_CACHE_HOME/hicache-mesh/storage` or `~/.cache/hicache-mesh/storage`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 RANK_CONSENSUS = "HICACHE_RANK_CONSENSUS"
 RANK_CONSENSUS_DIR = "HICACHE_RANK_CONSENSUS_DIR"
 CACHE_DIR = "HICACHE_CACHE_DIR"
+STORAGE_DIR = "HICACHE_STORAGE_DIR"
 
 
 def rank_consensus_enabled() -> bool:
@@ -32,3 +36,11 @@ def cache_dir() -> Path:
         return Path(value)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "hicache-mesh"
+
+
+def storage_dir() -> Path:
+    value = os.environ.get(STORAGE_DIR)
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hicache-mesh" / "storage"

@@ -8,6 +8,11 @@ and their effects land here when `consume` pops ACKs, in submission order.
 Write policies (SGLang's names): `write_through` backs up every inserted node at once,
 `write_through_selective` backs up a node once it has been matched `write_through_threshold`
 times, `write_back` backs up only what device eviction is about to drop.
+
+With external storage (`hicache_storage_backend`), a `StorageTier` prefetches requests'
+prefixes from the store into host pages and writes host pages to it
+(`gpu_worker/cache/storage_tier.py`); its ACKs are consumed with the transfer ACKs, by
+agreed counts per queue (`ready_counts` / `consume_counts`).
 """
 
 from __future__ import annotations
@@ -18,19 +23,29 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from bus_schemas.token_ids import TokenIds
 from gpu_worker.cache.load_cost import LoadCostEstimate, LoadCostModel
 from gpu_worker.cache.radix import KVEventRecord, MatchResult, PageIds, RadixTree, TreeNode
+from gpu_worker.cache.storage_io import StorageFaults, StorageIO
+from gpu_worker.cache.storage_tier import (
+    PREFETCH_POLICIES,
+    STORAGE_WRITE_POLICIES,
+    PrefetchPolicy,
+    PrefetchTimeout,
+    StorageTier,
+    StorageWritePolicy,
+)
 from gpu_worker.cache.transfer import DelayInjection, TransferAck, TransferEngine, TransferKind
 from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.memory.allocator import HostPageId, PageId
 from gpu_worker.memory.device_pool import DeviceKVPool
 from gpu_worker.memory.host_pool import HOST_LAYOUTS, HostKVPool, HostLayout
 from gpu_worker.memory.kv_spec import KVSpec
+from gpu_worker.storage import StorageBackend
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +74,16 @@ class CacheConfig:
     check_reads: bool = False  # fail any read of a page whose load is not consumed
     debug_fail_loads: int = 0  # test hook: the next N host->device loads fail
     hicache_load_policy: LoadPolicy = "always"  # "cost": load a host hit only if cheaper
+    # external storage (L3): a backend name ("file") turns it on (needs the host tier)
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str = ""  # "" -> the per-user default (gpu_worker.storage)
+    hicache_storage_size_gb: float = 0.0  # 0: no cap
+    hicache_storage_prefetch_policy: PrefetchPolicy = "timeout"
+    prefetch_timeout: PrefetchTimeout = field(default_factory=PrefetchTimeout)
+    hicache_storage_write_policy: StorageWritePolicy = "write_through"
+    hicache_storage_write_threshold: int = 2  # matches before write_through_selective writes
+    storage_batch_pages: int = 16  # pages per read batch (one progress ACK each)
+    storage_faults: StorageFaults | None = None  # test hook: slow and failing reads
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.num_device_pages <= 0:
@@ -82,6 +107,22 @@ class CacheConfig:
             )
         if self.write_through_threshold < 1:
             raise ValueError("write_through_threshold must be >= 1")
+        if self.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"unknown --hicache-storage-prefetch-policy "
+                f"{self.hicache_storage_prefetch_policy!r}; choose one of {PREFETCH_POLICIES}"
+            )
+        if self.hicache_storage_write_policy not in STORAGE_WRITE_POLICIES:
+            raise ValueError(
+                f"unknown --hicache-storage-write-policy {self.hicache_storage_write_policy!r}; "
+                f"choose one of {STORAGE_WRITE_POLICIES}"
+            )
+        if self.hicache_storage_size_gb < 0 or self.storage_batch_pages < 1:
+            raise ValueError("--hicache-storage-size must be >= 0 and batch pages >= 1")
+        if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
+            raise ValueError(
+                "--hicache-storage-backend needs the host tier: add --enable-hierarchical-cache"
+            )
 
     def num_host_pages(self, spec: KVSpec) -> int:
         if self.hicache_size_gb > 0:
@@ -118,6 +159,12 @@ class CacheStats:
     backed_up_pages: int = 0
     loaded_pages: int = 0
     loads_skipped: int = 0  # host hits recomputed because loading looked slower
+    storage_hit_tokens: int = 0  # prompt tokens requests got from storage (via the host)
+    num_prefetches: int = 0  # hit queries sent to the store
+    storage_pages_read: int = 0  # pages read from the store into the tree
+    storage_reads_skipped: int = 0  # storage hits recomputed because reading looked slower
+    num_storage_writes: int = 0  # writes to the store submitted
+    storage_pages_written: int = 0  # pages the store took (this rank)
     evicted_device_pages: int = 0  # device pages the tree gave up to make room
     evicted_host_pages: int = 0  # host pages the tree gave up to make room
     num_consumed_acks: int = 0
@@ -136,16 +183,24 @@ class PrefixCache:
         namespace: str | None = None,
         num_host_pages: int | None = None,
         delay_seed: int = 0,
+        record_events: bool = True,
+        storage: StorageBackend | None = None,
+        storage_shard: str = "",
+        storage_groups: tuple[Any, Any] = (None, None),
+        rank: int = 0,
     ) -> None:
-        """With a `namespace`, the tree hashes its pages and records KV events.
+        """With a `namespace`, the tree hashes its pages (and, with `record_events`, records
+        KV events).
 
         `num_host_pages` overrides the size the config gives (a multi-rank engine agrees on
         one size for all ranks, whose bytes per page differ); `delay_seed` is added to the
-        injected transfer delays' seed, so each rank sees its own readiness."""
+        injected transfer delays' seed, so each rank sees its own readiness. `storage` adds the
+        L3 tier: `storage_shard` names this rank's part of a page in the store, and the
+        `storage_groups` (hit, progress) agree over the world (None in a world of one)."""
         self.config = config
         self.spec = spec
         self.device_pool = DeviceKVPool(spec, config.num_device_pages, device, config.check_reads)
-        self.tree = RadixTree(config.page_size, namespace)
+        self.tree = RadixTree(config.page_size, namespace, record_events)
         self.host_pool: HostKVPool | None = None
         self.transfers: TransferEngine | None = None
         if self.hierarchical:
@@ -159,6 +214,29 @@ class PrefixCache:
         self._loads_to_fail = config.debug_fail_loads
         self.cost = LoadCostModel()  # rank 0's measurements
         self.cost_estimate = LoadCostEstimate()  # what every rank decides from (SetLoadCost)
+        self.storage: StorageTier | None = None
+        if storage is not None:
+            if self.host_pool is None or namespace is None:
+                raise ValueError("external storage needs the host tier and a namespace")
+            io = StorageIO(
+                storage,
+                self.host_pool.page_view(),
+                (spec.num_layers, 2, spec.page_size, spec.num_kv_heads, spec.head_dim),
+                spec.dtype,
+                rank,
+                *storage_groups,
+                config.storage_faults,
+            )
+            self.storage = StorageTier(
+                self,
+                io,
+                storage_shard,
+                config.hicache_storage_prefetch_policy,
+                config.prefetch_timeout,
+                config.hicache_storage_write_policy,
+                config.hicache_storage_write_threshold,
+                config.storage_batch_pages,
+            )
 
     @property
     def hierarchical(self) -> bool:
@@ -208,6 +286,8 @@ class PrefixCache:
             node = result.last_device_node
             if node.parent is not None and node.hit_count >= self.config.write_through_threshold:
                 self._backup(node)
+        if self.storage is not None and result.last_node.parent is not None:
+            self.storage.after_match(result.last_node)
         return result
 
     def lock(self, node: TreeNode) -> None:
@@ -307,6 +387,24 @@ class PrefixCache:
         self.stats.backed_up_pages += len(device_ids)
         return True
 
+    def alloc_host_upto(self, num_pages: int) -> list[HostPageId]:
+        """Up to `num_pages` host pages, evicting unpinned host cache for them: fewer (maybe
+        none) when the pool cannot free that many."""
+        assert self.host_pool is not None
+        allocator = self.host_pool.allocator
+        short = num_pages - allocator.num_free
+        if short > 0:
+            evicted = self.tree.evict_host(short)
+            allocator.free(list(evicted))
+            self.stats.evicted_host_pages += len(evicted)
+        pages = allocator.alloc(min(num_pages, allocator.num_free)) or []
+        return [HostPageId(p) for p in pages]
+
+    def free_host(self, page_ids: Sequence[int]) -> None:
+        if page_ids:
+            assert self.host_pool is not None
+            self.host_pool.allocator.free(list(page_ids))
+
     def _alloc_host(self, num_pages: int) -> list[HostPageId] | None:
         assert self.host_pool is not None
         allocator = self.host_pool.allocator
@@ -364,6 +462,26 @@ class PrefixCache:
     def num_ready_acks(self) -> int:
         return 0 if self.transfers is None else self.transfers.num_ready()
 
+    def ready_counts(self) -> tuple[int, ...]:
+        """Finished ACKs at the front of each queue: transfers, then storage hit queries,
+        read progress and writes (the per-step agreement takes their MIN over the ranks)."""
+        storage = (0, 0, 0) if self.storage is None else self.storage.io.ready_counts()
+        return (self.num_ready_acks(), *storage)
+
+    def queued_counts(self) -> tuple[int, ...]:
+        storage = (0, 0, 0) if self.storage is None else self.storage.io.queued_counts()
+        return (self.num_queued_acks, *storage)
+
+    def consume_counts(self, counts: Sequence[int]) -> None:
+        """Apply the first `counts[i]` ACKs of each queue (agreed counts), queue by queue."""
+        self.consume(counts[0])
+        if self.storage is None:
+            return
+        io = self.storage.io
+        for queue, n in zip((io.hits, io.progress, io.writes), counts[1:], strict=True):
+            for ack in queue.pop(n):
+                self.storage.on_ack(ack)
+
     def consume(self, num_acks: int) -> None:
         """Apply the first `num_acks` queued ACKs, in order (waiting for unfinished ones)."""
         if self.transfers is None or num_acks == 0:
@@ -383,6 +501,8 @@ class PrefixCache:
             assert isinstance(op, _BackupOp)
             if error is None:
                 self.tree.commit_backup(op.last_node, op.start_len, op.host_page_ids)
+                if self.storage is not None:
+                    self.storage.after_backup(op.last_node)
             else:
                 self.tree.abort_backup(op.last_node, op.start_len)
                 assert self.host_pool is not None
@@ -403,8 +523,9 @@ class PrefixCache:
         ticket.done = True
 
     def drain(self) -> None:
-        """Wait for and apply every queued ACK."""
-        self.consume(self.num_queued_acks)
+        """Wait for and apply every queued ACK (storage writes a backup starts included)."""
+        while any(self.queued_counts()):
+            self.consume_counts(self.queued_counts())
 
     # ----------------------------------------------------------------- whole-cache
 
@@ -418,7 +539,10 @@ class PrefixCache:
         self.stats = CacheStats()
 
     def drain_events(self) -> list[KVEventRecord]:
-        return self.tree.drain_events()
+        events = self.tree.drain_events()
+        if self.storage is not None:
+            events += self.storage.drain_events()
+        return events
 
     def snapshot_events(self) -> list[KVEventRecord]:
         return self.tree.snapshot_events()
@@ -443,3 +567,5 @@ class PrefixCache:
     def close(self) -> None:
         if self.transfers is not None:
             self.transfers.close()
+        if self.storage is not None:
+            self.storage.io.close()

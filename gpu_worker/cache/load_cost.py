@@ -25,6 +25,7 @@ class LoadCostEstimate:
     load_s_per_token: float | None = None
     recompute_s_per_token: float | None = None
     fixed_load_s: float = 0.0  # per-load latency beyond the bytes (ACK round, hand-off)
+    storage_s_per_token: float | None = None  # reading from external storage (L3)
 
     def worth_loading(self, num_tokens: int) -> bool:
         if self.load_s_per_token is None or self.recompute_s_per_token is None:
@@ -32,11 +33,19 @@ class LoadCostEstimate:
         load = self.fixed_load_s + num_tokens * self.load_s_per_token
         return load < num_tokens * self.recompute_s_per_token
 
+    def worth_reading(self, num_tokens: int) -> bool:
+        """Whether reading `num_tokens` from storage, then loading them, beats recomputing."""
+        if self.storage_s_per_token is None or self.recompute_s_per_token is None:
+            return True
+        read = num_tokens * (self.storage_s_per_token + (self.load_s_per_token or 0.0))
+        return read < num_tokens * self.recompute_s_per_token
+
     def differs_from(self, other: LoadCostEstimate) -> bool:
         """Whether this estimate moved enough from `other` to be sent again."""
         for a, b in (
             (self.load_s_per_token, other.load_s_per_token),
             (self.recompute_s_per_token, other.recompute_s_per_token),
+            (self.storage_s_per_token, other.storage_s_per_token),
         ):
             if (a is None) != (b is None):
                 return True
@@ -79,11 +88,15 @@ class LoadCostModel:
         load, recompute = self.load_seconds(num_bytes), self.recompute_seconds(num_tokens)
         return load is None or recompute is None or load < recompute
 
-    def estimate(self, bytes_per_token: float) -> LoadCostEstimate:
-        """These measurements as per-token figures (rank 0's bytes per token)."""
+    def estimate(
+        self, bytes_per_token: float, storage_s_per_page: float | None = None, page_size: int = 1
+    ) -> LoadCostEstimate:
+        """These measurements as per-token figures (rank 0's bytes per token; its measured
+        storage read time per page, when it has read some)."""
         bw, tps = self.load_bytes_per_s, self.prefill_tokens_per_s
         return LoadCostEstimate(
             None if bw is None else bytes_per_token / bw,
             None if tps is None else 1.0 / tps,
             self.fixed_load_s,
+            None if storage_s_per_page is None else storage_s_per_page / page_size,
         )

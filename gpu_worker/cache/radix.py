@@ -76,6 +76,7 @@ class TreeNode:
         "host_page_ids",  # array('q'): one host page per page of `key`, or None
         "host_ref",  # host pins: in-flight loads/backups that read the host copy
         "id",  # creation order; breaks LRU ties deterministically
+        "in_storage",  # its pages were written to (or read from) external storage
         "key",  # array('I') of token ids, len % page_size == 0
         "last_access",  # logical clock of the last match/insert through this node
         "lock_ref",  # device pins: running requests (and backups) reading the device pages
@@ -95,6 +96,7 @@ class TreeNode:
         self.last_access = 0
         self.hit_count = 0
         self.backup_pending = False
+        self.in_storage = False
         self.page_hashes: list[bytes] | None = None
 
     @property
@@ -233,13 +235,17 @@ class EvictionHeap:
 class RadixTree:
     """Page-aligned radix tree. See the module docstring for the invariants."""
 
-    def __init__(self, page_size: int, namespace: str | None = None) -> None:
-        """With a `namespace`, nodes carry chained page hashes (bus_schemas.page_hash) and
-        every tier change is recorded in `events` for the KV-event stream."""
+    def __init__(
+        self, page_size: int, namespace: str | None = None, record_events: bool = True
+    ) -> None:
+        """With a `namespace`, nodes carry chained page hashes (bus_schemas.page_hash: the
+        names of their objects in external storage) and, with `record_events`, every tier
+        change is recorded in `events` for the KV-event stream."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
         self.namespace = namespace
+        self.record_events = record_events
         self.events: list[KVEventRecord] = []
         self._next_id = 0
         self._clock = 0
@@ -269,7 +275,7 @@ class RadixTree:
         return root
 
     def _record(self, kind: str, tier: str, node: TreeNode) -> None:
-        if self.namespace is not None:
+        if self.namespace is not None and self.record_events:
             assert node.page_hashes is not None
             self.events.append((kind, tier, [h.hex() for h in node.page_hashes]))
 
@@ -320,6 +326,7 @@ class RadixTree:
         upper.last_access = node.last_access
         upper.hit_count = node.hit_count
         upper.backup_pending = node.backup_pending
+        upper.in_storage = node.in_storage
         pages = at // ps
         if node.device_page_ids is not None:
             upper.device_page_ids = node.device_page_ids[:pages]
@@ -450,6 +457,131 @@ class RadixTree:
         self._hash_new(new)
         self._record("stored", "device", new)
         self._device_heap.offer(new)
+        return new
+
+    def host_prefix(self, ids: Sequence[int] | TokenIds, salt: str = "") -> tuple[TreeNode, int]:
+        """The deepest node of `ids`' path whose whole path is on the host (committed), and
+        its path length: where KV read from external storage can be attached. Changes
+        nothing (no split, no LRU tick, no hit count)."""
+        q = as_token_ids(ids)
+        qb = q.tobytes()
+        ps, pb = self.page_size, 4 * self.page_size
+        end = self._aligned_len(q)
+        node = self._root_for(salt)
+        pos = 0
+        while pos < end:
+            off = 4 * pos
+            child = node.children.get(q[pos] if ps == 1 else qb[off : off + pb])
+            if child is None or child.host_page_ids is None:
+                break
+            if pos + len(child.key) > end or not qb.startswith(child.key, off):
+                break  # the query ends inside it, or leaves it
+            node, pos = child, pos + len(child.key)
+        return node, pos
+
+    def cached_len(self, ids: Sequence[int] | TokenIds, salt: str = "") -> int:
+        """Length of the cached page-aligned prefix of `ids` (any tier), without the side
+        effects of `match_prefix` (no split, LRU tick or hit count)."""
+        q = as_token_ids(ids)
+        qb = q.tobytes()
+        ps, pb = self.page_size, 4 * self.page_size
+        end = self._aligned_len(q)
+        node = self.roots.get(salt)
+        pos = 0
+        while node is not None and pos < end:
+            off = 4 * pos
+            child = node.children.get(q[pos] if ps == 1 else qb[off : off + pb])
+            if child is None:
+                break
+            if pos + len(child.key) <= end and qb.startswith(child.key, off):
+                node, pos = child, pos + len(child.key)
+            else:
+                return pos + self._common_len(child.key, qb, pos, end)
+        return pos
+
+    def insert_host(
+        self,
+        ids: Sequence[int] | TokenIds,
+        host_page_ids: Sequence[int],
+        start_len: int,
+        salt: str = "",
+    ) -> tuple[TreeNode, int, list[HostPageId]]:
+        """Attach KV read from external storage: tokens `[start_len, end)` of `ids` (end: its
+        aligned length) are in `host_page_ids`; tokens `[0, start_len)` are on the path and
+        on the host (the caller pinned them with `ref_host` when the read started).
+
+        Nodes past `start_len` without a host copy take the pages (a node on the device only
+        gains its host copy; new host-only nodes are created where the path ends); they are
+        marked `in_storage`. From the first node that already has a host copy or a backup in
+        flight, pages are not taken. Returns the last node attached to (or the path's end),
+        `dup_end` (tokens up to which the tree already had the host copy: what was attached
+        is `[dup_end, ...)`), and the pages not taken, which the caller frees.
+        """
+        q = as_token_ids(ids)
+        qb = q.tobytes()
+        ps, pb = self.page_size, 4 * self.page_size
+        end = self._aligned_len(q)
+        host = page_ids_of(host_page_ids)
+        if len(host) != (end - start_len) // ps or start_len % ps:
+            raise ValueError(f"insert_host: {len(host)} pages for tokens [{start_len}, {end})")
+        clock = self._tick()
+        node, pos, dup_end = self._root_for(salt), 0, start_len
+        unused: list[HostPageId] = []
+        taking = True  # until a node past start_len already has (or is getting) a host copy
+        while pos < end:
+            off = 4 * pos
+            child_key = q[pos] if ps == 1 else qb[off : off + pb]
+            child = node.children.get(child_key)
+            if child is None:
+                if taking and pos >= start_len:
+                    node = self._add_host_leaf(node, child_key, q[pos:end], host, start_len, clock)
+                else:
+                    unused += [HostPageId(p) for p in host[max(pos - start_len, 0) // ps :]]
+                break
+            if pos + len(child.key) <= end and qb.startswith(child.key, off):
+                matched = len(child.key)
+            else:
+                matched = self._common_len(child.key, qb, pos, end)
+                if matched == 0:
+                    unused += [HostPageId(p) for p in host[max(pos - start_len, 0) // ps :]]
+                    break
+                child = self._split(child, matched)
+            child.last_access = clock
+            if pos >= start_len:
+                pages = host[(pos - start_len) // ps : (pos + matched - start_len) // ps]
+                if taking and child.host_page_ids is None and not child.backup_pending:
+                    child.host_page_ids = pages
+                    child.in_storage = True
+                    self.num_host_pages += len(pages)
+                    self._record("stored", "host", child)
+                    self._host_heap.offer(child)
+                else:
+                    if taking and child.host_page_ids is not None:
+                        dup_end = pos + matched  # already on host: a prefix of the range
+                    taking = False
+                    unused += [HostPageId(p) for p in pages]
+            node, pos = child, pos + matched
+        return node, dup_end, unused
+
+    def _add_host_leaf(
+        self,
+        parent: TreeNode,
+        child_key: Any,
+        key: TokenIds,
+        host: PageIds,
+        start_len: int,
+        clock: int,
+    ) -> TreeNode:
+        pos = self.path_len(parent)
+        new = self._new_node(parent, key)
+        new.host_page_ids = host[(pos - start_len) // self.page_size :]
+        new.in_storage = True
+        new.last_access = clock
+        parent.children[child_key] = new
+        self.num_host_pages += len(new.host_page_ids)
+        self._hash_new(new)
+        self._record("stored", "host", new)
+        self._host_heap.offer(new)
         return new
 
     def _add_device_pages(self, node: TreeNode, n: int) -> None:

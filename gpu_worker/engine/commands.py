@@ -85,6 +85,15 @@ class SetLoadCost:
 
     load_s_per_token: float | None
     recompute_s_per_token: float | None
+    storage_s_per_token: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StopPrefetch:
+    """Rank 0's `timeout` verdict on request `rid`'s storage prefetch (read off its clock
+    alone): every rank takes the pages read so far, at the same logical point."""
+
+    rid: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,4 +101,6 @@ class Stop:
     """The engine is shutting down: every other rank leaves its step loop."""
 
 
-Command = AddRequest | Abort | Flush | WriteKV | EvictDevice | Drain | SetLoadCost | Stop
+Command = (
+    AddRequest | Abort | Flush | WriteKV | EvictDevice | Drain | SetLoadCost | StopPrefetch | Stop
+)

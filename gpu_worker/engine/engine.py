@@ -17,6 +17,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from gpu_worker.engine.commands import (
     Flush,
     SetLoadCost,
     Stop,
+    StopPrefetch,
     WriteKV,
 )
 from gpu_worker.engine.executor import ModelExecutor
@@ -50,6 +52,7 @@ from gpu_worker.parallel.groups import ParallelGroups, rank_device
 from gpu_worker.parallel.sync import StepSync, agree_min
 from gpu_worker.scheduler.request import GenerateOutput, RemoteKV, Req, ReqState
 from gpu_worker.scheduler.scheduler import Scheduler, SchedulerConfig
+from gpu_worker.storage import StorageBackend, StorageConfig, default_storage_dir, make_backend
 
 KEEPALIVE_S = 5.0  # an idle multi-rank engine still steps this often (its ranks wait in it)
 
@@ -128,9 +131,15 @@ class Engine:
             config.cache,
             self.kv_spec,
             self.device,
-            self.namespace if self.rank == 0 else None,  # rank 0 publishes the KV events
+            self.namespace,
             num_host_pages=host_pages,
             delay_seed=7919 * self.rank,
+            record_events=self.rank == 0,  # rank 0 publishes the KV events
+            storage=self._storage_backend(config),
+            storage_shard=f"tp{groups.tp_rank}of{config.parallel.tp_size}"
+            f"pp{groups.pp_rank}of{config.parallel.pp_size}",
+            storage_groups=(groups.storage_hit, groups.storage_progress),
+            rank=self.rank,
         )
         self.consensus = consensus.recorder_for(groups)  # None unless HICACHE_RANK_CONSENSUS
         consensus.attach(self.consensus)
@@ -147,6 +156,20 @@ class Engine:
         self._sent_estimate = LoadCostEstimate()
         self._last_step = time.monotonic()
         self.stopped = False  # set by the Stop command
+
+    @staticmethod
+    def _storage_backend(config: EngineConfig) -> StorageBackend | None:
+        """External storage for this rank, when a backend is configured."""
+        cc = config.cache
+        if cc.hicache_storage_backend is None:
+            return None
+        return make_backend(
+            StorageConfig(
+                backend=cc.hicache_storage_backend,
+                directory=Path(cc.hicache_storage_dir or default_storage_dir()),
+                capacity_bytes=int(cc.hicache_storage_size_gb * 1e9),
+            )
+        )
 
     # ----------------------------------------------------------------- requests
 
@@ -344,10 +367,11 @@ class Engine:
         commands: list[Command] | None = None
         if self.rank == 0:
             self._offer_load_cost()
+            self._offer_prefetch_verdicts()
             commands, self._commands = self._commands, []
             self._last_step = time.monotonic()
         commands, num_acks = self.sync.exchange(
-            commands, self.cache.num_ready_acks(), self.cache.num_queued_acks
+            commands, self.cache.ready_counts(), self.cache.queued_counts()
         )
         self.scheduler.consume_acks(num_acks)
         for cmd in commands:
@@ -365,12 +389,28 @@ class Engine:
         """Rank 0: send its load-cost figures when they moved (every rank decides by them)."""
         if self.config.cache.hicache_load_policy != "cost":
             return
-        estimate = self.cache.cost.estimate(self.kv_spec.bytes_per_page / self.kv_spec.page_size)
+        spec, storage = self.kv_spec, self.cache.storage
+        estimate = self.cache.cost.estimate(
+            spec.bytes_per_page / spec.page_size,
+            None if storage is None else storage.io.seconds_per_page(),
+            spec.page_size,
+        )
         if estimate.differs_from(self._sent_estimate):
             self._sent_estimate = estimate
             self._commands.append(
-                SetLoadCost(estimate.load_s_per_token, estimate.recompute_s_per_token)
+                SetLoadCost(
+                    estimate.load_s_per_token,
+                    estimate.recompute_s_per_token,
+                    estimate.storage_s_per_token,
+                )
             )
+
+    def _offer_prefetch_verdicts(self) -> None:
+        """Rank 0: storage prefetches past their deadline (`timeout` policy) stop, on every
+        rank at once; only rank 0's clock decides."""
+        storage = self.cache.storage
+        if storage is not None:
+            self._commands += [StopPrefetch(rid) for rid in storage.timed_out(time.monotonic())]
 
     def _apply(self, cmd: Command) -> None:
         """Apply one command; the same on every rank (results land on rank 0's objects)."""
@@ -392,8 +432,12 @@ class Engine:
             self.cache.drain()
         elif isinstance(cmd, SetLoadCost):
             self.cache.cost_estimate = LoadCostEstimate(
-                cmd.load_s_per_token, cmd.recompute_s_per_token
+                cmd.load_s_per_token,
+                cmd.recompute_s_per_token,
+                storage_s_per_token=cmd.storage_s_per_token,
             )
+        elif isinstance(cmd, StopPrefetch):
+            self.scheduler.stop_prefetch(cmd.rid)
         elif isinstance(cmd, Stop):
             self.stopped = True
 

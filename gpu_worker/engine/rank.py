@@ -123,7 +123,13 @@ def launch_engine(
             procs[rank] = proc
         device = torch.device(config.device)
         groups = init_parallel_groups(
-            config.parallel, 0, store, device, timeout_s, consensus=consensus_enabled()
+            config.parallel,
+            0,
+            store,
+            device,
+            timeout_s,
+            consensus=consensus_enabled(),
+            storage=config.cache.hicache_storage_backend is not None,
         )
         engine = Engine(config, groups)
     except BaseException:
@@ -170,7 +176,13 @@ def main() -> None:
     device = torch.device(config.device)
     try:
         groups = init_parallel_groups(
-            config.parallel, spec.rank, store, device, spec.timeout_s, consensus_enabled()
+            config.parallel,
+            spec.rank,
+            store,
+            device,
+            spec.timeout_s,
+            consensus=consensus_enabled(),
+            storage=config.cache.hicache_storage_backend is not None,
         )
         engine = Engine(config, groups)
         engine.follow()

@@ -12,6 +12,9 @@ Groups:
   control (rank 0's command list and the ready-ACK MIN); None at TP 1.
 - `consensus`: a dedicated gloo group over the world for the rank consensus checker's side
   thread, so its collectives never interleave with the scheduler's; None when it is off.
+- `storage_hit` / `storage_progress`: two gloo groups over the world for external storage's
+  background threads: the MIN of the store's hit length before reading (the query thread)
+  and of the pages read while reading (the I/O thread), so neither waits on the other.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class ParallelGroups:
     tp: dist.ProcessGroup | None = None
     tp_cpu: dist.ProcessGroup | None = None
     consensus: dist.ProcessGroup | None = None
+    storage_hit: dist.ProcessGroup | None = None
+    storage_progress: dist.ProcessGroup | None = None
 
     @classmethod
     def single(cls) -> ParallelGroups:
@@ -92,11 +97,13 @@ def init_parallel_groups(
     device: torch.device,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     consensus: bool = False,
+    storage: bool = False,
 ) -> ParallelGroups:
     """Join the world as `rank` through `store` and build every group.
 
     On CPU everything is gloo; on CUDA tensors go over nccl and control over gloo groups.
-    `consensus` must be the same on every rank (it comes from the environment they share).
+    `consensus` must be the same on every rank (it comes from the environment they share);
+    `storage` (external storage is on: the same config on every rank) adds its two groups.
     """
     if config.world_size == 1:
         return ParallelGroups.single()
@@ -121,7 +128,19 @@ def init_parallel_groups(
             if stage == pp_rank:
                 tp, tp_cpu = group, cpu_group
     consensus_group = dist.new_group(backend="gloo", timeout=timeout) if consensus else None
-    return ParallelGroups(config, rank, world, cpu_world, tp, tp_cpu, consensus_group)
+    storage_hit = dist.new_group(backend="gloo", timeout=timeout) if storage else None
+    storage_progress = dist.new_group(backend="gloo", timeout=timeout) if storage else None
+    return ParallelGroups(
+        config,
+        rank,
+        world,
+        cpu_world,
+        tp,
+        tp_cpu,
+        consensus_group,
+        storage_hit,
+        storage_progress,
+    )
 
 
 def destroy_parallel_groups(groups: ParallelGroups) -> None:

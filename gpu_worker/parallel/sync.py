@@ -5,12 +5,14 @@ DESIGN.md 4 and the article's PP x HiCache section. Each step:
 - PP0 (the first stage). Rank 0 sends its pickled command list to its TP peers point to
   point, non-blocking (a size header, then the bytes when there are any): distributing work
   never makes rank 0 wait. Every PP0 rank counts the consecutive finished ACKs at the front
-  of its transfer queue, and the stage agrees on their all_reduce(MIN) over its TP group:
-  the ACKs finished on every TP rank. The number of queued ACKs is the same on every rank
-  (they submit and consume at the same logical points), so when it is 0 the count is 0 on
-  every rank and no rank joins the reduction; when it is not, every rank joins it, whatever
-  its own count. In a steady decode with nothing in flight agreement costs no collective.
-- `pp_sync`: PP0 sends the agreed count and the command list down the pipeline, point to
+  of each of its ACK queues (transfers; external storage's hit queries, read progress and
+  writes), and the stage agrees on their all_reduce(MIN) over its TP group, one packed int
+  tensor: the ACKs finished on every TP rank. The number of queued ACKs is the same on every
+  rank (they submit and consume at the same logical points), so when no queue holds any the
+  counts are 0 on every rank and no rank joins the reduction; when one does, every rank
+  joins it, whatever its own counts. In a steady decode with nothing in flight agreement
+  costs no collective.
+- `pp_sync`: PP0 sends the agreed counts and the command list down the pipeline, point to
   point to the rank with its TP index in the next stage, as a non-blocking send of its own
   copy; handles are reaped on later rounds, with a bound on sends in flight. Later stages
   receive (blocking), forward, and consume exactly that count: `TransferEngine.pop(n)` waits
@@ -102,11 +104,15 @@ class StepSync:
         self.num_reductions = 0
 
     def exchange(
-        self, commands: list[Any] | None, local_ready: int, queued: int
-    ) -> tuple[list[Any], int]:
+        self,
+        commands: list[Any] | None,
+        local_ready: tuple[int, ...],
+        queued: tuple[int, ...],
+    ) -> tuple[list[Any], tuple[int, ...]]:
         """The step's command list (rank 0 passes its own and gets the same objects back) and
-        the number of ready ACKs this rank must consume. `local_ready`: this rank's finished
-        ACKs at the front of its queue; `queued`: ACKs in its queue (the same on every rank)."""
+        the number of ready ACKs this rank must consume from each queue. `local_ready`: this
+        rank's finished ACKs at the front of each queue; `queued`: ACKs in each queue (the
+        same on every rank)."""
         self.num_steps += 1
         g = self.groups
         if g.world_size == 1:
@@ -115,13 +121,13 @@ class StepSync:
         if g.first_stage:
             commands, data, agreed = self._first_stage(commands, local_ready, queued)
         else:
-            commands, data, agreed = self._later_stage()
+            commands, data, agreed = self._later_stage(len(local_ready))
         if not g.last_stage:
             self._send_down(agreed, data)
         self.seconds += time.perf_counter() - start
         return commands, self._consumed(agreed, local_ready)
 
-    def _consumed(self, agreed: int, local_ready: int) -> int:
+    def _consumed(self, agreed: tuple[int, ...], local_ready: tuple[int, ...]) -> tuple[int, ...]:
         g, off = self.groups, self.disable
         if off == "all" or (off == "pp_sync" and not g.first_stage):
             return local_ready
@@ -130,8 +136,8 @@ class StepSync:
         return agreed
 
     def _first_stage(
-        self, commands: list[Any] | None, local_ready: int, queued: int
-    ) -> tuple[list[Any], torch.Tensor, int]:
+        self, commands: list[Any] | None, local_ready: tuple[int, ...], queued: tuple[int, ...]
+    ) -> tuple[list[Any], torch.Tensor, tuple[int, ...]]:
         g = self.groups
         if g.tp_cpu is None:  # TP 1: rank 0 is the whole first stage
             return commands or [], encode_object(commands or []), local_ready
@@ -149,33 +155,34 @@ class StepSync:
             if data.numel():
                 dist.recv(data, g.tp_src, group=g.cpu_world, tag=TAG_COMMANDS)
             commands = decode_object(data)
-        agreed = 0  # nothing queued on any rank: nothing to agree on
+        agreed = (0,) * len(local_ready)  # nothing queued on any rank: nothing to agree on
         # "tp_min" off: queues differ between ranks, so all reduce every step and ignore the
         # result; "all" off (the agreement-cost benchmark's baseline): no reduction at all
-        if self.disable != "all" and (queued or self.disable == "tp_min"):
-            count = torch.tensor([local_ready], dtype=torch.int64)
+        if self.disable != "all" and (any(queued) or self.disable == "tp_min"):
+            counts = torch.tensor(local_ready, dtype=torch.int64)
             start = time.perf_counter()
-            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=g.tp_cpu)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=g.tp_cpu)
             self.reduce_seconds += time.perf_counter() - start
             self.num_reductions += 1
-            agreed = int(count[0])
+            agreed = tuple(int(c) for c in counts.tolist())
         return commands or [], data, agreed
 
-    def _later_stage(self) -> tuple[list[Any], torch.Tensor, int]:
+    def _later_stage(self, num_queues: int) -> tuple[list[Any], torch.Tensor, tuple[int, ...]]:
         g = self.groups
-        header = torch.empty(2, dtype=torch.int64)
+        header = torch.empty(num_queues + 1, dtype=torch.int64)
         src = g.stage_peer(g.pp_rank - 1)
         dist.recv(header, src, group=g.cpu_world, tag=TAG_HEADER)
-        agreed, size = int(header[0]), int(header[1])
+        *counts, size = (int(v) for v in header.tolist())
+        agreed = tuple(counts)
         data = torch.empty(size, dtype=torch.uint8)
         if size:
             dist.recv(data, src, group=g.cpu_world, tag=TAG_COMMANDS)
         return decode_object(data), data, agreed
 
-    def _send_down(self, agreed: int, data: torch.Tensor) -> None:
+    def _send_down(self, agreed: tuple[int, ...], data: torch.Tensor) -> None:
         g = self.groups
         dst = g.stage_peer(g.pp_rank + 1)
-        header = torch.tensor([agreed, data.numel()], dtype=torch.int64)
+        header = torch.tensor([*agreed, data.numel()], dtype=torch.int64)
         self.sends.send(header, dst, g.cpu_world, TAG_HEADER)
         if data.numel():
             self.sends.send(data, dst, g.cpu_world, TAG_COMMANDS)

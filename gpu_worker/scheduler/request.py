@@ -10,6 +10,7 @@ import torch
 from bus_schemas.token_ids import TokenIds, as_token_ids
 from gpu_worker.cache.hicache import LoadTicket
 from gpu_worker.cache.radix import TreeNode
+from gpu_worker.cache.storage_tier import Prefetch
 from gpu_worker.memory.allocator import PageId
 from gpu_worker.model.sampling import SamplingParams
 
@@ -25,14 +26,16 @@ class ReqState(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class CachedTokens:
-    """Prompt tokens served from each tier instead of being computed."""
+    """Prompt tokens served from each tier instead of being computed (`storage`: read from
+    external storage for this request, then loaded through the host tier)."""
 
     device: int = 0
     host: int = 0
+    storage: int = 0
 
     @property
     def total(self) -> int:
-        return self.device + self.host
+        return self.device + self.host + self.storage
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,7 @@ class Req:
     last_node: TreeNode | None = None  # the tree node this request holds locked
     computed_len: int = 0  # tokens whose KV is in the pool (cached prefix + computed chunks)
     load: LoadTicket | None = None
+    prefetch: Prefetch | None = None  # from external storage, while it waits (never pickled)
     cached: CachedTokens = CachedTokens()
     finish_reason: str | None = None
     aborted: bool = False  # finish at the next safe point (after any load completes)

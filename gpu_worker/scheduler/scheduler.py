@@ -77,6 +77,8 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 req.state, req.finish_reason = ReqState.FINISHED, "abort"
+                if req.prefetch is not None and self.cache.storage is not None:
+                    self.cache.storage.cancel(req.prefetch)
                 return
         for req in self.running:
             if req.rid == rid:
@@ -86,14 +88,23 @@ class Scheduler:
         if req.sampling.max_new_tokens == 0:
             req.state, req.finish_reason = ReqState.FINISHED, "length"
             return
+        storage = self.cache.storage
+        if storage is not None and req.remote is None:  # P/D decode: its prefix is promised
+            req.prefetch = storage.start(req.rid, req.prompt_ids, req.cache_salt)
         self.waiting.append(req)
+
+    def stop_prefetch(self, rid: int) -> None:
+        """Rank 0's timeout verdict: the request takes what its prefetch read so far."""
+        if self.cache.storage is not None:
+            self.cache.storage.stop(rid)
 
     # ----------------------------------------------------------------- step
 
     @rank_consensus(same_params=["num_acks"])
-    def consume_acks(self, num_acks: int) -> None:
-        """Apply the first `num_acks` queued transfer ACKs (the agreed count), in order."""
-        self.cache.consume(num_acks)
+    def consume_acks(self, num_acks: tuple[int, ...]) -> None:
+        """Apply the first `num_acks[i]` ACKs of each of the cache's queues (the agreed
+        counts: transfers, then storage hits, read progress and writes), in order."""
+        self.cache.consume_counts(num_acks)
 
     def step(self) -> list[Req]:
         """Run one scheduling step (after `consume_acks` and the step's commands); returns
@@ -174,8 +185,18 @@ class Scheduler:
         return aborted
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_running_requests:
-            if not self._admit_next(self.waiting[0]):
+        """First come, first served while pages allow; a request whose storage prefetch may
+        not end yet (its policy) waits without holding back those behind it."""
+        storage = self.cache.storage
+        for req in list(self.waiting):
+            if len(self.running) >= self.config.max_running_requests:
+                return
+            p = req.prefetch
+            if p is not None and storage is not None and not p.finished:
+                if not storage.ready(p):
+                    continue
+                storage.finish(p)
+            if not self._admit_next(req):
                 return
 
     @rank_consensus(
@@ -183,7 +204,7 @@ class Scheduler:
         same_results=["result", "req.cached", "list(req.page_ids)"],
     )
     def _admit_next(self, req: Req) -> bool:
-        """Admit the first waiting request if the page budget allows; whether it did."""
+        """Admit waiting request `req` if the page budget allows; whether it did."""
         cache, ps = self.cache, self.cache.page_size
         match = (
             cache.no_match()
@@ -198,7 +219,7 @@ class Scheduler:
             if not self.running:  # nothing will ever free more: the engine checks sizes
                 raise RuntimeError(f"request {req.rid} does not fit the device pool")
             return False
-        self.waiting.popleft()
+        self.waiting.remove(req)
         ticket = cache.start_load(match)
         if ticket is None and match.host_len:  # no room to load: compute it instead
             own_pages += load_pages
@@ -208,7 +229,8 @@ class Scheduler:
         req.cached_len = match.device_len
         host_len = match.host_len if ticket is not None else 0
         req.computed_len = match.device_len + host_len
-        req.cached = CachedTokens(device=match.device_len, host=host_len)
+        storage_len = self._storage_len(req, match.device_len, match.device_len + host_len)
+        req.cached = CachedTokens(match.device_len, host_len - storage_len, storage_len)
         req.page_ids = list(match.device_page_ids) + (ticket.page_ids if ticket else []) + pages
         req.load = ticket
         idle = ReqState.RECEIVING if req.remote is not None else ReqState.PREFILL
@@ -216,9 +238,18 @@ class Scheduler:
         if req.remote is not None:
             req.remote.prefix_len = req.remote.received_end = req.computed_len
         cache.stats.device_hit_tokens += match.device_len
-        cache.stats.host_hit_tokens += host_len
+        cache.stats.host_hit_tokens += host_len - storage_len
+        cache.stats.storage_hit_tokens += storage_len
         self.running.append(req)
         return True
+
+    @staticmethod
+    def _storage_len(req: Req, lo: int, hi: int) -> int:
+        """Tokens of the loaded range [lo, hi) that this request's prefetch brought in."""
+        if req.prefetch is None:
+            return 0
+        a, b = req.prefetch.storage_range
+        return max(0, min(b, hi) - max(a, lo))
 
     # ----------------------------------------------------------------- forward
 

@@ -12,14 +12,15 @@ Torch-free: callers pass bytes and writable memoryviews (e.g. `tensor.numpy()` v
 from __future__ import annotations
 
 import abc
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-STORAGE_DIR_ENV = "HICACHE_STORAGE_DIR"  # see default_storage_dir
+from gpu_worker import env
+
+STORAGE_DIR_ENV = env.STORAGE_DIR  # see default_storage_dir
 
 MAX_KEY_LEN = 200
 _KEY_RE = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_KEY_LEN}}}")
@@ -58,16 +59,8 @@ def check_keys(keys: Sequence[str]) -> None:
 
 def default_storage_dir() -> Path:
     """`$HICACHE_STORAGE_DIR` if set, else `$XDG_CACHE_HOME/hicache-mesh/storage`, else
-    `~/.cache/hicache-mesh/storage`.
-
-    Read here rather than in `gpu_worker/env.py` only because this module was added without
-    editing that file; it belongs there beside `HICACHE_CACHE_DIR`.
-    """
-    value = os.environ.get(STORAGE_DIR_ENV)
-    if value:
-        return Path(value)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hicache-mesh" / "storage"
+    `~/.cache/hicache-mesh/storage` (read in `gpu_worker/env.py`)."""
+    return env.storage_dir()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,278 @@
+"""External storage I/O of one rank: background threads and their ordered ACK queues.
+
+The scheduler thread submits three kinds of work; each runs off it and completes through an
+immutable ACK in an ordered FIFO of its kind (so a slow read never holds back the ACK of a
+hit query behind it):
+
+- a hit query (`query`, on the query thread): how many leading objects of a prefetch the
+  store holds, MIN-agreed over every rank of the world on the `storage_hit` gloo group;
+- a read (`read`, on the I/O thread) of the agreed hit into reserved host pages, in batches
+  of `batch_pages`: after each batch the number of leading pages read so far is MIN-agreed
+  over every rank on the separate `storage_progress` group, and the batch's ACK carries it.
+  Exactly one ACK per batch, whatever happened (a failed read stops the count growing on
+  that rank, so the MIN shrinks on every rank; a cancelled read skips its reading but still
+  joins every reduction);
+- a write (`write`, on the write thread) of host pages to the store: no agreement (what was
+  written decides nothing that ranks must share).
+
+Every rank submits the same work in the same order (its inputs are replicated), so the
+background threads of all ranks run their collectives in the same order. The ACK counts the
+scheduler consumes are agreed per step like the transfer ACKs' (`parallel/sync.py`), and
+consuming waits where a rank's own work is still running.
+
+Objects hold a page in `page_first` order, (num_layers, 2, page_size, num_kv_heads,
+head_dim) of this rank's shard: what the page-transfer kernel packs a page into.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from gpu_worker.kernels.page_transfer import PageView, transfer_pages
+from gpu_worker.storage import StorageBackend
+
+log = logging.getLogger(__name__)
+
+
+class StorageAckKind(enum.Enum):
+    HIT = "hit"
+    PROGRESS = "progress"
+    WRITE = "write"
+
+
+@dataclass(frozen=True, slots=True)
+class StorageAck:
+    """One completed (or running) piece of storage work; `future` gives its count: HIT the
+    agreed hit pages, PROGRESS the agreed pages read so far, WRITE the pages stored here."""
+
+    seq: int
+    kind: StorageAckKind
+    op: object  # what the scheduler side commits when the ACK is consumed
+    future: Future[int]
+
+
+@dataclass(frozen=True, slots=True)
+class StorageFaults:
+    """Test hooks, the same config on every rank; `seed` + the rank seeds each rank's own
+    delays, so ranks see different readiness."""
+
+    read_delay_ms: float = 0.0  # random [0, max] sleep before each read batch
+    query_delay_ms: float = 0.0  # random [0, max] sleep before each hit query
+    fail_rank: int = -1  # this world rank's reads fail ...
+    fail_at_page: int = 0  # ... from this page of every read on
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class ReadOp:
+    """A read of `keys` into host pages `host_page_ids`, batch by batch."""
+
+    keys: list[str]
+    host_page_ids: list[int]
+    batch_pages: int
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def num_batches(self) -> int:
+        return -(-len(self.keys) // self.batch_pages)
+
+
+class AckQueue:
+    """One ordered FIFO of ACKs: the consumable prefix, and pops that wait when needed."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[StorageAck] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def append(self, ack: StorageAck) -> None:
+        self._queue.append(ack)
+
+    def num_ready(self) -> int:
+        n = 0
+        for ack in self._queue:
+            if not ack.future.done():
+                break
+            n += 1
+        return n
+
+    def pop(self, n: int) -> list[StorageAck]:
+        """The first `n` ACKs, each finished (waiting for those still running)."""
+        if n > len(self._queue):
+            raise ValueError(f"asked to consume {n} storage ACKs, only {len(self._queue)} queued")
+        taken = [self._queue.popleft() for _ in range(n)]
+        for ack in taken:
+            ack.future.exception()  # waits; a failed future is handled by the consumer
+        return taken
+
+
+class StorageIO:
+    """See the module docstring. `close()` when done (after every ACK was consumed)."""
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        host: PageView,
+        page_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        rank: int = 0,
+        hit_group: dist.ProcessGroup | None = None,
+        progress_group: dist.ProcessGroup | None = None,
+        faults: StorageFaults | None = None,
+    ) -> None:
+        """`host`: the host pool's pages; `page_shape`: one page of it in page_first order
+        (num_layers, 2, page_size, num_kv_heads, head_dim). The groups span the whole world
+        (None in a world of one)."""
+        self.backend = backend
+        self.host = host
+        self.page_shape = page_shape
+        self.dtype = dtype
+        self.rank = rank
+        self.hit_group = hit_group
+        self.progress_group = progress_group
+        self.faults = faults or StorageFaults()
+        self._rng = random.Random(self.faults.seed + 7919 * rank)
+        self.hits = AckQueue()
+        self.progress = AckQueue()
+        self.writes = AckQueue()
+        self._seq = 0
+        self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="l3-query")
+        self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="l3-read")
+        self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="l3-write")
+        self._lock = threading.Lock()
+        # measured on this rank (rank 0's feed the load-cost estimate; they decide nothing)
+        self.read_pages = 0
+        self.read_seconds = 0.0
+        self.failed_reads = 0
+
+    # ----------------------------------------------------------------- submit
+
+    def query(self, keys: list[str], op: object) -> StorageAck:
+        future = self._query_pool.submit(self._query, keys)
+        return self._enqueue(self.hits, StorageAckKind.HIT, op, future)
+
+    def read(self, read: ReadOp, op: object) -> list[StorageAck]:
+        """One ACK per batch of `read`, in order."""
+        batches: list[Future[int]] = [Future() for _ in range(read.num_batches)]
+        self._read_pool.submit(self._read, read, batches)
+        return [self._enqueue(self.progress, StorageAckKind.PROGRESS, op, f) for f in batches]
+
+    def write(self, keys: list[str], host_page_ids: list[int], op: object) -> StorageAck:
+        future = self._write_pool.submit(self._write, keys, host_page_ids)
+        return self._enqueue(self.writes, StorageAckKind.WRITE, op, future)
+
+    def _enqueue(
+        self, queue: AckQueue, kind: StorageAckKind, op: object, future: Future[int]
+    ) -> StorageAck:
+        ack = StorageAck(self._seq, kind, op, future)
+        self._seq += 1
+        queue.append(ack)
+        return ack
+
+    # ----------------------------------------------------------------- workers
+
+    def _query(self, keys: list[str]) -> int:
+        if self.faults.query_delay_ms:
+            time.sleep(self._rng.uniform(0, self.faults.query_delay_ms) / 1e3)
+        try:
+            local = self.backend.exists(keys)
+        except Exception as e:  # a broken store is a miss, never a crash
+            log.warning("storage exists() failed: %r", e)
+            local = 0
+        return self._agree(local, self.hit_group)
+
+    def _read(self, read: ReadOp, batches: list[Future[int]]) -> None:
+        done = 0  # leading pages read on this rank
+        ok = True
+        for b, future in enumerate(batches):
+            lo, hi = b * read.batch_pages, min((b + 1) * read.batch_pages, len(read.keys))
+            try:
+                if ok and not read.cancelled.is_set():
+                    n = self._read_batch(read.keys[lo:hi], read.host_page_ids[lo:hi], lo)
+                    done += n
+                    ok = n == hi - lo
+            except Exception as e:
+                log.warning("storage read failed: %r", e)
+                ok = False
+            if not ok:
+                self.failed_reads += 1
+            try:
+                future.set_result(self._agree(done, self.progress_group))
+            except BaseException as e:  # a collective that failed: the engine is going down
+                future.set_exception(e)
+                for rest in batches[b + 1 :]:
+                    rest.set_exception(e)
+                return
+
+    def _read_batch(self, keys: list[str], host_ids: list[int], first: int) -> int:
+        """Read `keys` into host pages `host_ids`; how many leading pages arrived whole."""
+        f = self.faults
+        if f.read_delay_ms:
+            time.sleep(self._rng.uniform(0, f.read_delay_ms) / 1e3)
+        staging = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)
+        views = _page_bytes(staging)
+        start = time.perf_counter()
+        n = self.backend.get(keys, views)
+        if f.fail_rank == self.rank:
+            n = min(n, max(f.fail_at_page - first, 0))
+        if n:
+            ids = torch.arange(n, dtype=torch.int64)
+            dst = torch.tensor(host_ids[:n], dtype=torch.int64)
+            transfer_pages(PageView.page_first(staging), self.host, ids, dst)
+        with self._lock:
+            self.read_pages += n
+            self.read_seconds += time.perf_counter() - start
+        return n
+
+    def _write(self, keys: list[str], host_ids: list[int]) -> int:
+        staging = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)
+        src = torch.tensor(host_ids, dtype=torch.int64)
+        transfer_pages(self.host, PageView.page_first(staging), src, torch.arange(len(keys)))
+        data = _page_bytes(staging)
+        try:
+            return self.backend.put(keys, data)
+        except Exception as e:  # the backend reports full/read-only itself; anything else
+            log.warning("storage put() failed: %r", e)
+            return 0
+
+    def _agree(self, value: int, group: dist.ProcessGroup | None) -> int:
+        if group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return int(t[0])
+
+    # ----------------------------------------------------------------- queues
+
+    def ready_counts(self) -> tuple[int, int, int]:
+        return self.hits.num_ready(), self.progress.num_ready(), self.writes.num_ready()
+
+    def queued_counts(self) -> tuple[int, int, int]:
+        return len(self.hits), len(self.progress), len(self.writes)
+
+    def seconds_per_page(self) -> float | None:
+        """Measured read time per page on this rank, once some were read."""
+        with self._lock:
+            return self.read_seconds / self.read_pages if self.read_pages else None
+
+    def close(self) -> None:
+        for pool in (self._query_pool, self._read_pool, self._write_pool):
+            pool.shutdown(wait=True)
+
+
+def _page_bytes(staging: torch.Tensor) -> list[memoryview]:
+    """Writable byte views of each page of a page_first staging tensor (any dtype, bf16 too:
+    the bytes are viewed as uint8)."""
+    raw = staging.view(torch.uint8).reshape(staging.shape[0], -1).numpy()
+    return [raw[i].data for i in range(raw.shape[0])]

@@ -1,0 +1,298 @@
+"""External storage (L3) in one engine (issue 9): the oracle, policies, faults, isolation.
+
+Every test runs the float64 tiny model with a real `file` backend in a temporary directory.
+The oracle: a hit served from storage alone (after a flush of device and host, or in a new
+engine on the same directory) gives the cold run's tokens and bit-identical logits, and the
+cached tokens per tier are exact. Policies are checked with a gated backend whose reads past
+the first batch wait for the test, so hit lengths, not clocks, are asserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from test_engine_oracle import Cold, assert_matches_cold, traced
+
+from bus_schemas.page_hash import chain_hashes, root_hash
+from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.cache.storage_tier import PrefetchTimeout
+from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.scheduler.request import CachedTokens
+from gpu_worker.scheduler.scheduler import SchedulerConfig
+from gpu_worker.storage import FileBackend, base
+
+PAGE = 4
+PROMPT = [(i * 37 + 11) % 250 for i in range(61)]  # 61 tokens: 15 whole pages before the last
+HIT = (len(PROMPT) - 1) // PAGE * PAGE  # 60: storage can serve every page but the last token's
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+def config(directory: Path, **cache: object) -> EngineConfig:
+    kw: dict[str, object] = dict(
+        page_size=PAGE,
+        num_device_pages=96,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(directory),
+        hicache_storage_prefetch_policy="wait_complete",
+        storage_batch_pages=4,
+    )
+    kw.update(cache)
+    # batch-invariant rows: logits are compared bit for bit with the cold run
+    return EngineConfig(cache=CacheConfig(**kw), batch_invariant=True)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def cold() -> Cold:
+    cache = CacheConfig(page_size=PAGE, enable_radix_cache=False)
+    eng = Engine(EngineConfig(cache=cache, batch_invariant=True))
+    out, logits = traced(eng, PROMPT)
+    eng.close()
+    return Cold(out.output_ids, logits)
+
+
+def write_prompt(directory: Path, prompt: Sequence[int] = PROMPT, salt: str = "") -> None:
+    """An engine computes `prompt` and writes it through to the store, then goes away."""
+    eng = Engine(config(directory))
+    eng.run([eng.submit(prompt, GREEDY, salt)])
+    eng.drain()  # backups done, then their writes
+    eng.close()
+
+
+def objects(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*/*") if p.is_file() and not p.name.startswith("."))
+
+
+def test_a_new_engine_serves_from_storage_exactly(tmp_path: Path, cold: Cold) -> None:
+    write_prompt(tmp_path)
+    assert len(objects(tmp_path)) == (len(PROMPT) + GREEDY.max_new_tokens - 1) // PAGE
+    eng = Engine(config(tmp_path))
+    out, logits = traced(eng, PROMPT)
+    assert out.cached == CachedTokens(device=0, host=0, storage=HIT)
+    assert_matches_cold(out, logits, cold)
+    assert eng.cache.stats.storage_pages_read == HIT // PAGE
+    eng.cache.check_integrity()
+    # the pages now sit in the tree: the next request hits the device
+    out, logits = traced(eng, PROMPT)
+    assert out.cached == CachedTokens(device=HIT, host=0, storage=0)
+    assert_matches_cold(out, logits, cold)
+    eng.close()
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_after_a_flush_the_hit_comes_from_storage(tmp_path: Path, cold: Cold, policy: str) -> None:
+    timeout = PrefetchTimeout(base_s=60.0)  # never cut: the hit is whole
+    eng = Engine(config(tmp_path, hicache_storage_prefetch_policy=policy, prefetch_timeout=timeout))
+    first, logits = traced(eng, PROMPT)
+    assert first.cached.total == 0
+    eng.drain()
+    assert eng.flush_cache()
+    out, logits = traced(eng, PROMPT)
+    assert out.cached == CachedTokens(0, 0, HIT)
+    assert_matches_cold(out, logits, cold)
+    eng.close()
+
+
+def test_a_longer_prompt_reads_its_stored_prefix_and_computes_the_rest(
+    tmp_path: Path,
+) -> None:
+    write_prompt(tmp_path)
+    longer = PROMPT + [(i * 13 + 5) % 250 for i in range(23)]
+    eng = Engine(dataclasses.replace(config(tmp_path), cache=CacheConfig(page_size=PAGE)))
+    want = eng.generate(longer, GREEDY)  # no cache at all
+    eng.close()
+    eng = Engine(config(tmp_path))
+    out = eng.generate(longer, GREEDY)
+    # the store holds the prompt's 61 tokens and 5 outputs written: 16 whole pages
+    assert out.cached == CachedTokens(0, 0, 60)  # the stored pages that are a prefix of it
+    assert out.output_ids == want.output_ids
+    eng.close()
+
+
+# ------------------------------------------------------------------ isolation
+
+
+def test_salt_and_namespace_never_cross(tmp_path: Path) -> None:
+    write_prompt(tmp_path, salt="alice")
+    for cfg, salt in (
+        (config(tmp_path), "bob"),
+        (config(tmp_path), ""),
+        (dataclasses.replace(config(tmp_path), dtype="float32"), "alice"),
+        (config(tmp_path, page_size=8, num_device_pages=48), "alice"),
+    ):
+        eng = Engine(cfg)
+        out = eng.run([eng.submit(PROMPT, GREEDY, salt)])[0]
+        assert out.cached.total == 0, (cfg.dtype, cfg.cache.page_size, salt)
+        assert eng.cache.stats.storage_pages_read == 0
+        eng.close()
+    eng = Engine(config(tmp_path))  # the same salt, after a restart: served
+    out = eng.run([eng.submit(PROMPT, GREEDY, "alice")])[0]
+    assert out.cached.storage == HIT
+    eng.close()
+
+
+# ------------------------------------------------------------------ host space
+
+
+def test_little_host_space_falls_back_to_a_shorter_prefix(tmp_path: Path, cold: Cold) -> None:
+    """A host pool of 20 pages: prefetches take at most half of it (10 pages = 40 tokens)."""
+    write_prompt(tmp_path)
+    eng = Engine(config(tmp_path, hicache_ratio=20 / 96))
+    assert eng.cache.host_pool is not None and eng.cache.host_pool.num_pages == 20
+    out, logits = traced(eng, PROMPT)
+    assert out.cached == CachedTokens(0, 0, 10 * PAGE)
+    assert_matches_cold(out, logits, cold)
+    eng.cache.check_integrity()
+    eng.close()
+
+
+def test_an_aborted_waiting_request_leaves_nothing_behind(tmp_path: Path) -> None:
+    write_prompt(tmp_path)
+    eng = Engine(config(tmp_path))
+    assert eng.cache.host_pool is not None
+    free = eng.cache.host_pool.allocator.num_free
+    req = eng.submit(PROMPT, GREEDY)
+    eng.abort(req.rid)  # before any step: it never reached the ranks
+    other = eng.submit(PROMPT, GREEDY)
+    eng.step()  # other's prefetch is under way
+    eng.abort(other.rid)
+    eng.run([other])
+    eng.drain()
+    assert other.finish_reason == "abort"
+    eng.cache.check_integrity()
+    storage = eng.cache.storage
+    assert storage is not None and storage.prefetches == {} and storage.reserved_pages == 0
+    # what was read is kept as ordinary host cache, nothing leaked
+    assert eng.cache.host_pool.allocator.num_free + eng.cache.tree.num_host_pages == free
+    eng.close()
+
+
+# ------------------------------------------------------------------ policies
+
+
+class GatedBackend(FileBackend):
+    """Reads of the first `open_pages` pages of a prefetch go through; later ones wait for
+    `gate` (the test opens it when it has seen what it wanted)."""
+
+    open_pages = 4
+    gate = threading.Event()
+
+    def get(self, keys: Sequence[str], out: Sequence[memoryview]) -> int:
+        if self._seen >= self.open_pages:
+            assert GatedBackend.gate.wait(30), "the test never opened the gate"
+        self._seen += len(keys)
+        return super().get(keys, out)
+
+    _seen = 0
+
+
+@pytest.fixture
+def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[GatedBackend]]:
+    GatedBackend.gate = threading.Event()
+    monkeypatch.setitem(base.BACKENDS, "gated", lambda c: GatedBackend(c))
+    yield GatedBackend
+    GatedBackend.gate.set()
+
+
+def policy_hit(directory: Path, policy: str, timeout: PrefetchTimeout | None = None) -> int:
+    """Storage tokens of PROMPT when it waits behind one running request of 60 steps."""
+    eng = Engine(
+        dataclasses.replace(
+            config(
+                directory,
+                hicache_storage_backend="gated",
+                hicache_storage_prefetch_policy=policy,
+                prefetch_timeout=timeout or PrefetchTimeout(),
+            ),
+            scheduler=SchedulerConfig(max_running_requests=1),
+        )
+    )
+    blocker = eng.submit([7, 8, 9], SamplingParams(max_new_tokens=60, ignore_eos=True))
+    req = eng.submit(PROMPT, GREEDY)
+    if policy == "wait_complete":
+        threading.Timer(0.3, GatedBackend.gate.set).start()
+    outs = eng.run([blocker, req])
+    GatedBackend.gate.set()
+    eng.drain()
+    eng.cache.check_integrity()
+    eng.close()
+    return outs[1].cached.storage
+
+
+def test_prefetch_policies_take_what_they_wait_for(
+    tmp_path: Path, gated: type[GatedBackend]
+) -> None:
+    write_prompt(tmp_path)
+    full = policy_hit(tmp_path, "wait_complete")
+    gated.gate = threading.Event()
+    best = policy_hit(tmp_path, "best_effort")
+    gated.gate = threading.Event()
+    tiny = policy_hit(tmp_path, "timeout", PrefetchTimeout(base_s=0.0, per_ki_token_s=0.0))
+    assert full == HIT
+    assert best == gated.open_pages * PAGE  # the first batch, read while it queued
+    assert tiny == 0  # cut at once
+
+
+# ------------------------------------------------------------------ faults
+
+
+def damage(directory: Path, page: int, how: str) -> None:
+    """Damage the object of PROMPT's page `page` (objects sort by name, not by page: find it
+    by reading the engine's own keys)."""
+    eng = Engine(config(directory))
+    hashes = chain_hashes(root_hash(eng.namespace, ""), PROMPT[:HIT], PAGE)
+    eng.close()
+    key = f"{hashes[page].hex()}_tp0of1pp0of1"
+    path = directory / key[:2] / key
+    data = path.read_bytes()
+    if how == "corrupt":
+        path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:  # misnamed: another page's object under this page's name
+        other = f"{hashes[page + 1].hex()}_tp0of1pp0of1"
+        path.write_bytes((directory / other[:2] / other).read_bytes())
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "misnamed"])
+def test_a_damaged_object_is_a_miss_from_there_on(tmp_path: Path, cold: Cold, how: str) -> None:
+    write_prompt(tmp_path)
+    damage(tmp_path, 9, how)
+    eng = Engine(config(tmp_path))
+    out, logits = traced(eng, PROMPT)
+    assert out.cached == CachedTokens(0, 0, 9 * PAGE)  # pages 0..8 only
+    assert_matches_cold(out, logits, cold)
+    storage = eng.cache.storage
+    assert storage is not None
+    stats = storage.io.backend.stats()
+    assert stats.num_quarantined == 1
+    assert len(list((tmp_path / ".quarantine").iterdir())) == 1  # set aside, never read
+    eng.drain()  # the pages it computed instead were written back: the store healed
+    eng.close()
+    eng = Engine(config(tmp_path))
+    out, logits = traced(eng, PROMPT)
+    assert out.cached == CachedTokens(0, 0, HIT)
+    assert_matches_cold(out, logits, cold)
+    eng.close()
+
+
+def test_a_store_that_cannot_write_still_serves(tmp_path: Path, cold: Cold) -> None:
+    """The directory's fan-out entries are files: every write fails; requests are served."""
+    for i in range(256):
+        (tmp_path / f"{i:02x}").write_bytes(b"")
+    eng = Engine(config(tmp_path))
+    out, logits = traced(eng, PROMPT)
+    assert_matches_cold(out, logits, cold)
+    eng.drain()
+    storage = eng.cache.storage
+    assert storage is not None
+    assert storage.io.backend.stats().num_write_failures > 0
+    assert eng.cache.stats.storage_pages_written == 0
+    out, logits = traced(eng, PROMPT)  # still served, from the device
+    assert out.cached.device == HIT
+    eng.close()
