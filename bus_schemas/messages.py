@@ -9,7 +9,7 @@ from typing import ClassVar
 from bus_schemas.codec import Message
 from bus_schemas.token_ids import TokenIds, as_token_ids
 
-TIERS = ("device", "host")
+TIERS = ("device", "host", "storage")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,7 @@ class TokenChunk(Message):
     """
 
     TYPE: ClassVar[str] = "token_chunk"
-    VERSION: ClassVar[int] = 4  # 2: P/D fields; 3: engine_crashed; 4: logprobs
+    VERSION: ClassVar[int] = 5  # 2: P/D fields; 3: engine_crashed; 4: logprobs; 5: storage
 
     request_id: str
     seq: int
@@ -87,6 +87,7 @@ class TokenChunk(Message):
     logprobs: list[float | None] = field(default_factory=list)
     top_logprob_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    cached_storage: int = 0  # prompt tokens read from external storage (L3) for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +170,8 @@ class Heartbeat(Message):
     (cumulative since the engine started or flushed; the router exports them per engine)."""
 
     TYPE: ClassVar[str] = "heartbeat"
-    VERSION: ClassVar[int] = 4  # 2: cache usage and counters; 3: eviction counters; 4: card
+    # 2: cache usage and counters; 3: eviction counters; 4: card; 5: external storage
+    VERSION: ClassVar[int] = 5
 
     engine_id: str
     bucket: str
@@ -195,6 +197,11 @@ class Heartbeat(Message):
     # the digest of the engine's ModelCard: a router that holds no card of that digest asks
     # the engine for it (request/reply on `subjects.engine_model_card`)
     card_digest: str = ""
+    # external storage (L3): which store the engine reads and writes (engines with the same
+    # id share objects; "" without storage), and its counters
+    store_id: str = ""
+    storage_pages_read: int = 0
+    storage_pages_written: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +266,7 @@ class KVEventBatch(Message):
     """
 
     TYPE: ClassVar[str] = "kv_events"
+    VERSION: ClassVar[int] = 2  # 2: store_id (events of the "storage" tier)
 
     engine_id: str
     bucket: str
@@ -267,6 +275,9 @@ class KVEventBatch(Message):
     namespace: str
     events: list[KVEvent]
     snapshot: bool = False
+    # the store the engine's "storage" events are about (`Heartbeat.store_id`); storage
+    # pages outlive the engine, so the index keeps them per store, not per engine
+    store_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

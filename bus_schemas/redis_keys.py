@@ -2,6 +2,10 @@
 
 Layout (kept current by the index service from KV events):
 - `hc:page:{page_hash}`      HASH  engine_id -> tier bits (1 device, 2 host)
+- `hc:store:{store_id}:{page_hash}` STRING "1", with a TTL (`STORE_TTL_S`): the page is in
+                             external store `store_id` (engines that announce that id
+                             share it). Stores outlive engines and evict on their own, so
+                             these expire instead of being removed.
 - `hc:engine:{id}:pages`     SET   page hashes the engine holds (to clear it at once)
 - `hc:engine:{id}:meta`      HASH  epoch, seq, bucket, namespace
 - `hc:engine:{id}:alive`     STRING epoch, with a TTL refreshed by heartbeats
@@ -20,11 +24,17 @@ TIER_BITS = {"device": DEVICE_BIT, "host": HOST_BIT}
 
 ENGINES = "hc:engines"
 PAGE_PREFIX = "hc:page:"
+STORE_PREFIX = "hc:store:"
+STORE_TTL_S = 24 * 3600
 HASH_HEX_LEN = 32  # page_hash.DIGEST_SIZE bytes as hex
 
 
 def page(page_hash: str) -> str:
     return PAGE_PREFIX + page_hash
+
+
+def store_page(store_id: str, page_hash: str) -> str:
+    return f"{STORE_PREFIX}{store_id}:{page_hash}"
 
 
 def engine_pages(engine_id: str) -> str:
@@ -40,9 +50,10 @@ def engine_alive(engine_id: str) -> str:
 
 
 # ARGV[1]: the hex page hashes of one prompt, in order, concatenated (HASH_HEX_LEN chars
-# each; `lookup_argv`). Returns a flat array [engine_id, prefix_pages, device_prefix_pages,
-# ...]: for every engine holding the first page, how many leading pages it holds in any tier,
-# and how many of those on the device.
+# each; `lookup_argv`); ARGV[2..]: store ids to look up. Returns a flat array [engine_id,
+# prefix_pages, device_prefix_pages, ...]: for every engine holding the first page, how many
+# leading pages it holds in any tier, and how many of those on the device; then, for every
+# store id holding the first page, ["@" .. store_id, prefix_pages, 0] (STORE_MARK).
 #
 # An engine's pages are prefix-closed per tier: its radix tree holds a node on a tier only if
 # the node's parent is there too (`RadixTree.check_integrity`), and the index applies each
@@ -54,14 +65,31 @@ def engine_alive(engine_id: str) -> str:
 # the reads (standalone Redis/Valkey; a cluster would need them declared). Should the index
 # ever hold a hole (it cannot, short of a bug), an engine's count lands somewhere in it: a
 # routing hint off by some pages, never a wrong KV (each engine matches its own tree).
-PREFIX_LOOKUP_LUA = """
+PREFIX_LOOKUP_LUA = (
+    """
 local blob, w = ARGV[1], $WIDTH
 if #blob % w ~= 0 then return redis.error_reply('page hashes must be $WIDTH hex chars each') end
 local n = #blob / w
 local function key(k) return '$PREFIX' .. string.sub(blob, (k - 1) * w + 1, k * w) end
 if n == 0 then return {} end
+local out = {}
+for s = 2, #ARGV do  -- stores: the pages they hold, by binary search (prefix-closed too)
+  local id = ARGV[s]
+  local function stored(k) return redis.call('EXISTS', '$STORE' .. id .. ':' .. string.sub(blob, (k - 1) * w + 1, k * w)) == 1 end
+  if stored(1) then
+    local lo, hi = 1, n
+    if stored(n) then lo = n end
+    while lo < hi do
+      local mid = math.floor((lo + hi + 1) / 2)
+      if stored(mid) then lo = mid else hi = mid - 1 end
+    end
+    out[#out + 1] = '@' .. id
+    out[#out + 1] = lo
+    out[#out + 1] = 0
+  end
+end
 local first = redis.call('HGETALL', key(1))
-if #first == 0 then return {} end
+if #first == 0 then return out end
 local last = {}
 if n > 1 then
   local row = redis.call('HGETALL', key(n))
@@ -77,7 +105,6 @@ local function longest(e, lo, hi, device)
   end
   return lo
 end
-local out = {}
 for i = 1, #first, 2 do
   local e = first[i]
   local top = last[e]
@@ -92,10 +119,15 @@ for i = 1, #first, 2 do
   out[#out + 1] = device
 end
 return out
-""".replace("$WIDTH", str(HASH_HEX_LEN)).replace("$PREFIX", PAGE_PREFIX)
+""".replace("$WIDTH", str(HASH_HEX_LEN))
+    .replace("$PREFIX", PAGE_PREFIX)
+    .replace("$STORE", STORE_PREFIX)
+)
+STORE_MARK = "@"  # a lookup result entry about a store, not an engine
 
 
-def lookup_argv(page_hashes: Sequence[str] | str) -> list[str]:
+def lookup_argv(page_hashes: Sequence[str] | str, store_ids: Sequence[str] = ()) -> list[str]:
     """The ARGV of `PREFIX_LOOKUP_LUA` (no KEYS) for a prompt's hex page hashes, one per item
-    or already concatenated."""
-    return [page_hashes if isinstance(page_hashes, str) else "".join(page_hashes)]
+    or already concatenated, and the stores to look up."""
+    blob = page_hashes if isinstance(page_hashes, str) else "".join(page_hashes)
+    return [blob, *store_ids]

@@ -32,6 +32,7 @@ class RouterConfig:
     flush_timeout_s: float = 10.0  # per-engine wait in /flush_cache and /stats
     device_weight: float = 1.0  # score per cached prefix token on the device
     host_weight: float = 0.5  # score per cached prefix token on the host (needs a load-back)
+    storage_weight: float = 0.25  # ... in the engine's external store (a read, then a load)
     load_weight: float = 0.5  # score penalty per in-flight token of the engine
     max_body_bytes: int = 32 * 1024 * 1024
     # token bytes and page hashes of recent prompts, so a resent history is not hashed

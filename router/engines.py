@@ -62,6 +62,7 @@ class EngineView:
     load: int  # in-flight tokens
     role: str  # one of ROLES
     card_digest: str  # its ModelCard's (router.models): requests are tokenized by the card
+    store_id: str = ""  # its external store (engines with the same id share it)
 
 
 def pd_ready(engines: Iterable[EngineView]) -> bool:
@@ -237,6 +238,7 @@ class EngineTable:
             load=max(entry.local_tokens, hb.inflight_tokens),
             role=hb.role,
             card_digest=hb.card_digest,
+            store_id=hb.store_id,
         )
 
 

@@ -73,6 +73,7 @@ class Outcome:
     prompt_tokens: int = 0
     cached_device: int = 0  # prompt tokens not computed (P/D: by the prefill engine)
     cached_host: int = 0
+    cached_storage: int = 0  # ... read from external storage for this request
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" once finished
@@ -84,7 +85,7 @@ class Outcome:
 
     @property
     def cached_tokens(self) -> int:
-        return self.cached_device + self.cached_host
+        return self.cached_device + self.cached_host + self.cached_storage
 
 
 @dataclass(slots=True)
@@ -401,6 +402,7 @@ class Generation:
         out.prompt_tokens = chunk.prompt_tokens or len(self.spec.input_ids)
         out.cached_device = chunk.cached_device
         out.cached_host = chunk.cached_host
+        out.cached_storage = chunk.cached_storage
         if self._pd is None:
             return
         info = PDInfo.from_first_chunk(chunk, self._pd.prefill_engine, self._pd.admitted)

@@ -393,6 +393,7 @@ def _account(app: web.Application, choices: Choices, times: _TokenTimes) -> None
     metrics.completion_tokens.inc(num_output)
     child(metrics.cached_tokens, "device").inc(out.cached_device)
     child(metrics.cached_tokens, "host").inc(out.cached_host)
+    child(metrics.cached_tokens, "storage").inc(out.cached_storage)
     app[keys.TABLE].account(out.engine_id, out.prompt_tokens, out.cached_tokens)
     model = _model_name(gen)
     child(metrics.sg_prompt_tokens, model).inc(out.prompt_tokens)

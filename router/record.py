@@ -48,6 +48,7 @@ class Recorder:
             "cached_tokens": {
                 "device": outcome.cached_device if outcome else 0,
                 "host": outcome.cached_host if outcome else 0,
+                "storage": outcome.cached_storage if outcome else 0,
             },
             "ttft_s": outcome.ttft_s if outcome else None,
             "engine_id": outcome.engine_id if outcome else None,

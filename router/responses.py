@@ -2,7 +2,7 @@
 
 Extensions to the OpenAI shapes: every choice carries `token_ids` (the generated ids; in a
 stream chunk, the ids that arrived with it), and `usage.prompt_tokens_details` carries
-`cached_tokens_by_tier: {device, host}`; a P/D request's cached tokens are the prefill
+`cached_tokens_by_tier: {device, host, storage}`; a P/D request's cached tokens are the prefill
 engine's (the prompt compute it skipped), and its `usage.disaggregation` (`/generate`:
 `meta_info.disaggregation`) says what each side reused and what moved. With `n` choices,
 usage counts the prompt once (choice 0's, whose prefill the others reuse) and the
@@ -52,7 +52,11 @@ def usage(outs: Sequence[Outcome]) -> dict[str, Any]:
         "total_tokens": first.prompt_tokens + completion,
         "prompt_tokens_details": {
             "cached_tokens": first.cached_tokens,
-            "cached_tokens_by_tier": {"device": first.cached_device, "host": first.cached_host},
+            "cached_tokens_by_tier": {
+                "device": first.cached_device,
+                "host": first.cached_host,
+                "storage": first.cached_storage,
+            },
         },
     }
     if first.disaggregation is not None:
@@ -180,6 +184,7 @@ def generate_body(out: Outcome, text: str | None = None, logprobs: bool = False)
         "cached_tokens": out.cached_tokens,
         "cached_tokens_device": out.cached_device,
         "cached_tokens_host": out.cached_host,
+        "cached_tokens_storage": out.cached_storage,
         "finish_reason": out.finish_reason,
         "engine_id": out.engine_id,
     }

@@ -46,6 +46,7 @@ class PrefixHit:
 
     pages: int  # leading pages held in any tier
     device_pages: int  # leading pages held on the device (a prefix of `pages`)
+    storage_pages: int = 0  # leading pages past `pages` that the engine's external store holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,16 +169,17 @@ class PrefixIndex:
             await asyncio.sleep(self.config.redis_probe_s)
             await self.probe()
 
-    async def lookup(self, hashes: Sequence[str] | str) -> Lookup:
+    async def lookup(self, hashes: Sequence[str] | str, store_ids: Sequence[str] = ()) -> Lookup:
         """Hits per engine holding the first page of `hashes` (hex, one per item or
-        concatenated); `hits` None when Redis is unavailable (the caller routes by load)."""
+        concatenated), and per store of `store_ids` holding it (keyed `STORE_MARK` + id);
+        `hits` None when Redis is unavailable (the caller routes by load)."""
         if not hashes:
             return Lookup({})
         if not self.up:
             return Lookup(None, "redis_down")
         if self.clock() < self._skip_until:
             return Lookup(None, "redis_timeout")
-        argv = redis_keys.lookup_argv(hashes)
+        argv = redis_keys.lookup_argv(hashes, store_ids)
         started = self.clock()
         try:
             async with _budget(self.config.redis_timeout_s):
@@ -265,7 +267,7 @@ class Router:
             raise ValueError("no candidates")
         found = Lookup({})
         if len(candidates) > 1:
-            found = await self._lookup(candidates[0], input_ids, cache_salt)
+            found = await self._lookup(candidates, input_ids, cache_salt)
         return self._pick(candidates, found, candidates[0].namespace, retry)
 
     async def choose_pd(
@@ -282,17 +284,22 @@ class Router:
             raise ValueError("no candidates")
         found = Lookup({})
         if len(decodes) > 1 or len(prefills) > 1:
-            found = await self._lookup(decodes[0], input_ids, cache_salt)
+            found = await self._lookup([*decodes, *prefills], input_ids, cache_salt)
         namespace = decodes[0].namespace
         return (
             self._pick(decodes, found, namespace, retry),
             self._pick(prefills, found, namespace, retry),
         )
 
-    async def _lookup(self, first: EngineView, input_ids: TokenIds, cache_salt: str) -> Lookup:
-        """Hits per engine, for pages hashed as `first` (a candidate) hashes them."""
+    async def _lookup(
+        self, candidates: Sequence[EngineView], input_ids: TokenIds, cache_salt: str
+    ) -> Lookup:
+        """Hits per engine and per store of the candidates, for pages hashed as the first
+        candidate hashes them."""
+        first = candidates[0]
         hashes = self.chains.hex_hashes(input_ids, first.page_size, first.namespace, cache_salt)
-        return await self.index.lookup(hashes)
+        stores = sorted({e.store_id for e in candidates if e.store_id})
+        return await self.index.lookup(hashes, stores)
 
     def _pick(
         self,
@@ -307,11 +314,11 @@ class Router:
         best_key: tuple[float, int, int] | None = None
         best: EngineView = candidates[0]
         for i, engine in enumerate(candidates):
-            hit = (hits or {}).get(engine.engine_id) if engine.namespace == namespace else None
+            hit = _hit(hits, engine) if engine.namespace == namespace else None
             key = (self._score(engine, hit), -engine.load, -((i - turn) % len(candidates)))
             if best_key is None or key > best_key:
                 best_key, best = key, engine
-        hit = (hits or {}).get(best.engine_id) or PrefixHit(0, 0)
+        hit = _hit(hits, best) or PrefixHit(0, 0)
         if retry:
             reason = "retry"
         elif hits is None:
@@ -325,7 +332,22 @@ class Router:
         cached = 0.0
         if hit is not None:
             host_pages = hit.pages - hit.device_pages
+            cfg = self.config
             cached = engine.page_size * (
-                self.config.device_weight * hit.device_pages + self.config.host_weight * host_pages
+                cfg.device_weight * hit.device_pages
+                + cfg.host_weight * host_pages
+                + cfg.storage_weight * hit.storage_pages
             )
         return cached - self.config.load_weight * engine.load
+
+
+def _hit(hits: dict[str, PrefixHit] | None, engine: EngineView) -> PrefixHit | None:
+    """What `engine` holds of the prompt, its store's pages past that included."""
+    if not hits:
+        return None
+    own = hits.get(engine.engine_id)
+    stored = hits.get(redis_keys.STORE_MARK + engine.store_id) if engine.store_id else None
+    if stored is None:
+        return own
+    own = own or PrefixHit(0, 0)
+    return PrefixHit(own.pages, own.device_pages, max(0, stored.pages - own.pages))

@@ -101,6 +101,7 @@ class FakeEngine:
     chat_template: str | None = None  # its model card's
     tokenizer_json: str = ""  # its model card's tokenizer (a `tokenizers` JSON), else bytes
     bos_token_id: int | None = None  # its model card's
+    store_id: str = ""  # its external store (heartbeats)
     mute_card: bool = False  # model card requests go unanswered
     # --- what it saw
     received: list[GenerateRequest] = field(default_factory=list)
@@ -161,6 +162,7 @@ class FakeEngine:
             token_usage=self.token_usage,
             evicted_device_pages=self.evicted_device_pages,
             card_digest=self.card.digest,
+            store_id=self.store_id,
         )
         await self.nc.publish(subjects.HEARTBEAT, hb.encode())
 

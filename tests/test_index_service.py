@@ -9,6 +9,7 @@ awaited (the index handles one engine's messages in order; different engines' co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -465,14 +466,16 @@ async def test_heartbeat_ttl_expiry_clears_a_dead_engine(mesh: Mesh) -> None:
 
 
 async def test_malformed_messages_do_not_kill_it(mesh: Mesh) -> None:
-    good = batch("e1", 5, 0, stored("device", H[0:1])).to_dict() | {"type": "kv_events", "v": 1}
+    v = KVEventBatch.VERSION
+    good = batch("e1", 5, 0, stored("device", H[0:1])).to_dict() | {"type": "kv_events", "v": v}
     bad_bodies: list[Any] = [
         b"",
         b"\xff\xfe",
         b"not json",
         b"[1, 2]",
         b"null",
-        good | {"v": 2},
+        good | {"v": v + 1},
+        good | {"store_id": "a b"},
         good | {"type": "heartbeat"},
         good | {"seq": "1"},
         good | {"seq": -1},
@@ -488,7 +491,7 @@ async def test_malformed_messages_do_not_kill_it(mesh: Mesh) -> None:
     for body in bad_bodies:
         data = body if isinstance(body, bytes) else orjson.dumps(body)
         await mesh.send(data, subjects.KV_EVENTS)
-    bad_hb = heartbeat("e1", 5).to_dict() | {"type": "heartbeat", "v": 1}
+    bad_hb = heartbeat("e1", 5).to_dict() | {"type": "heartbeat", "v": Heartbeat.VERSION}
     for body in (bad_hb | {"interval_s": 0}, bad_hb | {"running": None}, b"{}"):
         data = body if isinstance(body, bytes) else orjson.dumps(body)
         await mesh.send(data, subjects.HEARTBEAT)
@@ -496,6 +499,21 @@ async def test_malformed_messages_do_not_kill_it(mesh: Mesh) -> None:
     await eventually(mesh.pages, {H[0]: {"e1": 1}, H[1]: {"e1": 1}})
     assert mesh.proc is not None and mesh.proc.poll() is None
     assert mesh.log().count("invalid message on") == len(bad_bodies) + 3
+
+
+async def test_storage_pages_are_kept_per_store_with_a_ttl(mesh: Mesh) -> None:
+    """Storage events are about the engine's store, not the engine: they land under
+    `hc:store:{store_id}:{hash}` with a TTL, outside the engine's own entries (they stay
+    when the engine goes)."""
+    events = [stored("device", H[0:2]), KVEvent("stored", "storage", H[0:3])]
+    b = dataclasses.replace(batch("e1", 5, 0, *events), store_id="s1")
+    await mesh.send(b)
+    await eventually(mesh.pages, {H[0]: {"e1": 1}, H[1]: {"e1": 1}})
+    for h in H[0:3]:
+        assert await mesh.r.get(redis_keys.store_page("s1", h)) == "1"
+        assert 0 < await mesh.r.ttl(redis_keys.store_page("s1", h)) <= redis_keys.STORE_TTL_S
+    assert await mesh.r.exists(redis_keys.store_page("s1", H[3])) == 0
+    assert H[2] not in (await mesh.engine("e1"))["pages"]  # not the engine's own
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

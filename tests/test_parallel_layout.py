@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from gpu_worker.cache.hicache import HOST_LAYOUTS, LOAD_POLICIES, WRITE_POLICIES
+from gpu_worker.cache.storage_tier import PREFETCH_POLICIES, STORAGE_WRITE_POLICIES
 from gpu_worker.model.config import PRESETS
 from gpu_worker.model.shard import ModelShard
 from gpu_worker.parallel.config import ParallelConfig, stage_layers
 from gpu_worker.parallel.groups import rank_device
+from gpu_worker.storage import BACKENDS
 from services.engine import flags
 from services.engine.config import engine_config_from_args
 
@@ -57,6 +59,9 @@ def test_torch_free_flags_match_the_engine() -> None:
     assert flags.WRITE_POLICIES == WRITE_POLICIES
     assert flags.HOST_LAYOUTS == HOST_LAYOUTS
     assert flags.LOAD_POLICIES == LOAD_POLICIES
+    assert flags.PREFETCH_POLICIES == PREFETCH_POLICIES
+    assert flags.STORAGE_WRITE_POLICIES == STORAGE_WRITE_POLICIES
+    assert tuple(sorted(BACKENDS)) == flags.STORAGE_BACKENDS
     parser = argparse.ArgumentParser()
     flags.add_engine_args(parser)
     argv = ["--tp-size", "2", "--pp-size", "2", "--debug-rank-raise", "1:7"]
@@ -68,6 +73,22 @@ def test_torch_free_flags_match_the_engine() -> None:
     assert flags.engine_argv(args)[:4] == ["--tp-size", "2", "--pp-size", "2"]
     with pytest.raises(ValueError, match="RANK:TOKEN"):
         engine_config_from_args(parser.parse_args(["--debug-rank-raise", "one"]))
+    storage = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
+    storage += ["--hicache-storage-dir", "/tmp/x", "--hicache-storage-size", "2.5"]
+    storage += ["--hicache-storage-prefetch-policy", "wait_complete"]
+    storage += [
+        "--hicache-storage-prefetch-timeout-base",
+        "1",
+        "--debug-storage-read-delay-ms",
+        "4",
+    ]
+    cache = engine_config_from_args(parser.parse_args(storage)).cache
+    assert (cache.hicache_storage_backend, cache.hicache_storage_dir) == ("file", "/tmp/x")
+    assert cache.hicache_storage_size_gb == 2.5 and cache.prefetch_timeout.base_s == 1.0
+    assert cache.hicache_storage_prefetch_policy == "wait_complete"
+    assert cache.storage_faults is not None and cache.storage_faults.read_delay_ms == 4.0
+    with pytest.raises(ValueError, match="enable-hierarchical-cache"):
+        engine_config_from_args(parser.parse_args(storage[1:]))
 
 
 def test_the_launcher_cli_and_bench_import_no_torch() -> None:

@@ -143,7 +143,7 @@ async def test_completions_text_ids_and_cached_tokens(
             "total_tokens": len(ids) + 5,
             "prompt_tokens_details": {
                 "cached_tokens": 12,
-                "cached_tokens_by_tier": {"device": 8, "host": 4},
+                "cached_tokens_by_tier": {"device": 8, "host": 4, "storage": 0},
             },
         }
         engine = mesh.engines[0]
@@ -228,7 +228,11 @@ async def test_streaming_sse_for_all_endpoints(
         assert usage_event["choices"] == []  # OpenAI's usage chunk
         usage = usage_event["usage"]
         assert usage["completion_tokens"] == 7 and usage["prompt_tokens"] == len(ids)
-        assert usage["prompt_tokens_details"]["cached_tokens_by_tier"] == {"device": 4, "host": 0}
+        assert usage["prompt_tokens_details"]["cached_tokens_by_tier"] == {
+            "device": 4,
+            "host": 0,
+            "storage": 0,
+        }
 
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
         r = await mesh.client.post("/v1/chat/completions", json=chat)
@@ -319,6 +323,37 @@ async def test_routing_prefers_the_engine_holding_the_prefix(
         finally:
             for h in hashes:
                 await r.delete(redis_keys.page(h))
+            await r.aclose()
+
+
+async def test_routing_counts_an_engines_store_below_its_host(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """Engines a and b read different external stores; only b's holds the prompt: b wins.
+    A host hit of a's beats b's store (storage pages weigh half of host pages)."""
+    async with running_mesh(nats_server.url, redis_server.url, 2) as mesh:
+        a, b = mesh.engines
+        a.store_id, b.store_id = "store-a", "store-b"
+        for e in (a, b):
+            await e.beat()
+        table = mesh.client.app[TABLE]
+        await wait_until(lambda: {e.store_id for e in table.live()} == {"store-a", "store-b"})
+        ids = list(PROMPT.encode())
+        hashes = page_hashes(ids, a.page_size, a.namespace)
+        r = aioredis.Redis.from_url(redis_server.url)
+        try:
+            for h in hashes[:6]:
+                await r.set(redis_keys.store_page("store-b", h), "1", ex=60)
+            for _ in range(3):
+                resp = await mesh.client.post("/generate", json={"text": PROMPT})
+                assert (await resp.json())["meta_info"]["engine_id"] == b.engine_id
+            for h in hashes[:4]:  # a holds 4 pages on its host: 4 x 0.5 > 6 x 0.25
+                await r.hset(redis_keys.page(h), a.engine_id, 2)
+            resp = await mesh.client.post("/generate", json={"text": PROMPT})
+            assert (await resp.json())["meta_info"]["engine_id"] == a.engine_id
+        finally:
+            for h in hashes:
+                await r.delete(redis_keys.page(h), redis_keys.store_page("store-b", h))
             await r.aclose()
 
 
@@ -589,7 +624,7 @@ async def test_record_writes_json_lines(
     assert first["endpoint"] == "/v1/completions" and first["status"] == 200
     assert first["request"] == {"prompt": [1, 2], "max_tokens": 3}
     assert first["input_ids"] == [1, 2] and first["output_ids"] == expected_tokens([1, 2], 3)
-    assert first["cached_tokens"] == {"device": 4, "host": 0}
+    assert first["cached_tokens"] == {"device": 4, "host": 0, "storage": 0}
     assert first["engine_id"] == mesh.engines[0].engine_id
     assert first["ttft_s"] > 0 and first["time"] > 0
     assert second["endpoint"] == "/generate" and second["input_ids"] == list(b"ab")

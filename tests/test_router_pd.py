@@ -98,7 +98,7 @@ async def test_pd_path_when_both_roles_are_live(
         assert body["choices"][0]["text"] == text_of(want)
         assert body["usage"]["prompt_tokens_details"] == {
             "cached_tokens": 16,  # the prefill engine's: the compute it skipped
-            "cached_tokens_by_tier": {"device": 12, "host": 4},
+            "cached_tokens_by_tier": {"device": 12, "host": 4, "storage": 0},
         }
         assert body["usage"]["disaggregation"] == want_pd
         (admit,) = dec.admits

@@ -345,6 +345,12 @@ class Engine:
         return bool(self._commands)
 
     @property
+    def has_queued_acks(self) -> bool:
+        """Transfers or storage work still to be consumed (backups to commit, writes to the
+        store to start): an idle engine keeps stepping until they are."""
+        return any(self.cache.queued_counts())
+
+    @property
     def keepalive_due(self) -> bool:
         """A multi-rank engine that idled for `KEEPALIVE_S` should step (its ranks wait)."""
         return self.groups.world_size > 1 and time.monotonic() - self._last_step > KEEPALIVE_S
@@ -492,7 +498,20 @@ class Engine:
             "loads": c.stats.num_loads,
             "evicted_device_pages": c.stats.evicted_device_pages,
             "evicted_host_pages": c.stats.evicted_host_pages,
+            "cached_tokens_storage": c.stats.storage_hit_tokens,
+            "storage_prefetches": c.stats.num_prefetches,
+            "storage_pages_read": c.stats.storage_pages_read,
+            "storage_pages_written": c.stats.storage_pages_written,
+            "storage_reads_skipped": c.stats.storage_reads_skipped,
         }
+        if c.storage is not None:
+            backend = c.storage.io.backend.stats()
+            stats |= {
+                "storage_objects": backend.num_objects,
+                "storage_bytes": backend.num_bytes,
+                "storage_quarantined": backend.num_quarantined,
+                "storage_write_failures": backend.num_write_failures,
+            }
         return stats
 
     def check_integrity(self) -> None:

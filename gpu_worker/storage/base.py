@@ -12,6 +12,8 @@ Torch-free: callers pass bytes and writable memoryviews (e.g. `tensor.numpy()` v
 from __future__ import annotations
 
 import abc
+import hashlib
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -129,6 +131,14 @@ class StorageBackend(abc.ABC):
 
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
+
+    @property
+    def store_id(self) -> str:
+        """A short name of the store itself: engines whose ids are equal read each other's
+        objects (the index keeps storage pages per store, the router credits them to the
+        engines that announce it). The file backend's: its backend and resolved directory."""
+        where = f"{self.config.backend}:{os.path.realpath(self.config.directory)}"
+        return hashlib.blake2b(where.encode(), digest_size=8).hexdigest()
 
     @abc.abstractmethod
     def exists(self, keys: Sequence[str]) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.cache.storage_io import StorageFaults
+from gpu_worker.cache.storage_tier import PrefetchTimeout
 from gpu_worker.cache.transfer import DelayInjection
 from gpu_worker.engine.engine import DebugHooks, EngineConfig
 from gpu_worker.parallel.config import ParallelConfig
@@ -42,6 +44,20 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         transfer_delay=delay,
         debug_fail_loads=args.debug_fail_loads,
         hicache_load_policy=args.hicache_load_policy,
+        hicache_storage_backend=args.hicache_storage_backend,
+        hicache_storage_dir=args.hicache_storage_dir,
+        hicache_storage_size_gb=args.hicache_storage_size,
+        hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
+        prefetch_timeout=PrefetchTimeout(
+            args.hicache_storage_prefetch_timeout_base,
+            args.hicache_storage_prefetch_timeout_per_ki_token,
+            args.hicache_storage_prefetch_timeout_max,
+        ),
+        hicache_storage_write_policy=args.hicache_storage_write_policy,
+        hicache_storage_write_threshold=args.hicache_storage_write_threshold,
+        storage_faults=StorageFaults(read_delay_ms=args.debug_storage_read_delay_ms)
+        if args.debug_storage_read_delay_ms
+        else None,
     )
     sched = SchedulerConfig(args.chunked_prefill_size, args.max_running_requests)
     debug = DebugHooks(args.debug_disable_agreement, _rank_raise(args.debug_rank_raise))

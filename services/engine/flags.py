@@ -14,6 +14,9 @@ import argparse
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST_LAYOUTS = ("layer_first", "page_first")
 LOAD_POLICIES = ("always", "cost")
+STORAGE_BACKENDS = ("file",)
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+STORAGE_WRITE_POLICIES = ("write_through", "write_through_selective")
 # auto: float64 for the random presets, float32 (CPU) or bfloat16 (GPU) for real checkpoints
 DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
 
@@ -159,6 +162,76 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         help="hits before write_through_selective backs a node up",
+    )
+    s = parser.add_argument_group("external storage (L3)")
+    s.add_argument(
+        "--hicache-storage-backend",
+        default=None,
+        choices=STORAGE_BACKENDS,
+        help="a third tier behind the host one (needs --enable-hierarchical-cache); "
+        "engines pointed at one directory share it, across restarts too",
+    )
+    s.add_argument(
+        "--hicache-storage-dir",
+        default="",
+        metavar="DIR",
+        help="the file backend's directory (default: $HICACHE_STORAGE_DIR, else "
+        "~/.cache/hicache-mesh/storage)",
+    )
+    s.add_argument(
+        "--hicache-storage-size",
+        type=float,
+        default=0.0,
+        metavar="GB",
+        help="cap on the store's bytes (least recently used objects go first); 0: no cap",
+    )
+    s.add_argument(
+        "--hicache-storage-prefetch-policy",
+        default="timeout",
+        choices=PREFETCH_POLICIES,
+        help="when a waiting request stops waiting for its read from storage: once it could "
+        "be admitted (best_effort), when the read is complete, or at a deadline that grows "
+        "with the tokens to read (timeout)",
+    )
+    s.add_argument(
+        "--hicache-storage-prefetch-timeout-base",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="the timeout policy's deadline: this many seconds ...",
+    )
+    s.add_argument(
+        "--hicache-storage-prefetch-timeout-per-ki-token",
+        type=float,
+        default=0.25,
+        metavar="S",
+        help="... plus this many per 1024 tokens to read ...",
+    )
+    s.add_argument(
+        "--hicache-storage-prefetch-timeout-max",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="... at most this many",
+    )
+    s.add_argument(
+        "--hicache-storage-write-policy",
+        default="write_through",
+        choices=STORAGE_WRITE_POLICIES,
+        help="write host pages to storage when they reach the host, or once their node was "
+        "matched --hicache-storage-write-threshold times",
+    )
+    s.add_argument(
+        "--hicache-storage-write-threshold",
+        type=int,
+        default=2,
+        help="matches before write_through_selective writes a node to storage",
+    )
+    s.add_argument(
+        "--debug-storage-read-delay-ms",
+        type=float,
+        default=0.0,
+        help="test hook: each storage read batch first sleeps a random [0, N] ms, per rank",
     )
 
 

@@ -60,6 +60,7 @@ class TokenUpdate:
     received: tuple[int, int, int] | None = None  # P/D decode: prefix_len, tokens, bytes in
     # when asked for: per new token (its logprob or None, the top (id, logprob) pairs)
     logprobs: tuple[tuple[float | None, tuple[tuple[int, float], ...]], ...] = ()
+    cached_storage: int = 0  # prompt tokens read from external storage for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,7 +347,7 @@ class EngineRunner:
             # Block briefly when there is nothing to compute (idle, or only waiting for
             # loads / P/D KV): commands wake it at once, copies finish within the wait.
             self._run_commands(block=engine.scheduler.idle or not worked)
-            idle = engine.scheduler.idle and not engine.has_pending
+            idle = engine.scheduler.idle and not engine.has_pending and not engine.has_queued_acks
             if idle and not engine.keepalive_due:
                 self._publish_events()
                 continue
@@ -417,6 +418,7 @@ class EngineRunner:
                     req.error,
                     _received(req),
                     logprobs,
+                    req.cached.storage,
                 )
             )
             if finished:

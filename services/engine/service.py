@@ -137,6 +137,8 @@ class EngineService:
         )
         self._card_bytes = self.card.encode()
         self._card_digest = self.card.digest  # heartbeats carry it
+        storage = engine.cache.storage
+        self._store_id = "" if storage is None else storage.io.backend.store_id
         self._nc = await self._connect()
         nc, eid = self._nc, self.config.engine_id
         self._work_subs = await self._subscribe_work(nc, eid)
@@ -380,6 +382,7 @@ class EngineService:
                 reason,
                 u.error[0] if u.error else None,
                 u.error[1] if u.error else 0,
+                cached_storage=u.cached_storage,
                 logprobs=[lp for lp, _ in u.logprobs],
                 top_logprob_ids=[[i for i, _ in top] for _, top in u.logprobs],
                 top_logprobs=[[v for _, v in top] for _, top in u.logprobs],
@@ -478,6 +481,7 @@ class EngineService:
             self.namespace,
             [KVEvent(kind, tier, hashes) for kind, tier, hashes in events],
             snapshot,
+            self._store_id,
         )
         self._event_seq += 1
         self._outbound.put_nowait((subj.KV_EVENTS, batch.encode()))
@@ -512,7 +516,11 @@ class EngineService:
         return {
             "token_usage": device_used / max(1, s["device_pages"]),
             "host_token_usage": s["host_pages_cached"] / host_pages if host_pages else 0.0,
-            "cached_tokens": s["cached_tokens_device"] + s["cached_tokens_host"],
+            "cached_tokens": s["cached_tokens_device"]
+            + s["cached_tokens_host"]
+            + s["cached_tokens_storage"],
+            "storage_pages_read": s["storage_pages_read"],
+            "storage_pages_written": s["storage_pages_written"],
             "num_loads": s["loads"],
             "num_backups": s["backups"],
             "evicted_device_pages": s["evicted_device_pages"],
@@ -541,6 +549,7 @@ class EngineService:
                 cfg.role,
                 **self._cache_gauges(),
                 card_digest=self._card_digest,
+                store_id=self._store_id,
             )
             with contextlib.suppress(Exception):
                 await self._nc.publish(subj.HEARTBEAT, hb.encode())

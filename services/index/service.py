@@ -43,11 +43,18 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from redis.exceptions import RedisError
 
-from bus_schemas import subjects
+from bus_schemas import redis_keys, subjects
 from bus_schemas.codec import SchemaError
 from bus_schemas.messages import Heartbeat, KVEventBatch, SnapshotRequest
 from services.index.fencing import Action, Fence, decide_batch, epoch_order, parse_epoch
-from services.index.store import EngineMeta, IndexStore, connect, event_ops, valid_page_hash
+from services.index.store import (
+    EngineMeta,
+    IndexStore,
+    connect,
+    event_ops,
+    stored_pages,
+    valid_page_hash,
+)
 from services.natsconn import connect_nats
 from services.tasks import OwnedTasks
 
@@ -63,6 +70,7 @@ class IndexConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     sweep_interval_s: float = 1.0  # expiry sweep and Redis health check period
     snapshot_retry_s: float = 2.0  # repeat an unanswered SnapshotRequest after this long
+    store_ttl_s: int = redis_keys.STORE_TTL_S  # how long a page reported in a store counts
     redis_timeout_s: float = 2.0  # per Redis call
     drain_timeout_s: float = 5.0  # NATS drain at shutdown
 
@@ -109,6 +117,8 @@ def check_batch(batch: KVEventBatch) -> int:
     _check_engine_id(batch.engine_id)
     if batch.seq < 0:
         raise SchemaError(f"kv_events: seq must be >= 0, got {batch.seq}")
+    if batch.store_id and not subjects.valid_token(batch.store_id):
+        raise SchemaError(f"kv_events: invalid store id {batch.store_id[:64]!r}")
     for event in batch.events:
         for page_hash in event.page_hashes:
             if not valid_page_hash(page_hash):
@@ -335,9 +345,11 @@ class IndexService:
             await self._request_snapshot(eid, record, decision.reason)
             return
         ops = event_ops(batch.events)
-        await self._store_or_raise().apply(
-            eid, record.meta(), ops, clear=decision.clear, alive_ttl_ms=record.ttl_ms
-        )
+        store = self._store_or_raise()
+        await store.apply(eid, record.meta(), ops, clear=decision.clear, alive_ttl_ms=record.ttl_ms)
+        stored = stored_pages(batch.events)
+        if stored and batch.store_id:
+            await store.store(batch.store_id, stored, self.config.store_ttl_s)
         record.snapshot_requested_at = None
         if batch.snapshot:
             self.stats.snapshots_applied += 1

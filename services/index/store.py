@@ -98,13 +98,21 @@ def valid_page_hash(page_hash: str) -> bool:
 
 
 def event_ops(events: Sequence[KVEvent]) -> list[tuple[str, int]]:
-    """(page_hash, signed tier bit) per page, in event order: +bit stored, -bit removed."""
+    """(page_hash, signed tier bit) per page of the engine's own tiers (device, host), in
+    event order: +bit stored, -bit removed."""
     ops: list[tuple[str, int]] = []
     for event in events:
+        if event.tier not in redis_keys.TIER_BITS:
+            continue  # storage: `stored_pages`
         bit = redis_keys.TIER_BITS[event.tier]
         signed = bit if event.kind == "stored" else -bit
         ops.extend((h, signed) for h in event.page_hashes)
     return ops
+
+
+def stored_pages(events: Sequence[KVEvent]) -> list[str]:
+    """Page hashes the events say reached the engine's external store."""
+    return [h for e in events if e.tier == "storage" and e.kind == "stored" for h in e.page_hashes]
 
 
 def _engine_keys(engine_id: str) -> list[str]:
@@ -174,6 +182,16 @@ class IndexStore:
         for page_hash, signed_bit in ops:
             argv += [page_hash, signed_bit]
         return int(await self._apply(keys=_engine_keys(engine_id), args=argv))
+
+    async def store(self, store_id: str, page_hashes: Sequence[str], ttl_s: int) -> None:
+        """Record `page_hashes` as held by external store `store_id` for `ttl_s` (one round
+        trip; a page stored again gets its full TTL back)."""
+        if not page_hashes:
+            return
+        async with self.client.pipeline(transaction=False) as pipe:
+            for h in page_hashes:
+                pipe.set(redis_keys.store_page(store_id, h), "1", ex=ttl_s)
+            await pipe.execute()
 
     async def heartbeat(self, engine_id: str, meta: EngineMeta, ttl_ms: int) -> None:
         """Refresh liveness (alive key = epoch, TTL `ttl_ms`) and the engine's meta."""

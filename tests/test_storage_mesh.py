@@ -1,0 +1,87 @@
+"""Two engines share one store through the mesh (issue 9, acceptance 5), and L3 through HTTP.
+
+`hicache-mesh up --engines 2` with one `file` store directory for both. A prompt served by
+one engine is written through to the store, and its storage pages reach Redis (the index,
+from the engine's "storage" KV events). That engine is then frozen (SIGSTOP): the router
+routes around it, and the other engine, which never saw the prompt, serves it from the
+store: usage reports the storage tier through HTTP, and the output equals the first one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from fault_helpers import PAGE, MeshSpec, UpMesh
+
+from bus_schemas import redis_keys
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = [(i * 29 + 3) % 250 for i in range(41)]  # 10 whole pages before the last token
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
+    log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp("l3mesh")))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    store = tmp_path_factory.mktemp("store")
+    extra = ("--hicache-storage-backend", "file", "--hicache-storage-dir", str(store))
+    extra += ("--hicache-storage-prefetch-policy", "wait_complete")
+    m = UpMesh(MeshSpec(engines=2, extra=extra), log_dir)
+    m.start(timeout_s=180)
+    try:
+        yield m
+    finally:
+        for child in m.children():  # a frozen engine would ignore Ctrl-C
+            os.kill(child.pid, signal.SIGCONT)
+        code = m.stop()
+    assert code == 0, f"`up` did not stop cleanly: {code}\n{m.log_tail()}"
+
+
+async def complete(http: aiohttp.ClientSession, mesh: UpMesh) -> tuple[str, dict[str, object]]:
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    async with http.post(f"{mesh.url}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return resp.headers["X-Hicache-Engine"], await resp.json()
+
+
+async def test_an_engine_serves_what_another_one_stored(mesh: UpMesh) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        first_engine, first = await complete(http, mesh)
+        r = aioredis.Redis.from_url(mesh.redis_url(), decode_responses=True)
+        try:
+            deadline = time.monotonic() + 30
+            stored: list[str] = []
+            while len(stored) < 10 and time.monotonic() < deadline:
+                stored = [k async for k in r.scan_iter(match=redis_keys.STORE_PREFIX + "*")]
+                await asyncio.sleep(0.1)
+            # the prompt's 10 whole pages and the outputs' (one store: both engines share it)
+            assert len(stored) >= 10, "the prompt's pages never reached the index as stored"
+            assert len({k.split(":")[2] for k in stored}) == 1
+        finally:
+            await r.aclose()
+        pid = mesh.signal(first_engine, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 30
+            while True:  # the router routes around the frozen engine
+                async with http.get(f"{mesh.url}/health") as resp:
+                    live = (await resp.json())["live_engines"]
+                if first_engine not in live:
+                    break
+                assert time.monotonic() < deadline, "the frozen engine stayed live"
+                await asyncio.sleep(0.2)
+            second_engine, second = await complete(http, mesh)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert second_engine != first_engine
+    tiers = second["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]  # type: ignore[index]
+    assert tiers == {"device": 0, "host": 0, "storage": (len(PROMPT) - 1) // PAGE * PAGE}
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]  # type: ignore[index]
