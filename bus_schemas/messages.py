@@ -202,6 +202,8 @@ class Heartbeat(Message):
     store_id: str = ""
     storage_pages_read: int = 0
     storage_pages_written: int = 0
+    storage_write_failures: int = 0  # puts that stopped early (a full or read-only store)
+    storage_quarantined: int = 0  # objects that failed verification: set aside, not read
 
 
 @dataclass(frozen=True, slots=True)

@@ -267,6 +267,26 @@ class EngineCollector(Collector):
             "host KV pages evicted from the radix cache",
             "evicted_host_pages",
         ),
+        (
+            "hicache_engine_storage_read_pages",
+            "KV pages read from external storage into the cache",
+            "storage_pages_read",
+        ),
+        (
+            "hicache_engine_storage_written_pages",
+            "KV pages external storage took from the host tier",
+            "storage_pages_written",
+        ),
+        (
+            "hicache_engine_storage_write_failures",
+            "writes to external storage that stopped early (full or read-only store)",
+            "storage_write_failures",
+        ),
+        (
+            "hicache_engine_storage_quarantined",
+            "objects in external storage that failed verification (set aside, never read)",
+            "storage_quarantined",
+        ),
     )
 
     def __init__(self, table: EngineTable) -> None:

@@ -19,6 +19,7 @@ from test_engine_oracle import Cold, assert_matches_cold, traced
 
 from bus_schemas.page_hash import chain_hashes, root_hash
 from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.cache.storage_io import StorageFaults
 from gpu_worker.cache.storage_tier import PrefetchTimeout
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
@@ -236,6 +237,24 @@ def test_prefetch_policies_take_what_they_wait_for(
     assert full == HIT
     assert best == gated.open_pages * PAGE  # the first batch, read while it queued
     assert tiny == 0  # cut at once
+
+
+def test_the_cost_policy_recomputes_when_storage_is_slower(tmp_path: Path) -> None:
+    """--hicache-load-policy cost covers L3: once rank 0 measured reads (made slow here) as
+    slower than prefill, the next storage hit is recomputed instead of read."""
+    write_prompt(tmp_path)
+    slow = StorageFaults(read_delay_ms=150.0)
+    eng = Engine(config(tmp_path, hicache_load_policy="cost", storage_faults=slow))
+    eng.generate([(i * 7 + 1) % 250 for i in range(64)], GREEDY)  # measures prefill
+    first = eng.generate(PROMPT, GREEDY)  # nothing measured about the store yet: read
+    assert first.cached.storage == HIT
+    eng.drain()
+    assert eng.flush_cache()
+    second = eng.generate(PROMPT, GREEDY)
+    assert second.cached == CachedTokens(0, 0, 0)
+    assert eng.cache.stats.storage_reads_skipped == 1
+    assert second.output_ids == first.output_ids
+    eng.close()
 
 
 # ------------------------------------------------------------------ faults

@@ -66,6 +66,17 @@ async def test_an_engine_serves_what_another_one_stored(mesh: UpMesh) -> None:
             # the prompt's 10 whole pages and the outputs' (one store: both engines share it)
             assert len(stored) >= 10, "the prompt's pages never reached the index as stored"
             assert len({k.split(":")[2] for k in stored}) == 1
+            written = 0.0
+            while written == 0 and time.monotonic() < deadline:  # the next heartbeat has it
+                async with http.get(f"{mesh.url}/metrics") as resp:
+                    text = await resp.text()
+                for line in text.splitlines():
+                    if line.startswith("hicache_engine_storage_written_pages") and (
+                        f'engine_id="{first_engine}"' in line
+                    ):
+                        written = float(line.rsplit(" ", 1)[1])
+                await asyncio.sleep(0.1)
+            assert written >= 10
         finally:
             await r.aclose()
         pid = mesh.signal(first_engine, signal.SIGSTOP)

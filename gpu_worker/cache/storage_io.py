@@ -219,11 +219,11 @@ class StorageIO:
     def _read_batch(self, keys: list[str], host_ids: list[int], first: int) -> int:
         """Read `keys` into host pages `host_ids`; how many leading pages arrived whole."""
         f = self.faults
+        start = time.perf_counter()  # an injected delay is part of the read: a slow store
         if f.read_delay_ms:
             time.sleep(self._rng.uniform(0, f.read_delay_ms) / 1e3)
         staging = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)
         views = _page_bytes(staging)
-        start = time.perf_counter()
         n = self.backend.get(keys, views)
         if f.fail_rank == self.rank:
             n = min(n, max(f.fail_at_page - first, 0))

@@ -521,6 +521,8 @@ class EngineService:
             + s["cached_tokens_storage"],
             "storage_pages_read": s["storage_pages_read"],
             "storage_pages_written": s["storage_pages_written"],
+            "storage_write_failures": s.get("storage_write_failures", 0),
+            "storage_quarantined": s.get("storage_quarantined", 0),
             "num_loads": s["loads"],
             "num_backups": s["backups"],
             "evicted_device_pages": s["evicted_device_pages"],
