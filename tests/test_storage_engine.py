@@ -312,6 +312,8 @@ def test_a_store_that_cannot_write_still_serves(tmp_path: Path, cold: Cold) -> N
     assert storage is not None
     assert storage.io.backend.stats().num_write_failures > 0
     assert eng.cache.stats.storage_pages_written == 0
+    # what heartbeats carry to /metrics (hicache_engine_storage_write_failures)
+    assert eng.cache_stats()["storage_write_failures"] > 0
     out, logits = traced(eng, PROMPT)  # still served, from the device
     assert out.cached.device == HIT
     eng.close()
