@@ -56,7 +56,7 @@ def serve(arm: Arm, prompt: list[int], sp: SamplingParams) -> list[int]:
     start = time.perf_counter()
     req = engine.submit(prompt, sp)
     while not req.output_ids and req.finish_reason is None:
-        engine.step()
+        engine.step_or_wait()
     arm.ttfts.append(time.perf_counter() - start)
     out = engine.run([req])[0]
     arm.device += out.cached.device

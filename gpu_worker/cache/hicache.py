@@ -21,7 +21,7 @@ import dataclasses
 import logging
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -461,6 +461,14 @@ class PrefixCache:
 
     def num_ready_acks(self) -> int:
         return 0 if self.transfers is None else self.transfers.num_ready()
+
+    def set_ack_listener(self, listener: Callable[[], None] | None) -> None:
+        """Call `listener` (from a worker thread) whenever an ACK's work finishes, so the
+        scheduler can sleep until there is something to consume instead of spinning."""
+        if self.transfers is not None:
+            self.transfers.on_done = listener
+        if self.storage is not None:
+            self.storage.io.on_done = listener
 
     def ready_counts(self) -> tuple[int, ...]:
         """Finished ACKs at the front of each queue: transfers, then storage hit queries,

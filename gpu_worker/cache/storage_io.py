@@ -32,6 +32,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -147,6 +148,7 @@ class StorageIO:
         self.hits = AckQueue()
         self.progress = AckQueue()
         self.writes = AckQueue()
+        self.on_done: Callable[[], None] | None = None  # an ACK finished (see TransferEngine)
         self._seq = 0
         self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="l3-query")
         self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="l3-read")
@@ -179,6 +181,9 @@ class StorageIO:
         ack = StorageAck(self._seq, kind, op, future)
         self._seq += 1
         queue.append(ack)
+        if self.on_done is not None:
+            listener = self.on_done
+            future.add_done_callback(lambda _: listener())
         return ack
 
     # ----------------------------------------------------------------- workers

@@ -16,6 +16,7 @@ import enum
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -115,6 +116,9 @@ class TransferEngine:
         self.completion_log: collections.deque[int] = collections.deque(maxlen=COMPLETION_LOG_LEN)
         self.num_completed = 0  # copies finished (successfully) since start
         self.wait_seconds = 0.0  # spent in pop() waiting for unfinished copies (measured only)
+        # called (on the worker thread) when a copy finished: wakes a scheduler that waits
+        # for ACKs instead of spinning (CPU copies only; a CUDA event is polled)
+        self.on_done: Callable[[], None] | None = None
         self._stream: torch.cuda.Stream | None = None
         self._pool: ThreadPoolExecutor | None = None
         if device.type == "cuda":
@@ -148,9 +152,11 @@ class TransferEngine:
             completion = self._submit_cuda(src, dst, src_ids, dst_ids, delay_s)
         else:
             assert self._pool is not None
-            completion = _FutureCompletion(
-                self._pool.submit(self._copy, self._seq, src, dst, src_ids, dst_ids, delay_s)
-            )
+            future = self._pool.submit(self._copy, self._seq, src, dst, src_ids, dst_ids, delay_s)
+            if self.on_done is not None:
+                listener = self.on_done
+                future.add_done_callback(lambda _: listener())
+            completion = _FutureCompletion(future)
         ack = TransferAck(self._seq, kind, len(src_page_ids), op, completion)
         self._seq += 1
         self._queue.append(ack)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from gpu_worker.scheduler.scheduler import Scheduler, SchedulerConfig
 from gpu_worker.storage import StorageBackend, StorageConfig, default_storage_dir, make_backend
 
 KEEPALIVE_S = 5.0  # an idle multi-rank engine still steps this often (its ranks wait in it)
+ACK_WAIT_S = 0.05  # `run`: the longest sleep for an ACK before stepping again anyway
 
 
 class InvalidRequestError(ValueError):
@@ -156,6 +158,8 @@ class Engine:
         self._sent_estimate = LoadCostEstimate()
         self._last_step = time.monotonic()
         self.stopped = False  # set by the Stop command
+        self._acks_done = threading.Event()  # rung by transfer and storage workers (`run`)
+        self.cache.set_ack_listener(self._acks_done.set)
 
     @staticmethod
     def _storage_backend(config: EngineConfig) -> StorageBackend | None:
@@ -453,10 +457,24 @@ class Engine:
             raise RuntimeError(f"debug: rank {self.rank} raises on prompt token {hook[1]}")
 
     def run(self, reqs: list[Req]) -> list[GenerateOutput]:
-        """Step until every request in `reqs` has finished."""
+        """Step until every request in `reqs` has finished. A step that computed nothing
+        while transfers or storage work are under way sleeps until one finishes (its worker
+        rings `_acks_done`) instead of spinning, which would starve those threads of the
+        interpreter."""
         while any(r.finish_reason is None for r in reqs):
-            self.step()
+            self.step_or_wait()
         return [r.output() for r in reqs]
+
+    def step_or_wait(self) -> list[Req]:
+        """`step`, then, when it computed nothing while transfers or storage work are under
+        way, sleep until one of them finishes (at most `ACK_WAIT_S`). A loop that drives
+        the engine itself should call this, not `step`: spinning starves the workers."""
+        self._acks_done.clear()
+        finished = self.step()
+        waiting = not self.scheduler.last_step_worked and self.has_queued_acks
+        if waiting and not any(self.cache.ready_counts()):
+            self._acks_done.wait(ACK_WAIT_S)
+        return finished
 
     def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None

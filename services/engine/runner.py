@@ -107,6 +107,13 @@ class _Tracked:
     admitted: Future[Admission] | None = None  # P/D decode: resolves on admission
 
 
+def _nothing() -> None:
+    pass
+
+
+_WAKE: Future[Any] = Future()  # the (never resolved) future of `_wake`'s no-op command
+
+
 def _run_command(command: Callable[[], None], done: Future[Any]) -> None:
     """Run one command between steps; an error it did not expect goes to its caller (one
     request's submit or write), not to the step loop."""
@@ -293,6 +300,7 @@ class EngineRunner:
             threading.Thread(
                 target=self._watch_ranks, args=(self.ranks,), name="rank-watch", daemon=True
             ).start()
+        engine.cache.set_ack_listener(self._wake)
         self._ready.set_result(None)
         crashed = False
         try:
@@ -377,6 +385,12 @@ class EngineRunner:
         token = self._debug_crash_on_token
         if token is not None and any(token in t.req.prompt_ids for t in self._tracked.values()):
             raise RuntimeError(f"debug crash: a prompt holds token {token}")
+
+    def _wake(self) -> None:
+        """A transfer or storage ACK's work finished (on a worker thread): wake a step loop
+        that blocks on the command queue, so the ACK is consumed at once, not after
+        `idle_wait_s`."""
+        self._commands.put((_nothing, _WAKE))
 
     def _run_commands(self, block: bool) -> None:
         try:
