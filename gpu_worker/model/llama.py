@@ -157,15 +157,48 @@ class RequestSpan:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """The requests of a batch that feed one token each (decode steps), attended together:
+    one gather of every row's keys into a padded (B, S_max) block and one attention call per
+    layer, instead of a gather and a call per request."""
+
+    rows: torch.Tensor  # (B,) int64: their rows in the (T, ...) batch tensors
+    slot_ids: torch.Tensor  # (B * S_max,) int64: each row's slots, padded with its first one
+    max_len: int  # S_max
+    mask: torch.Tensor | None  # (B, 1, 1, S_max) bool: True at real keys; None if no padding
+
+    @classmethod
+    def build(cls, spans: list[RequestSpan], device: torch.device) -> DecodeGroup:
+        max_len = max(len(s.slot_ids) for s in spans)
+        padded = torch.stack(
+            [
+                torch.cat([s.slot_ids, s.slot_ids[:1].expand(max_len - len(s.slot_ids))])
+                for s in spans
+            ]
+        )  # (B, S_max)
+        lens = torch.tensor([len(s.slot_ids) for s in spans], device=device)
+        mask = None
+        if int(lens.min()) < max_len:
+            mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None]
+        rows = torch.tensor([s.start for s in spans], device=device)
+        return cls(rows, padded.reshape(-1), max_len, mask)
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionPlan:
-    """Built once per forward pass, reused by every layer."""
+    """Built once per forward pass, reused by every layer. Requests with several new tokens
+    (prefill chunks) attend one by one (`spans`); with `group_decode`, two or more requests
+    with one new token each attend together (`decode`)."""
 
     spans: list[RequestSpan]
     new_slot_ids: torch.Tensor  # (T,) int64: the slots the new tokens' K/V go to
     last_rows: torch.Tensor  # (batch_size,) int64: row of each request's last new token
+    decode: DecodeGroup | None = None
 
     @classmethod
-    def build(cls, batch: ForwardBatch, context_len: int) -> AttentionPlan:
+    def build(
+        cls, batch: ForwardBatch, context_len: int, group_decode: bool = False
+    ) -> AttentionPlan:
         spans: list[RequestSpan] = []
         new_slots: list[torch.Tensor] = []
         start, device = 0, batch.input_ids.device
@@ -191,7 +224,11 @@ class AttentionPlan:
         if start != batch.input_ids.shape[0]:
             raise ValueError(f"sum(extend_lens) = {start} != {batch.input_ids.shape[0]} tokens")
         last_rows = torch.tensor([s.end - 1 for s in spans], device=device)
-        return cls(spans, torch.cat(new_slots), last_rows)
+        single = [s for s in spans if s.end - s.start == 1]
+        if not group_decode or len(single) < 2:
+            return cls(spans, torch.cat(new_slots), last_rows)
+        others = [s for s in spans if s.end - s.start > 1]
+        return cls(others, torch.cat(new_slots), last_rows, DecodeGroup.build(single, device))
 
 
 def causal_attention(
@@ -264,6 +301,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         kv_cache.set_kv(self.layer_id, plan.new_slot_ids, k, v)
         out = torch.empty_like(q)  # (T, n_heads, head_dim)
+        if plan.decode is not None:
+            out[plan.decode.rows] = self._decode_attention(q, plan.decode, kv_cache)
         for span in plan.spans:
             k_seq, v_seq = kv_cache.get_kv(self.layer_id, span.slot_ids)  # (S, n_kv_heads, D)
             out[span.start : span.end] = causal_attention(
@@ -271,6 +310,21 @@ class Attention(nn.Module):
             )
         out = self.o_proj(out.view(T, self.num_heads * self.head_dim))  # (T, hidden)
         return out if self.tp_reduce is None else self.tp_reduce(out)
+
+    def _decode_attention(
+        self, q: torch.Tensor, group: DecodeGroup, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """The decode rows' attention, all at once -> (B, n_heads, head_dim)."""
+        b, s, h, d = len(group.rows), group.max_len, self.num_kv_heads, self.head_dim
+        k, v = kv_cache.get_kv(self.layer_id, group.slot_ids)  # (B * S_max, n_kv_heads, D)
+        out = F.scaled_dot_product_attention(
+            q[group.rows][:, :, None],  # (B, n_heads, 1, D)
+            k.view(b, s, h, d).transpose(1, 2),  # (B, n_kv_heads, S_max, D)
+            v.view(b, s, h, d).transpose(1, 2),
+            attn_mask=group.mask,
+            enable_gqa=True,
+        )  # (B, n_heads, 1, D)
+        return out[:, :, 0]
 
 
 class MLP(nn.Module):
@@ -375,7 +429,9 @@ class LlamaModel(nn.Module):
         hidden_size), the previous stage's output. Returns hidden states (T, hidden_size) on
         a stage that is not the last, else logits (batch_size, vocab_size) of each request's
         last new token, in the model dtype."""
-        plan = AttentionPlan.build(batch, self.config.context_len)
+        plan = AttentionPlan.build(
+            batch, self.config.context_len, group_decode=not self.batch_invariant
+        )
         rope = self.rotary(batch.positions)  # cos, sin: (T, 1, head_dim)
         if self.first_stage:
             assert self.embed_tokens is not None
