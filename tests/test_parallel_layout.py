@@ -14,6 +14,7 @@ from gpu_worker.model.shard import ModelShard
 from gpu_worker.parallel.config import ParallelConfig, stage_layers
 from gpu_worker.parallel.groups import rank_device
 from gpu_worker.storage import BACKENDS
+from gpu_worker.storage.layout import KEY_SCHEMES
 from services.engine import flags
 from services.engine.config import engine_config_from_args
 
@@ -62,6 +63,7 @@ def test_torch_free_flags_match_the_engine() -> None:
     assert flags.PREFETCH_POLICIES == PREFETCH_POLICIES
     assert flags.STORAGE_WRITE_POLICIES == STORAGE_WRITE_POLICIES
     assert tuple(sorted(BACKENDS)) == flags.STORAGE_BACKENDS
+    assert flags.KEY_SCHEMES == KEY_SCHEMES
     parser = argparse.ArgumentParser()
     flags.add_engine_args(parser)
     argv = ["--tp-size", "2", "--pp-size", "2", "--debug-rank-raise", "1:7"]
@@ -82,11 +84,15 @@ def test_torch_free_flags_match_the_engine() -> None:
         "--debug-storage-read-delay-ms",
         "4",
     ]
+    storage += ["--hicache-storage-key-scheme", "unified", "--hicache-storage-head-partition"]
+    storage += ["2", "--hicache-storage-layer-partition", "4"]
     cache = engine_config_from_args(parser.parse_args(storage)).cache
     assert (cache.hicache_storage_backend, cache.hicache_storage_dir) == ("file", "/tmp/x")
     assert cache.hicache_storage_size_gb == 2.5 and cache.prefetch_timeout.base_s == 1.0
     assert cache.hicache_storage_prefetch_policy == "wait_complete"
     assert cache.storage_faults is not None and cache.storage_faults.read_delay_ms == 4.0
+    assert cache.hicache_storage_key_scheme == "unified"
+    assert (cache.storage_layer_partition, cache.storage_head_partition) == (4, 2)
     with pytest.raises(ValueError, match="enable-hierarchical-cache"):
         engine_config_from_args(parser.parse_args(storage[1:]))
 

@@ -30,6 +30,7 @@ import torch
 from bus_schemas.token_ids import TokenIds
 from gpu_worker.cache.load_cost import LoadCostEstimate, LoadCostModel
 from gpu_worker.cache.radix import KVEventRecord, MatchResult, PageIds, RadixTree, TreeNode
+from gpu_worker.cache.storage_codec import StorageLayout
 from gpu_worker.cache.storage_io import StorageFaults, StorageIO
 from gpu_worker.cache.storage_tier import (
     PREFETCH_POLICIES,
@@ -41,11 +42,14 @@ from gpu_worker.cache.storage_tier import (
 )
 from gpu_worker.cache.transfer import DelayInjection, TransferAck, TransferEngine, TransferKind
 from gpu_worker.consensus.checker import rank_consensus
+from gpu_worker.kernels.moves import PoolView
+from gpu_worker.kernels.relayout import RunView
 from gpu_worker.memory.allocator import HostPageId, PageId
 from gpu_worker.memory.device_pool import DeviceKVPool
 from gpu_worker.memory.host_pool import HOST_LAYOUTS, HostKVPool, HostLayout
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.storage import StorageBackend
+from gpu_worker.storage.layout import KEY_SCHEMES, KeyScheme
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,12 @@ class CacheConfig:
     hicache_storage_write_policy: StorageWritePolicy = "write_through"
     hicache_storage_write_threshold: int = 2  # matches before write_through_selective writes
     storage_batch_pages: int = 16  # pages per read batch (one progress ACK each)
+    # which objects hold a page (gpu_worker/storage/layout.py): "rank-suffix", or "unified"
+    # on a grid of layer ranges x KV-head groups shared by every TP/PP layout of the model
+    # (it lays the host pool out page_unified, whatever hicache_mem_layout says)
+    hicache_storage_key_scheme: KeyScheme = "rank-suffix"
+    storage_layer_partition: int = 0  # layers per object; 0: all of the model's layers
+    storage_head_partition: int = 1  # KV heads per object
     storage_faults: StorageFaults | None = None  # test hook: slow and failing reads
 
     def __post_init__(self) -> None:
@@ -119,6 +129,16 @@ class CacheConfig:
             )
         if self.hicache_storage_size_gb < 0 or self.storage_batch_pages < 1:
             raise ValueError("--hicache-storage-size must be >= 0 and batch pages >= 1")
+        if self.hicache_storage_key_scheme not in KEY_SCHEMES:
+            raise ValueError(
+                f"unknown --hicache-storage-key-scheme {self.hicache_storage_key_scheme!r}; "
+                f"choose one of {KEY_SCHEMES}"
+            )
+        if self.storage_layer_partition < 0 or self.storage_head_partition < 1:
+            raise ValueError(
+                "--hicache-storage-layer-partition must be >= 0 (0: all layers) and "
+                "--hicache-storage-head-partition >= 1"
+            )
         if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
             raise ValueError(
                 "--hicache-storage-backend needs the host tier: add --enable-hierarchical-cache"
@@ -185,7 +205,7 @@ class PrefixCache:
         delay_seed: int = 0,
         record_events: bool = True,
         storage: StorageBackend | None = None,
-        storage_shard: str = "",
+        storage_layout: StorageLayout | None = None,
         storage_groups: tuple[Any, Any] = (None, None),
         rank: int = 0,
     ) -> None:
@@ -195,8 +215,9 @@ class PrefixCache:
         `num_host_pages` overrides the size the config gives (a multi-rank engine agrees on
         one size for all ranks, whose bytes per page differ); `delay_seed` is added to the
         injected transfer delays' seed, so each rank sees its own readiness. `storage` adds the
-        L3 tier: `storage_shard` names this rank's part of a page in the store, and the
-        `storage_groups` (hit, progress) agree over the world (None in a world of one)."""
+        L3 tier: `storage_layout` says which objects hold this rank's part of a page (the
+        unified scheme lays the host pool out `page_unified`), and the `storage_groups`
+        (hit, progress) agree over the world (None in a world of one)."""
         self.config = config
         self.spec = spec
         self.device_pool = DeviceKVPool(spec, config.num_device_pages, device, config.check_reads)
@@ -205,7 +226,15 @@ class PrefixCache:
         self.transfers: TransferEngine | None = None
         if self.hierarchical:
             host_pages = num_host_pages or config.num_host_pages(spec)
-            self.host_pool = HostKVPool(spec, host_pages, config.hicache_mem_layout, device)
+            layout = storage_layout if storage is not None else None
+            unified = layout is not None and layout.unified
+            self.host_pool = HostKVPool(
+                spec,
+                host_pages,
+                "page_unified" if unified else config.hicache_mem_layout,
+                device,
+                layout.group_heads if layout is not None and unified else None,
+            )
             delay = config.transfer_delay
             if delay is not None and delay_seed:
                 delay = dataclasses.replace(delay, seed=delay.seed + delay_seed)
@@ -216,13 +245,11 @@ class PrefixCache:
         self.cost_estimate = LoadCostEstimate()  # what every rank decides from (SetLoadCost)
         self.storage: StorageTier | None = None
         if storage is not None:
-            if self.host_pool is None or namespace is None:
-                raise ValueError("external storage needs the host tier and a namespace")
+            if self.host_pool is None or namespace is None or storage_layout is None:
+                raise ValueError("external storage needs the host tier, a namespace, a layout")
             io = StorageIO(
                 storage,
-                self.host_pool.page_view(),
-                (spec.num_layers, 2, spec.page_size, spec.num_kv_heads, spec.head_dim),
-                spec.dtype,
+                storage_layout.codec(self.host_pool),
                 rank,
                 *storage_groups,
                 config.storage_faults,
@@ -230,7 +257,6 @@ class PrefixCache:
             self.storage = StorageTier(
                 self,
                 io,
-                storage_shard,
                 config.hicache_storage_prefetch_policy,
                 config.prefetch_timeout,
                 config.hicache_storage_write_policy,
@@ -377,8 +403,7 @@ class PrefixCache:
         op = _BackupOp(node, start, host_ids)
         self.transfers.submit(
             TransferKind.BACKUP,
-            self.device_pool.page_view(),
-            self.host_pool.page_view(),
+            *self._pool_views(),
             list(device_ids),
             list(host_ids),
             op,
@@ -386,6 +411,15 @@ class PrefixCache:
         self.stats.num_backups += 1
         self.stats.backed_up_pages += len(device_ids)
         return True
+
+    def _pool_views(self) -> tuple[PoolView, PoolView]:
+        """(device, host) views for page copies between the tiers, of one kind: runs of
+        head groups for a `page_unified` host pool, whole blocks otherwise."""
+        assert self.host_pool is not None
+        host = self.host_pool.page_view()
+        if isinstance(host, RunView):
+            return self.device_pool.run_view(self.host_pool.group_heads), host
+        return self.device_pool.page_view(), host
 
     def alloc_host_upto(self, num_pages: int) -> list[HostPageId]:
         """Up to `num_pages` host pages, evicting unpinned host cache for them: fewer (maybe
@@ -442,10 +476,11 @@ class PrefixCache:
         self.device_pool.mark_pending(pages, True)
         fail = self._loads_to_fail > 0
         self._loads_to_fail -= int(fail)
+        device_view, host_view = self._pool_views()
         self.transfers.submit(
             TransferKind.LOAD,
-            self.host_pool.page_view(),
-            self.device_pool.page_view(),
+            host_view,
+            device_view,
             list(match.host_page_ids),
             list(pages),
             ticket,

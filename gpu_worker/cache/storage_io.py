@@ -20,8 +20,9 @@ background threads of all ranks run their collectives in the same order. The ACK
 scheduler consumes are agreed per step like the transfer ACKs' (`parallel/sync.py`), and
 consuming waits where a rank's own work is still running.
 
-Objects hold a page in `page_first` order, (num_layers, 2, page_size, num_kv_heads,
-head_dim) of this rank's shard: what the page-transfer kernel packs a page into.
+Which objects hold a rank's part of a page, and how they reach its host pages, is the
+codec's business (`storage_codec.py`): counts here are in pages; a page is whole only when
+all its objects are.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from gpu_worker.kernels.page_transfer import PageView, transfer_pages
+from gpu_worker.cache.storage_codec import ObjectCodec
 from gpu_worker.storage import StorageBackend
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ class StorageFaults:
 
 @dataclass(slots=True)
 class ReadOp:
-    """A read of `keys` into host pages `host_page_ids`, batch by batch."""
+    """A read of `keys` (the codec's `per_page` per page) into host pages `host_page_ids`,
+    batch by batch."""
 
     keys: list[str]
     host_page_ids: list[int]
@@ -86,7 +88,7 @@ class ReadOp:
 
     @property
     def num_batches(self) -> int:
-        return -(-len(self.keys) // self.batch_pages)
+        return -(-len(self.host_page_ids) // self.batch_pages)
 
 
 class AckQueue:
@@ -125,21 +127,15 @@ class StorageIO:
     def __init__(
         self,
         backend: StorageBackend,
-        host: PageView,
-        page_shape: tuple[int, ...],
-        dtype: torch.dtype,
+        codec: ObjectCodec,
         rank: int = 0,
         hit_group: dist.ProcessGroup | None = None,
         progress_group: dist.ProcessGroup | None = None,
         faults: StorageFaults | None = None,
     ) -> None:
-        """`host`: the host pool's pages; `page_shape`: one page of it in page_first order
-        (num_layers, 2, page_size, num_kv_heads, head_dim). The groups span the whole world
-        (None in a world of one)."""
+        """The groups span the whole world (None in a world of one)."""
         self.backend = backend
-        self.host = host
-        self.page_shape = page_shape
-        self.dtype = dtype
+        self.codec = codec
         self.rank = rank
         self.hit_group = hit_group
         self.progress_group = progress_group
@@ -192,7 +188,7 @@ class StorageIO:
         if self.faults.query_delay_ms:
             time.sleep(self._rng.uniform(0, self.faults.query_delay_ms) / 1e3)
         try:
-            local = self.backend.exists(keys)
+            local = self.backend.exists(keys) // self.codec.per_page  # whole pages
         except Exception as e:  # a broken store is a miss, never a crash
             log.warning("storage exists() failed: %r", e)
             local = 0
@@ -201,11 +197,13 @@ class StorageIO:
     def _read(self, read: ReadOp, batches: list[Future[int]]) -> None:
         done = 0  # leading pages read on this rank
         ok = True
+        k = self.codec.per_page
         for b, future in enumerate(batches):
-            lo, hi = b * read.batch_pages, min((b + 1) * read.batch_pages, len(read.keys))
+            lo = b * read.batch_pages
+            hi = min(lo + read.batch_pages, len(read.host_page_ids))
             try:
                 if ok and not read.cancelled.is_set():
-                    n = self._read_batch(read.keys[lo:hi], read.host_page_ids[lo:hi], lo)
+                    n = self._read_batch(read.keys[lo * k : hi * k], read.host_page_ids[lo:hi], lo)
                     done += n
                     ok = n == hi - lo
             except Exception as e:
@@ -222,32 +220,23 @@ class StorageIO:
                 return
 
     def _read_batch(self, keys: list[str], host_ids: list[int], first: int) -> int:
-        """Read `keys` into host pages `host_ids`; how many leading pages arrived whole."""
+        """Read the objects of host pages `host_ids`; how many leading pages arrived whole."""
         f = self.faults
         start = time.perf_counter()  # an injected delay is part of the read: a slow store
         if f.read_delay_ms:
             time.sleep(self._rng.uniform(0, f.read_delay_ms) / 1e3)
-        staging = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)
-        views = _page_bytes(staging)
-        n = self.backend.get(keys, views)
+        n = self.codec.read(self.backend, keys, host_ids) // self.codec.per_page
         if f.fail_rank == self.rank:
             n = min(n, max(f.fail_at_page - first, 0))
-        if n:
-            ids = torch.arange(n, dtype=torch.int64)
-            dst = torch.tensor(host_ids[:n], dtype=torch.int64)
-            transfer_pages(PageView.page_first(staging), self.host, ids, dst)
         with self._lock:
             self.read_pages += n
             self.read_seconds += time.perf_counter() - start
         return n
 
     def _write(self, keys: list[str], host_ids: list[int]) -> int:
-        staging = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)
-        src = torch.tensor(host_ids, dtype=torch.int64)
-        transfer_pages(self.host, PageView.page_first(staging), src, torch.arange(len(keys)))
-        data = _page_bytes(staging)
+        """Pages of `host_ids` whose every object is stored (leading)."""
         try:
-            return self.backend.put(keys, data)
+            return self.codec.write(self.backend, keys, host_ids) // self.codec.per_page
         except Exception as e:  # the backend reports full/read-only itself; anything else
             log.warning("storage put() failed: %r", e)
             return 0
@@ -275,10 +264,3 @@ class StorageIO:
     def close(self) -> None:
         for pool in (self._query_pool, self._read_pool, self._write_pool):
             pool.shutdown(wait=True)
-
-
-def _page_bytes(staging: torch.Tensor) -> list[memoryview]:
-    """Writable byte views of each page of a page_first staging tensor (any dtype, bf16 too:
-    the bytes are viewed as uint8)."""
-    raw = staging.view(torch.uint8).reshape(staging.shape[0], -1).numpy()
-    return [raw[i].data for i in range(raw.shape[0])]

@@ -60,11 +60,6 @@ STORAGE_WRITE_POLICIES: tuple[StorageWritePolicy, ...] = (
 )
 
 
-def object_key(page_hash: bytes, shard: str) -> str:
-    """The store's name for one page of one rank's shard (`rank-suffix` scheme)."""
-    return f"{page_hash.hex()}_{shard}"
-
-
 @dataclass(frozen=True, slots=True)
 class PrefetchTimeout:
     """The `timeout` policy's deadline: base + per 1K tokens to fetch, capped."""
@@ -86,7 +81,8 @@ class Prefetch:
     salt: str
     start_node: TreeNode  # host-covered end of the path when it started (pinned)
     start_len: int
-    keys: list[str]  # one per page from start_len on
+    keys: list[str]  # the objects of the pages from start_len on (`per_page` each)
+    num_pages: int  # pages asked for
     started_at: float  # rank 0's clock: only the timeout policy reads it, only on rank 0
     hit_pages: int | None = None  # agreed, once the HIT ACK is consumed
     host_page_ids: list[HostPageId] = field(default_factory=list)  # reserved for the read
@@ -119,7 +115,6 @@ class StorageTier:
         self,
         cache: PrefixCache,
         io: StorageIO,
-        shard: str,
         policy: PrefetchPolicy,
         timeout: PrefetchTimeout,
         write_policy: StorageWritePolicy,
@@ -128,7 +123,6 @@ class StorageTier:
     ) -> None:
         self.cache = cache
         self.io = io
-        self.shard = shard
         self.policy = policy
         self.timeout = timeout
         self.write_policy = write_policy
@@ -163,7 +157,8 @@ class StorageTier:
             salt,
             node,
             start,
-            [object_key(h, self.shard) for h in hashes],
+            self.io.codec.keys(hashes),
+            len(hashes),
             time.monotonic(),
         )
         tree.ref_host(node)
@@ -206,7 +201,8 @@ class StorageTier:
             return
         self.reserved_pages += len(p.host_page_ids)
         n = len(p.host_page_ids)
-        p.read = ReadOp(p.keys[:n], list(p.host_page_ids), self.batch_pages)
+        k = self.io.codec.per_page
+        p.read = ReadOp(p.keys[: n * k], list(p.host_page_ids), self.batch_pages)
         p.batches_left = p.read.num_batches
         self.io.read(p.read, p)
 
@@ -273,7 +269,7 @@ class StorageTier:
             return []
         out = []
         for p in self.prefetches.values():
-            num_tokens = len(p.keys) * self.cache.page_size
+            num_tokens = p.num_pages * self.cache.page_size
             if not (p.finished or p.stopped) and now - p.started_at > self.timeout.deadline_s(
                 num_tokens
             ):
@@ -302,9 +298,8 @@ class StorageTier:
     def write(self, last_node: TreeNode) -> int:
         """Write the host pages of the path to `last_node` not yet in the store; pages."""
         tree = self.cache.tree
-        keys: list[str] = []
+        page_hashes: list[bytes] = []
         host_ids: list[int] = []
-        hashes: list[str] = []
         end = last_node
         for _, n in tree.path(last_node):
             if n.host_page_ids is None:
@@ -314,15 +309,16 @@ class StorageTier:
                 continue
             assert n.page_hashes is not None
             n.in_storage = True
-            keys += [object_key(h, self.shard) for h in n.page_hashes]
-            hashes += [h.hex() for h in n.page_hashes]
+            page_hashes += n.page_hashes
             host_ids += n.host_page_ids
-        if not keys:
+        if not page_hashes:
             return 0
         tree.ref_host(end)
-        self.io.write(keys, host_ids, _Write(end, len(keys), hashes))
+        keys = self.io.codec.keys(page_hashes)
+        op = _Write(end, len(page_hashes), [h.hex() for h in page_hashes])
+        self.io.write(keys, host_ids, op)
         self.cache.stats.num_storage_writes += 1
-        return len(keys)
+        return len(page_hashes)
 
     def _on_write(self, op: _Write, stored: int) -> None:
         self.cache.tree.unref_host(op.last_node)

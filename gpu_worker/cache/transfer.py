@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from gpu_worker.kernels.page_transfer import PageView, transfer_pages
+from gpu_worker.kernels.moves import PoolView, move_pages
 
 COMPLETION_LOG_LEN = 256  # completion order kept for tests and debugging (a window)
 
@@ -129,8 +129,8 @@ class TransferEngine:
     def submit(
         self,
         kind: TransferKind,
-        src: PageView,
-        dst: PageView,
+        src: PoolView,
+        dst: PoolView,
         src_page_ids: list[int],
         dst_page_ids: list[int],
         op: object,
@@ -165,8 +165,8 @@ class TransferEngine:
     def _copy(
         self,
         seq: int,
-        src: PageView,
-        dst: PageView,
+        src: PoolView,
+        dst: PoolView,
         src_ids: torch.Tensor,
         dst_ids: torch.Tensor,
         delay_s: float,
@@ -174,7 +174,7 @@ class TransferEngine:
         if delay_s:
             time.sleep(delay_s)
         start = time.perf_counter()
-        transfer_pages(src, dst, src_ids, dst_ids)
+        move_pages(src, dst, src_ids, dst_ids)
         elapsed = time.perf_counter() - start
         with self._lock:
             self.completion_log.append(seq)
@@ -183,8 +183,8 @@ class TransferEngine:
 
     def _submit_cuda(
         self,
-        src: PageView,
-        dst: PageView,
+        src: PoolView,
+        dst: PoolView,
         src_ids: torch.Tensor,
         dst_ids: torch.Tensor,
         delay_s: float,
@@ -196,7 +196,7 @@ class TransferEngine:
         with torch.cuda.stream(self._stream):
             if delay_s:
                 torch.cuda._sleep(int(delay_s * 1e9))  # ~1 cycle per ns: a rough delay
-            transfer_pages(src, dst, src_ids, dst_ids)
+            move_pages(src, dst, src_ids, dst_ids)
             event = torch.cuda.Event()
             event.record(self._stream)
         return _CudaCompletion(event)

@@ -28,6 +28,7 @@ from bus_schemas.page_hash import make_namespace
 from bus_schemas.token_ids import as_token_ids
 from gpu_worker.cache.hicache import CacheConfig, PrefixCache
 from gpu_worker.cache.load_cost import LoadCostEstimate
+from gpu_worker.cache.storage_codec import StorageLayout
 from gpu_worker.consensus import checker as consensus
 from gpu_worker.engine.commands import (
     Abort,
@@ -54,6 +55,7 @@ from gpu_worker.parallel.sync import StepSync, agree_min
 from gpu_worker.scheduler.request import GenerateOutput, RemoteKV, Req, ReqState
 from gpu_worker.scheduler.scheduler import Scheduler, SchedulerConfig
 from gpu_worker.storage import StorageBackend, StorageConfig, default_storage_dir, make_backend
+from gpu_worker.storage.layout import StorageNamespace, shard_cells
 
 KEEPALIVE_S = 5.0  # an idle multi-rank engine still steps this often (its ranks wait in it)
 ACK_WAIT_S = 0.05  # `run`: the longest sleep for an ACK before stepping again anyway
@@ -138,8 +140,9 @@ class Engine:
             delay_seed=7919 * self.rank,
             record_events=self.rank == 0,  # rank 0 publishes the KV events
             storage=self._storage_backend(config),
-            storage_shard=f"tp{groups.tp_rank}of{config.parallel.tp_size}"
-            f"pp{groups.pp_rank}of{config.parallel.pp_size}",
+            storage_layout=self._storage_layout(config, groups)
+            if config.cache.hicache_storage_backend is not None
+            else None,
             storage_groups=(groups.storage_hit, groups.storage_progress),
             rank=self.rank,
         )
@@ -160,6 +163,35 @@ class Engine:
         self.stopped = False  # set by the Stop command
         self._acks_done = threading.Event()  # rung by transfer and storage workers (`run`)
         self.cache.set_ack_listener(self._acks_done.set)
+
+    def _storage_layout(self, config: EngineConfig, groups: ParallelGroups) -> StorageLayout:
+        """Which stored objects hold this rank's part of a page (a clear error, naming the
+        flag, when the unified grid does not fit the rank's shard)."""
+        cc, par = config.cache, config.parallel
+        shard = f"tp{groups.tp_rank}of{par.tp_size}pp{groups.pp_rank}of{par.pp_size}"
+        if cc.hicache_storage_key_scheme != "unified":
+            return StorageLayout(shard)
+        mc = self.model_config
+        namespace = StorageNamespace(
+            model=config.model,
+            kv_dtype=config.dtype,
+            page_size=cc.page_size,
+            replication="mha_sharded",
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            num_layers=mc.num_layers,
+            layer_partition=cc.storage_layer_partition or mc.num_layers,
+            head_partition=cc.storage_head_partition,
+        )
+        model_shard = ModelShard.of(mc, par, groups.rank)
+        heads_per_rank = mc.num_kv_heads // par.tp_size
+        cells = shard_cells(
+            namespace,
+            (model_shard.layers.start, model_shard.layers.stop),
+            (groups.tp_rank * heads_per_rank, (groups.tp_rank + 1) * heads_per_rank),
+            groups.tp_rank,
+        )
+        return StorageLayout(shard, namespace, cells)
 
     @staticmethod
     def _storage_backend(config: EngineConfig) -> StorageBackend | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.kernels.page_transfer import PageView
+from gpu_worker.kernels.relayout import RunView
 from gpu_worker.memory.allocator import PageAllocator, PageId
 from gpu_worker.memory.kv_spec import KVSpec
 
@@ -52,6 +53,11 @@ class DeviceKVPool:
 
     def page_view(self) -> PageView:
         return PageView.layer_first(self.kv, self.spec.page_size)
+
+    def run_view(self, group_heads: int) -> RunView:
+        """The pool as runs of `group_heads` heads (what a `page_unified` host pool and the
+        relayout kernel pair it with)."""
+        return RunView.pool(self.kv, self.spec.page_size, group_heads)
 
     def slot_ids(self, page_ids: list[PageId], num_tokens: int) -> torch.Tensor:
         """Slots of token positions `[0, num_tokens)` laid over `page_ids`: (num_tokens,) int64."""

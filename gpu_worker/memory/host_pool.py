@@ -7,11 +7,14 @@ from typing import Literal
 import torch
 
 from gpu_worker.kernels.page_transfer import PageView
+from gpu_worker.kernels.relayout import RunView
 from gpu_worker.memory.allocator import PageAllocator
 from gpu_worker.memory.kv_spec import KVSpec
 
-HostLayout = Literal["layer_first", "page_first"]
+HostLayout = Literal["layer_first", "page_first", "page_unified"]
+# what --hicache-mem-layout offers; page_unified comes with the unified storage key scheme
 HOST_LAYOUTS: tuple[HostLayout, ...] = ("layer_first", "page_first")
+ALL_LAYOUTS: tuple[HostLayout, ...] = (*HOST_LAYOUTS, "page_unified")
 
 
 class HostKVPool:
@@ -22,27 +25,46 @@ class HostKVPool:
       device pool's own order, so one layer's pages are close together.
     - `page_first`: (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim): a page is
       one contiguous span across all layers, the shape storage backends and P/D want.
+    - `page_unified`: (num_pages, num_groups, num_layers, 2, page_size, group_heads,
+      head_dim), the unified storage key scheme's byte order (DESIGN.md 5): every stored
+      object (a range of layers of one head group) is one contiguous span of a page, read
+      and written in place; device pages move in and out of it through the relayout kernel.
     """
 
     def __init__(
-        self, spec: KVSpec, num_pages: int, layout: HostLayout, device: torch.device
+        self,
+        spec: KVSpec,
+        num_pages: int,
+        layout: HostLayout,
+        device: torch.device,
+        group_heads: int | None = None,
     ) -> None:
-        if layout not in HOST_LAYOUTS:
-            raise ValueError(f"unknown host layout {layout!r}; choose one of {HOST_LAYOUTS}")
+        """`group_heads`: KV heads per group of the `page_unified` layout (default: all)."""
+        if layout not in ALL_LAYOUTS:
+            raise ValueError(f"unknown host layout {layout!r}; choose one of {ALL_LAYOUTS}")
         self.spec = spec
         self.layout = layout
         self.num_pages = num_pages
         self.allocator = PageAllocator(num_pages, "host")
         h, d, ps, nl = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.num_layers
-        shape = (
-            (nl, 2, num_pages * ps, h, d)
-            if layout == "layer_first"
-            else (num_pages, nl, 2, ps, h, d)
-        )
+        self.group_heads = group_heads or h
+        if h % self.group_heads:
+            raise ValueError(f"{self.group_heads} heads per group do not divide {h} KV heads")
+        shape: tuple[int, ...]
+        if layout == "layer_first":
+            shape = (nl, 2, num_pages * ps, h, d)
+        elif layout == "page_first":
+            shape = (num_pages, nl, 2, ps, h, d)
+        else:
+            shape = (num_pages, h // self.group_heads, nl, 2, ps, self.group_heads, d)
         pin = device.type == "cuda"
         self.kv = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin)
 
-    def page_view(self) -> PageView:
+    def page_view(self) -> PageView | RunView:
+        """The pool for page copies: a `RunView` for `page_unified` (pair it with the device
+        pool's `run_view`), a `PageView` otherwise."""
         if self.layout == "layer_first":
             return PageView.layer_first(self.kv, self.spec.page_size)
-        return PageView.page_first(self.kv)
+        if self.layout == "page_first":
+            return PageView.page_first(self.kv)
+        return RunView.unified(self.kv)

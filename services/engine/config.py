@@ -55,6 +55,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         hicache_storage_write_policy=args.hicache_storage_write_policy,
         hicache_storage_write_threshold=args.hicache_storage_write_threshold,
+        hicache_storage_key_scheme=args.hicache_storage_key_scheme,
+        storage_layer_partition=args.hicache_storage_layer_partition,
+        storage_head_partition=args.hicache_storage_head_partition,
         storage_faults=StorageFaults(read_delay_ms=args.debug_storage_read_delay_ms)
         if args.debug_storage_read_delay_ms
         else None,

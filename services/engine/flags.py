@@ -17,6 +17,7 @@ LOAD_POLICIES = ("always", "cost")
 STORAGE_BACKENDS = ("file",)
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_WRITE_POLICIES = ("write_through", "write_through_selective")
+KEY_SCHEMES = ("rank-suffix", "unified")
 # auto: float64 for the random presets, float32 (CPU) or bfloat16 (GPU) for real checkpoints
 DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
 
@@ -226,6 +227,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         help="matches before write_through_selective writes a node to storage",
+    )
+    s.add_argument(
+        "--hicache-storage-key-scheme",
+        default="rank-suffix",
+        choices=KEY_SCHEMES,
+        help="rank-suffix: one object per page per rank (only the same TP/PP layout reads "
+        "it); unified: objects on a grid of layer ranges x KV-head groups that every layout "
+        "of the model shares (the host pool becomes page_unified)",
+    )
+    s.add_argument(
+        "--hicache-storage-layer-partition",
+        type=int,
+        default=0,
+        metavar="L",
+        help="unified scheme: layers per object (must divide every pipeline stage's layer "
+        "count); 0: all the model's layers",
+    )
+    s.add_argument(
+        "--hicache-storage-head-partition",
+        type=int,
+        default=1,
+        metavar="H",
+        help="unified scheme: KV heads per object (must divide every TP rank's KV heads)",
     )
     s.add_argument(
         "--debug-storage-read-delay-ms",

@@ -1,0 +1,149 @@
+"""How one rank's part of a KV page maps to stored objects (`gpu_worker/storage/layout.py`),
+and how the objects move between the store and the rank's host pages.
+
+- `RankSuffixCodec`: one object per page, the rank's own page in `page_first` order; the
+  host pages are packed into (or unpacked from) a staging buffer by the page-transfer
+  kernel, whatever the host layout.
+- `UnifiedCodec`: `per_page` objects per page, one per cell of the storage grid that the
+  rank's layers x heads cover; the host pool is `page_unified`, where every cell of a page
+  is one contiguous span, so objects are read into and written from host memory in place.
+
+Both are called from the storage I/O threads (`StorageIO`) on host pages that the scheduler
+reserved or pinned for them; they touch no other state.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.kernels.page_transfer import PageView, transfer_pages
+from gpu_worker.memory.host_pool import HostKVPool
+from gpu_worker.storage import StorageBackend
+from gpu_worker.storage.layout import ShardCells, StorageNamespace
+
+
+@dataclass(frozen=True, slots=True)
+class StorageLayout:
+    """How this rank names and lays out its objects: the rank-suffix scheme (`cells` None)
+    or the unified one (the namespace and the cells of the rank's shard)."""
+
+    shard: str  # the rank-suffix tag, e.g. "tp0of2pp1of2"
+    namespace: StorageNamespace | None = None
+    cells: ShardCells | None = None
+
+    @property
+    def unified(self) -> bool:
+        return self.cells is not None
+
+    @property
+    def group_heads(self) -> int | None:
+        """KV heads per group of the `page_unified` host pool the unified scheme needs."""
+        return None if self.namespace is None else self.namespace.head_partition
+
+    def codec(self, host: HostKVPool) -> ObjectCodec:
+        if self.cells is None or self.namespace is None:
+            spec = host.spec
+            shape = (spec.num_layers, 2, spec.page_size, spec.num_kv_heads, spec.head_dim)
+            view = host.page_view()
+            if not isinstance(view, PageView):
+                raise ValueError(
+                    "the rank-suffix key scheme needs a layer_first or page_first host pool"
+                )
+            return RankSuffixCodec(view, shape, spec.dtype, self.shard)
+        if host.layout != "page_unified":
+            raise ValueError("the unified key scheme needs the page_unified host layout")
+        return UnifiedCodec(host.kv, self.cells, self.namespace.digest)
+
+
+class ObjectCodec(abc.ABC):
+    per_page: int  # objects per page of this rank
+    writes: bool  # False: this rank's objects are written by another (replicated KV)
+
+    @abc.abstractmethod
+    def keys(self, page_hashes: Sequence[bytes]) -> list[str]:
+        """`per_page` object keys per page, page by page."""
+
+    @abc.abstractmethod
+    def read(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
+        """Read the objects of pages `host_ids` (keys: `per_page` each) into those host pages;
+        how many leading objects arrived whole."""
+
+    @abc.abstractmethod
+    def write(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
+        """Write the objects of host pages `host_ids`; how many leading ones are stored."""
+
+
+class RankSuffixCodec(ObjectCodec):
+    """`{page_hash}_{shard}`: the rank's whole page, (num_layers, 2, page_size, heads, dim)."""
+
+    per_page = 1
+
+    def __init__(
+        self, host: PageView, page_shape: tuple[int, ...], dtype: torch.dtype, shard: str
+    ) -> None:
+        self.host, self.page_shape, self.dtype, self.shard = host, page_shape, dtype, shard
+        self.writes = True
+
+    def keys(self, page_hashes: Sequence[bytes]) -> list[str]:
+        return [f"{h.hex()}_{self.shard}" for h in page_hashes]
+
+    def read(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
+        staging = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)
+        n = backend.get(keys, _rows_as_bytes(staging))
+        if n:
+            dst = torch.tensor(host_ids[:n], dtype=torch.int64)
+            transfer_pages(PageView.page_first(staging), self.host, torch.arange(n), dst)
+        return n
+
+    def write(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
+        staging = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)
+        src = torch.tensor(host_ids, dtype=torch.int64)
+        transfer_pages(self.host, PageView.page_first(staging), src, torch.arange(len(keys)))
+        return backend.put(keys, _rows_as_bytes(staging))
+
+
+class UnifiedCodec(ObjectCodec):
+    """`{page_hash}_{namespace}_L{a}-{b}[_H{g}]`: the cells of the rank's shard, read and
+    written in place in a `page_unified` host pool (num_pages, groups, layers, kv, page_size,
+    group_heads, dim)."""
+
+    def __init__(self, host_kv: torch.Tensor, cells: ShardCells, namespace_digest: str) -> None:
+        self.host_kv = host_kv
+        self.cells = cells
+        self.per_page = cells.per_page
+        self.writes = cells.writes
+        self._suffixes = cells.suffixes(namespace_digest)
+
+    def keys(self, page_hashes: Sequence[bytes]) -> list[str]:
+        return [h.hex() + s for h in page_hashes for s in self._suffixes]
+
+    def read(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
+        return backend.get(keys, self._views(host_ids))
+
+    def write(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
+        if not self.writes:  # another rank writes these objects: nothing is missing
+            return len(keys)
+        return backend.put(keys, self._views(host_ids))
+
+    def _views(self, host_ids: list[int]) -> list[memoryview]:
+        """The byte span of every cell of every page, in key order."""
+        out = []
+        cells = self.cells
+        for page in host_ids:
+            for cell in cells.cells:
+                group = cell.group - cells.group_offset if cell.group >= 0 else 0
+                a = cell.layer_start - cells.layer_offset
+                b = cell.layer_end - cells.layer_offset + 1
+                span = self.host_kv[page, group, a:b]  # contiguous: (layers, kv, ps, H, D)
+                out.append(span.reshape(-1).view(torch.uint8).numpy().data)
+        return out
+
+
+def _rows_as_bytes(staging: torch.Tensor) -> list[memoryview]:
+    """Writable byte views of each page of a staging tensor (any dtype, bf16 too)."""
+    raw = staging.view(torch.uint8).reshape(staging.shape[0], -1).numpy()
+    return [raw[i].data for i in range(raw.shape[0])]
