@@ -257,6 +257,7 @@ class PrefixCache:
             self.storage = StorageTier(
                 self,
                 io,
+                storage_layout.scope,
                 config.hicache_storage_prefetch_policy,
                 config.prefetch_timeout,
                 config.hicache_storage_write_policy,

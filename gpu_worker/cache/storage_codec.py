@@ -34,6 +34,15 @@ class StorageLayout:
     shard: str  # the rank-suffix tag, e.g. "tp0of2pp1of2"
     namespace: StorageNamespace | None = None
     cells: ShardCells | None = None
+    layout: str = ""  # the rank-suffix scheme's engine layout, e.g. "tp2pp2"
+
+    @property
+    def scope(self) -> str:
+        """Which engines can read each other's objects in one store: the same namespace
+        (unified), or the same TP x PP layout and model (rank-suffix)."""
+        if self.namespace is not None:
+            return f"unified:{self.namespace.digest}"
+        return f"rank-suffix:{self.layout}"
 
     @property
     def unified(self) -> bool:

@@ -115,6 +115,7 @@ class StorageTier:
         self,
         cache: PrefixCache,
         io: StorageIO,
+        scope: str,
         policy: PrefetchPolicy,
         timeout: PrefetchTimeout,
         write_policy: StorageWritePolicy,
@@ -123,6 +124,7 @@ class StorageTier:
     ) -> None:
         self.cache = cache
         self.io = io
+        self.scope = scope
         self.policy = policy
         self.timeout = timeout
         self.write_policy = write_policy

@@ -170,7 +170,7 @@ class Engine:
         cc, par = config.cache, config.parallel
         shard = f"tp{groups.tp_rank}of{par.tp_size}pp{groups.pp_rank}of{par.pp_size}"
         if cc.hicache_storage_key_scheme != "unified":
-            return StorageLayout(shard)
+            return StorageLayout(shard, layout=f"tp{par.tp_size}pp{par.pp_size}")
         mc = self.model_config
         namespace = StorageNamespace(
             model=config.model,
@@ -191,7 +191,7 @@ class Engine:
             (groups.tp_rank * heads_per_rank, (groups.tp_rank + 1) * heads_per_rank),
             groups.tp_rank,
         )
-        return StorageLayout(shard, namespace, cells)
+        return StorageLayout(shard, namespace, cells, f"tp{par.tp_size}pp{par.pp_size}")
 
     @staticmethod
     def _storage_backend(config: EngineConfig) -> StorageBackend | None:

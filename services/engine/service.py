@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from bus_schemas import (
 from bus_schemas import subjects as subj
 from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
 from gpu_worker.scheduler.request import CachedTokens, KVExport
+from gpu_worker.storage import StorageBackend
 from services.engine.card import build_card
 from services.engine.pd import DecodeSide, PDConfig, PrefillSide
 from services.engine.runner import EngineCrashedError, EngineRunner, TokenUpdate
@@ -138,7 +140,7 @@ class EngineService:
         self._card_bytes = self.card.encode()
         self._card_digest = self.card.digest  # heartbeats carry it
         storage = engine.cache.storage
-        self._store_id = "" if storage is None else storage.io.backend.store_id
+        self._store_id = "" if storage is None else _store_id(storage.io.backend, storage.scope)
         self._nc = await self._connect()
         nc, eid = self._nc, self.config.engine_id
         self._work_subs = await self._subscribe_work(nc, eid)
@@ -556,6 +558,12 @@ class EngineService:
             with contextlib.suppress(Exception):
                 await self._nc.publish(subj.HEARTBEAT, hb.encode())
             await asyncio.sleep(cfg.heartbeat_interval_s)
+
+
+def _store_id(backend: StorageBackend, scope: str) -> str:
+    """What heartbeats and storage KV events name the engine's store by: the store itself and
+    the scope of its objects this engine can read (engines with equal ids share pages)."""
+    return hashlib.blake2b(f"{backend.store_id}|{scope}".encode(), digest_size=8).hexdigest()
 
 
 def _brief(e: BaseException) -> str:
