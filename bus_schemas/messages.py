@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -240,6 +241,13 @@ class ModelCard(Message):
     def digest(self) -> str:
         """A stable digest of the card's content (what heartbeats carry)."""
         return hashlib.blake2b(self.encode(), digest_size=12).hexdigest()
+
+    @property
+    def speech_digest(self) -> str:
+        """The digest of what requests are parsed with (everything but the context length):
+        engines of one model in buckets of different lengths speak alike."""
+        same = dataclasses.replace(self, context_len=0)
+        return hashlib.blake2b(same.encode(), digest_size=12).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
     python -m router --port 8000 --nats-url nats://127.0.0.1:4222 \\
         --redis-url redis://127.0.0.1:6379/0 [--api-key KEY] [--record FILE] \\
-        [--request-timeout S] [--bucket NAME] \\
+        [--request-timeout S] [--bucket NAME[:max_len=N] ...] \\
         [--pd-admit-timeout S] [--pd-transfer-timeout S] [--read-timeout S] \\
         [--max-connections N]
 
@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from router.app import init
+from router.buckets import DEFAULT, parse_bucket
 from router.config import RouterConfig
 from router.server import GUARD, GuardedSite, serve_kwargs
 
@@ -46,7 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--record", metavar="FILE", default=None, help="JSON lines per request")
     p.add_argument("--request-timeout", metavar="S", type=float, default=30.0)
-    p.add_argument("--bucket", default="default")
+    p.add_argument(
+        "--bucket",
+        action="append",
+        metavar="NAME[:max_len=N]",
+        help="an engine bucket serving prompt + max_tokens up to N (repeat for several; the "
+        "smallest that fits serves; default: one unbounded bucket 'default')",
+    )
     p.add_argument(
         "--pd-admit-timeout", metavar="S", type=float, default=10.0, help="P/D: admit wait"
     )
@@ -83,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         redis_url=args.redis_url,
         api_key=args.api_key or None,
         record_path=args.record,
-        bucket=args.bucket,
+        buckets=tuple(parse_bucket(b) for b in args.bucket or [DEFAULT]),
         request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         pd_admit_timeout_s=args.pd_admit_timeout,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from router.buckets import DEFAULT, Bucket, order
+
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
@@ -12,7 +14,8 @@ class RouterConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     api_key: str | None = None  # when set, every endpoint but /health and /metrics needs it
     record_path: str | None = None  # JSON lines, one per finished request
-    bucket: str = "default"  # the engine bucket requests go to
+    # the engine buckets, smallest first (router/buckets.py); one unbounded by default
+    buckets: tuple[Bucket, ...] = (Bucket(DEFAULT),)
     request_timeout_s: float = 30.0  # longest wait for the first chunk and between chunks
     liveness_poll_s: float = 0.5  # how often a waiting request checks its engine's heartbeats
     heartbeat_misses: int = 3  # an engine is dead after this many heartbeat intervals
@@ -86,10 +89,16 @@ class RouterConfig:
             raise ValueError("page_chain_cache_bytes must be >= 0")
         if self.max_stop_strings < 1:
             raise ValueError("max_stop_strings must be >= 1")
-        if not self.bucket:
-            raise ValueError("bucket must not be empty")
+        if not self.buckets:
+            raise ValueError("at least one bucket")
+        object.__setattr__(self, "buckets", order(self.buckets))
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty when given")
+
+    @property
+    def bucket(self) -> str:
+        """The largest bucket (what a request that fits none is refused by)."""
+        return self.buckets[-1].name
 
     @property
     def transfer_timeout_s(self) -> float:

@@ -245,7 +245,8 @@ class EngineTable:
 class EngineCollector(Collector):
     """Per-engine metrics from the live engines' last heartbeats, built at scrape time, so
     an engine that left the table leaves no stale series. Names follow SGLang where the
-    concept is the same (`sglang:num_running_reqs`, ...), labels `model_name`, `engine_id`."""
+    concept is the same (`sglang:num_running_reqs`, ...), labels `model_name`, `engine_id`
+    and `bucket` (sum by bucket for per-bucket figures)."""
 
     GAUGES = (
         ("sglang:num_running_reqs", "running requests", "running"),
@@ -296,17 +297,17 @@ class EngineCollector(Collector):
         return []  # the registry must not call collect() at registration
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["model_name", "engine_id"]
+        labels = ["model_name", "engine_id", "bucket"]
         live = self.table.live_heartbeats()
         for name, doc, field in self.GAUGES:
             g = GaugeMetricFamily(name, doc, labels=labels)
             for hb, _ in live:
-                g.add_metric([hb.model, hb.engine_id], float(getattr(hb, field)))
+                g.add_metric([hb.model, hb.engine_id, hb.bucket], float(getattr(hb, field)))
             yield g
         for name, doc, field in self.COUNTERS:
             c = CounterMetricFamily(name, doc, labels=labels)
             for hb, _ in live:
-                c.add_metric([hb.model, hb.engine_id], float(getattr(hb, field)))
+                c.add_metric([hb.model, hb.engine_id, hb.bucket], float(getattr(hb, field)))
             yield c
         rate = GaugeMetricFamily(
             "sglang:cache_hit_rate",
@@ -314,5 +315,5 @@ class EngineCollector(Collector):
             labels=labels,
         )
         for hb, hit_rate in live:
-            rate.add_metric([hb.model, hb.engine_id], hit_rate)
+            rate.add_metric([hb.model, hb.engine_id, hb.bucket], hit_rate)
         yield rate

@@ -154,9 +154,11 @@ class Generation:
         timings: Timings,
         choice: int = 0,
         prefer: str | None = None,
+        card_digests: frozenset[str] | None = None,
     ) -> None:
         """`choice`: which of the request's `spec.n` choices this is; `prefer`: an engine to
-        try first (a later choice goes where choice 0 cached the prompt)."""
+        try first (a later choice goes where choice 0 cached the prompt); `card_digests`:
+        the model cards of engines that parse requests as `model` does (default: its own)."""
         self.hub = hub
         self.table = table
         self.router = router
@@ -169,6 +171,7 @@ class Generation:
         self.timings = timings
         self.choice = choice
         self.prefer = prefer
+        self.card_digests = card_digests or frozenset({model.digest})
         self.outcome = Outcome(request_id=uuid.uuid4().hex)
         self.assembler = TextAssembler(model.tokenizer, spec.stop)
         self._pd: _PDAttempt | None = None
@@ -177,11 +180,11 @@ class Generation:
         self, role: str | None = None, excluded: Collection[str] = ()
     ) -> list[EngineView]:
         """Live engines of the bucket that speak the request's model card (its tokens)."""
-        digest = self.model.digest
+        digests = self.card_digests
         return [
             e
             for e in self.table.live(self.bucket, role)
-            if e.engine_id not in excluded and e.card_digest == digest
+            if e.engine_id not in excluded and e.card_digest in digests
         ]
 
     async def run(self) -> AsyncGenerator[Delta, None]:

@@ -249,12 +249,20 @@ def _choices(
 ) -> Choices:
     """Route-independent checks (live engines of the model's card, limits), then the
     request's generations (one per choice)."""
-    table, router = app[keys.TABLE], app[keys.ROUTER]
-    bucket = router.select_bucket(len(spec.input_ids), spec.max_tokens or 0)
-    engines = [e for e in table.live(bucket) if e.card_digest == model.digest]
+    table, router, cards = app[keys.TABLE], app[keys.ROUTER], app[keys.MODELS]
+    speaking = cards.speaking(model)  # engines' card digests that parse requests alike
+
+    def serving(bucket: str) -> list[EngineView]:
+        return [e for e in table.live(bucket) if e.card_digest in speaking]
+
+    bucket = router.select_bucket(
+        len(spec.input_ids), spec.max_tokens or 0, lambda b: can_serve(serving(b))
+    )
+    engines = serving(bucket)
     if not can_serve(engines):
         raise _unavailable(app, bucket)
-    max_new_tokens = check_limits(spec, model.card.vocab_size, model.card.context_len)
+    context_len = min(e.context_len for e in engines)
+    max_new_tokens = check_limits(spec, model.card.vocab_size, context_len)
 
     def make(choice: int, prefer: str | None) -> Generation:
         return Generation(
@@ -270,6 +278,7 @@ def _choices(
             timings=timings if choice == 0 else Timings(timings.arrived),
             choice=choice,
             prefer=prefer,
+            card_digests=speaking,
         )
 
     return Choices(make, spec.n)

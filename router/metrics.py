@@ -59,6 +59,12 @@ class RouterMetrics:
             ["tier"],
             registry=r,
         )
+        self.bucket_requests = Counter(
+            f"{PREFIX}_bucket_requests",
+            "generation requests by the engine bucket they were sent to",
+            ["bucket"],
+            registry=r,
+        )
         self.routing = Counter(
             f"{PREFIX}_routing_decisions",
             "engine choices by reason (cache, load, redis_down, retry)",

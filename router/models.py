@@ -45,6 +45,7 @@ class ServedModel:
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None  # None: the card's template does not compile
     template_error: str = ""  # why it does not
+    speech: str = ""  # `card.speech_digest`, computed once (the tokenizer JSON can be MBs)
 
     @property
     def name(self) -> str:
@@ -81,8 +82,8 @@ def served_model(card: ModelCard) -> ServedModel:
         template = ChatTemplate(card.chat_template, bos or "", eos or "")
     except jinja2.TemplateError as e:
         log.warning("the chat template of model %r does not compile: %s", card.served_model_name, e)
-        return ServedModel(card, tok, None, f"{type(e).__name__}: {e}")
-    return ServedModel(card, tok, template)
+        return ServedModel(card, tok, None, f"{type(e).__name__}: {e}", card.speech_digest)
+    return ServedModel(card, tok, template, speech=card.speech_digest)
 
 
 class ModelCards:
@@ -105,6 +106,11 @@ class ModelCards:
 
     def get(self, digest: str) -> ServedModel | None:
         return self._models.get(digest)
+
+    def speaking(self, model: ServedModel) -> frozenset[str]:
+        """The card digests held here that parse requests as `model` does (they differ at
+        most in the context length: engines of one model in buckets of other lengths)."""
+        return frozenset(d for d, m in self._models.items() if m.speech == model.speech)
 
     def observe(self, engine_id: str, digest: str) -> None:
         """A heartbeat of `engine_id` named `digest`: fetch that card if it is new."""

@@ -29,6 +29,7 @@ from typing import Any
 
 from bus_schemas import redis_keys
 from bus_schemas.token_ids import TokenIds
+from router import buckets
 from router.config import RouterConfig
 from router.engines import EngineView
 from router.metrics import RouterMetrics
@@ -249,11 +250,14 @@ class Router:
         self.chains = PageChains(config.page_chain_cache_bytes)
         self._turn = itertools.count()
 
-    def select_bucket(self, prompt_len: int, max_tokens: int) -> str:
-        """The bucket for a request. One configured bucket today; buckets by context length
-        would pick the smallest whose engines fit `prompt_len + max_tokens`."""
-        del prompt_len, max_tokens
-        return self.config.bucket
+    def select_bucket(
+        self, prompt_len: int, max_tokens: int, can_serve: Callable[[str], bool]
+    ) -> str:
+        """The smallest bucket whose `max_len` fits `prompt_len + max_tokens` and that can
+        serve (`router.buckets.select`)."""
+        bucket = buckets.select(self.config.buckets, prompt_len + max_tokens, can_serve)
+        self.metrics.child(self.metrics.bucket_requests, bucket).inc()
+        return bucket
 
     async def choose(
         self,

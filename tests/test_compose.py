@@ -99,13 +99,43 @@ def test_engine_flags_match_up_passthrough() -> None:
 
 def test_engines_take_the_parallel_layout_from_the_environment() -> None:
     """TP_SIZE / PP_SIZE set every engine's --tp-size / --pp-size (1 when unset): P/D
-    engines share one layout, which their KV frames need."""
+    engines share one layout, which their KV frames need. The buckets file gives each
+    bucket its own (SHORT_TP_SIZE, LONG_TP_SIZE, ...)."""
     for path in COMPOSE_FILES:
         for name, svc in services(path).items():
             cmd = svc.get("command", [])
-            if cmd[:3] == ["python", "-m", "services.engine"]:
-                assert cmd[cmd.index("--tp-size") + 1] == "${TP_SIZE:-1}", name
-                assert cmd[cmd.index("--pp-size") + 1] == "${PP_SIZE:-1}", name
+            if cmd[:3] != ["python", "-m", "services.engine"]:
+                continue
+            prefix = ""
+            if path.name == "docker-compose.buckets.yml":
+                prefix = cmd[cmd.index("--bucket") + 1].upper() + "_"
+            tp, pp = cmd[cmd.index("--tp-size") + 1], cmd[cmd.index("--pp-size") + 1]
+            assert re.fullmatch(rf"\$\{{{prefix}TP_SIZE:-\d+\}}", tp), (name, tp)
+            assert pp == f"${{{prefix}PP_SIZE:-1}}", (name, pp)
+
+
+def test_buckets_compose_matches_up_buckets() -> None:
+    """The buckets file: engines of two buckets on one shared store with the unified key
+    scheme, and a router that knows both buckets and their lengths."""
+    from router.__main__ import build_parser as router_parser
+    from router.__main__ import config_from_args
+    from router.buckets import Bucket
+
+    (path,) = [p for p in COMPOSE_FILES if p.name == "docker-compose.buckets.yml"]
+    engines = {
+        argv[argv.index("--bucket") + 1]: argv
+        for _, module, argv in python_services(path)
+        if module == "services.engine"
+    }
+    assert sorted(engines) == ["long", "short"]
+    for argv in engines.values():
+        assert argv[argv.index("--hicache-storage-key-scheme") + 1] == "unified"
+        assert argv[argv.index("--hicache-storage-dir") + 1] == "/var/cache/hicache"
+    svc = services(path)
+    assert all("kv-store:/var/cache/hicache" in svc[n]["volumes"] for n in ("short-0", "long-0"))
+    (router_argv,) = [a for _, m, a in python_services(path) if m == "router"]
+    config = config_from_args(router_parser().parse_args(router_argv))
+    assert config.buckets == (Bucket("short", 4096), Bucket("long"))
 
 
 def test_dockerfile_copies_every_package() -> None:

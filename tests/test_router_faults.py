@@ -352,15 +352,19 @@ async def test_sglang_metrics_per_engine_and_histograms_move(
         queued = samples(text, "sglang:num_queue_reqs")
         usage = samples(text, "sglang:token_usage")
         for e in (a, b):
-            key = f'{{engine_id="{e.engine_id}",model_name="tiny-test"}}'
+            key = f'{{bucket="default",engine_id="{e.engine_id}",model_name="tiny-test"}}'
             assert running[key] == 0
             assert key in samples(text, "sglang:cache_hit_rate")
             assert key in samples(text, "hicache_engine_cache_loads_total")
-        assert queued[f'{{engine_id="{a.engine_id}",model_name="tiny-test"}}'] == 3
-        assert usage[f'{{engine_id="{a.engine_id}",model_name="tiny-test"}}'] == 0.25
+        assert queued[f'{{bucket="default",engine_id="{a.engine_id}",model_name="tiny-test"}}'] == 3
+        assert (
+            usage[f'{{bucket="default",engine_id="{a.engine_id}",model_name="tiny-test"}}'] == 0.25
+        )
         evicted = samples(text, "hicache_engine_evicted_device_pages_total")
-        assert evicted[f'{{engine_id="{a.engine_id}",model_name="tiny-test"}}'] == 7
-        assert f'{{engine_id="{b.engine_id}",model_name="tiny-test"}}' in samples(
+        assert (
+            evicted[f'{{bucket="default",engine_id="{a.engine_id}",model_name="tiny-test"}}'] == 7
+        )
+        assert f'{{bucket="default",engine_id="{b.engine_id}",model_name="tiny-test"}}' in samples(
             text, "hicache_engine_evicted_host_pages_total"
         )
         e2e = 'sglang:e2e_request_latency_seconds_count{model_name="tiny-test"}'

@@ -319,3 +319,60 @@ async def test_every_sampling_parameter_reaches_the_engine(
         status, out = await post(mesh, "/v1/completions", {"prompt": [76], "stop_token_ids": [77]})
         assert out["choices"][0]["token_ids"] == [77]
         assert out["choices"][0]["finish_reason"] == "stop"
+
+
+# ------------------------------------------------------------------ buckets
+
+
+async def test_buckets_by_length_with_fallback(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """Two buckets: prompt + max_tokens up to 64 go to `short`, longer to `long`; `long`'s
+    engine has another context length (another card, the same speech) and still serves;
+    with `short` gone, short prompts go to `long` too."""
+    from router.buckets import Bucket
+
+    buckets = (Bucket("long"), Bucket("short", 64))
+    async with running_mesh(nats_server.url, redis_server.url, 1, buckets=buckets) as mesh:
+        (default,) = mesh.engines
+        default.silent = True  # its bucket ("default") is not one of the router's
+        short = FakeEngine("bk-short", nats_server.url, bucket="short", context_len=256)
+        long = FakeEngine("bk-long", nats_server.url, bucket="long", context_len=2048)
+        for e in (short, long):
+            await e.start()
+        try:
+            await mesh.wait_for_ready(["bk-short", "bk-long"])
+            status, _ = await post(mesh, "/v1/completions", {"prompt": [1] * 40, "max_tokens": 8})
+            assert status == 200 and len(short.received) == 1 and not long.received
+            body = {"prompt": [1] * 60, "max_tokens": 8}  # 68 > 64: the long bucket
+            status, out = await post(mesh, "/v1/completions", body)
+            assert status == 200 and len(long.received) == 1, out
+            body = {"prompt": [1] * 300, "max_tokens": 8}  # beyond short's context too
+            status, out = await post(mesh, "/v1/completions", body)
+            assert status == 200 and len(long.received) == 2, out
+            short.silent = True
+            await mesh.wait_for_ready(["bk-long"], timeout_s=5)
+            status, _ = await post(mesh, "/v1/completions", {"prompt": [1] * 10, "max_tokens": 4})
+            assert status == 200 and len(long.received) == 3  # fell back to the larger bucket
+            text = await (await mesh.client.get("/metrics")).text()
+            assert 'hicache_router_bucket_requests_total{bucket="short"} 1.0' in text
+            assert 'hicache_router_bucket_requests_total{bucket="long"} 3.0' in text
+        finally:
+            for e in (short, long):
+                await e.stop()
+
+
+def test_bucket_flags_parse_and_order() -> None:
+    from router.__main__ import build_parser, config_from_args
+    from router.buckets import Bucket, parse_bucket
+
+    argv = ["--bucket", "long", "--bucket", "short:tp=1,pp=1,max_len=4096"]
+    config = config_from_args(build_parser().parse_args(argv))
+    assert config.buckets == (Bucket("short", 4096), Bucket("long"))
+    for bad in ("", "a b", "x:max_len=0", "x:max_len=abc", "x:oops"):
+        with pytest.raises(ValueError):
+            parse_bucket(bad)
+    with pytest.raises(ValueError, match="unique"):
+        config_from_args(build_parser().parse_args(["--bucket", "a", "--bucket", "a:max_len=3"]))
+    with pytest.raises(ValueError, match="unbounded"):
+        config_from_args(build_parser().parse_args(["--bucket", "a", "--bucket", "b"]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import signal
 import socket
@@ -25,6 +26,7 @@ from pathlib import Path
 from types import FrameType
 
 from services.engine.flags import add_engine_args, engine_argv
+from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
 from services.launch.servers import free_port, nats_argv, redis_argv, wait_for_port
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
 
@@ -51,7 +53,21 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="device KV pool of decode engines (default: --max-total-tokens)",
     )
-    parser.add_argument("--bucket", default="default")
+    parser.add_argument(
+        "--bucket",
+        action="append",
+        metavar="NAME[:tp=N,pp=N,max_len=N,engines=N]",
+        help="an engine bucket with its own parallel layout, serving prompt + max_tokens up "
+        "to max_len (repeat for several; services/launch/buckets.py); default: one bucket "
+        "'default' of --engines engines",
+    )
+    parser.add_argument(
+        "--buckets-file",
+        type=Path,
+        default=None,
+        metavar="FILE.toml",
+        help="the buckets as [[bucket]] tables (name, tp, pp, max_len, engines)",
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--record", default=None, help="record traffic as JSON lines")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
@@ -97,6 +113,14 @@ class Mesh:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        declared = [parse_bucket(b) for b in args.bucket or []]
+        if args.buckets_file is not None:
+            declared += load_buckets(args.buckets_file)
+        check(declared)
+        if declared and args.pd:
+            raise ValueError("--pd with buckets is not supported yet: give one or the other")
+        self.declared = bool(declared)  # else one bucket "default" of the shared flags
+        self.buckets = declared or [LaunchBucket("default")]
         self.workdir = tempfile.TemporaryDirectory(prefix="hicache-mesh-")
         self.supervisor = Supervisor(
             RestartPolicy(initial_s=args.restart_backoff), args.status_file
@@ -120,7 +144,7 @@ class Mesh:
             )
         )
         for name, extra in self._engines():
-            argv = [py, "-m", "services.engine", "--engine-id", name, "--bucket", a.bucket]
+            argv = [py, "-m", "services.engine", "--engine-id", name]
             argv += ["--nats-url", nats_url, "--heartbeat-interval", str(a.heartbeat_interval)]
             self.supervisor.start(ChildSpec(name, argv + engine_argv(a) + extra, SERVICE_TIER))
         self.supervisor.start(
@@ -146,7 +170,9 @@ class Mesh:
     def _router_argv(self, nats_url: str, redis_url: str) -> list[str]:
         a = self.args
         argv = [sys.executable, "-m", "router", "--host", a.host, "--port", str(a.port)]
-        argv += ["--nats-url", nats_url, "--redis-url", redis_url, "--bucket", a.bucket]
+        argv += ["--nats-url", nats_url, "--redis-url", redis_url]
+        for bucket in self.buckets:
+            argv += ["--bucket", bucket.router_spec()]
         if a.api_key:
             argv += ["--api-key", a.api_key]
         if a.record:
@@ -156,6 +182,14 @@ class Mesh:
     def _engines(self) -> list[tuple[str, list[str]]]:
         """(engine id, flags beyond the shared engine flags) of every engine to start."""
         a = self.args
+        if self.declared:
+            out = []
+            for b in self.buckets:
+                flags = ["--bucket", b.name]
+                flags += [] if b.tp is None else ["--tp-size", str(b.tp)]
+                flags += [] if b.pp is None else ["--pp-size", str(b.pp)]
+                out += [(f"{b.name}-{i}", flags) for i in range(b.engines or a.engines)]
+            return out
         if not a.pd:
             return [(f"engine-{i}", []) for i in range(a.engines)]
         decode = ["--disaggregation-mode", "decode"]
@@ -167,8 +201,10 @@ class Mesh:
         ]
 
     def _wait_healthy(self, url: str, timeout_s: float, stopping: Callable[[], bool]) -> None:
-        """Return once /health is 200. A child dying during startup is a configuration
-        error, not a fault to heal: raise with its name and exit code."""
+        """Return once /health is 200 and lists every engine as ready (every bucket can
+        serve). A child dying during startup is a configuration error, not a fault to
+        heal: raise with its name and exit code."""
+        engines = {name for name, _ in self._engines()}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not stopping():
             for child in self.supervisor.exited():
@@ -179,7 +215,8 @@ class Mesh:
                 contextlib.suppress(urllib.error.URLError, ConnectionError, OSError),
                 urllib.request.urlopen(f"{url}/health", timeout=1) as resp,
             ):
-                if resp.status == 200:
+                ready = set(json.loads(resp.read()).get("ready_engines", []))
+                if resp.status == 200 and engines <= ready:
                     return
             time.sleep(0.2)
         if stopping():
@@ -200,7 +237,11 @@ def run_up(args: argparse.Namespace) -> int:
     except PortInUseError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    mesh = Mesh(args)
+    try:
+        mesh = Mesh(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
