@@ -530,7 +530,7 @@ async def _flush_one(app: web.Application, engine_id: str) -> dict[str, Any]:
 
 
 async def stats(request: web.Request) -> web.Response:
-    """Every live engine's cache statistics (extension)."""
+    """Every live engine's cache statistics (extension), and their sums per bucket."""
     engines = [e.engine_id for e in request.app[keys.TABLE].live()]
     replies = await asyncio.gather(
         *(_ask(request.app, subjects.engine_stats(e), StatsRequest().encode()) for e in engines)
@@ -545,7 +545,15 @@ async def stats(request: web.Request) -> web.Response:
             out[engine_id] = {"bucket": reply.bucket, "epoch": reply.epoch, "stats": reply.stats}
         except SchemaError as e:
             out[engine_id] = {"error": _error_text(data, e)}
-    return json_response({"engines": out})
+    buckets: dict[str, dict[str, Any]] = {}
+    for engine_id, entry in out.items():
+        if "stats" not in entry:
+            continue
+        b = buckets.setdefault(entry["bucket"], {"engines": [], "stats": {}})
+        b["engines"].append(engine_id)
+        for key, value in entry["stats"].items():
+            b["stats"][key] = b["stats"].get(key, 0) + value
+    return json_response({"engines": out, "buckets": buckets})
 
 
 async def _ask(app: web.Application, subject: str, payload: bytes) -> bytes | str:

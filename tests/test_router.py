@@ -597,8 +597,13 @@ async def test_flush_fans_out_and_stats(
         assert body["results"][b.engine_id]["success"] is False
         assert body["results"][a.engine_id]["success"] is True
         r = await mesh.client.get("/stats")
-        stats = (await r.json())["engines"]
+        body = await r.json()
+        stats = body["engines"]
         assert stats[a.engine_id]["stats"] == {"device_pages": 7}
+        # per bucket: the sums of its engines' figures (both fakes are in "default")
+        default = body["buckets"]["default"]
+        assert sorted(default["engines"]) == sorted([a.engine_id, b.engine_id])
+        assert default["stats"] == {"device_pages": 14}
         b.mute_generate = True
         b.silent = True  # still in the table for 3 heartbeat intervals: no answer -> 503
         r = await mesh.client.post("/flush_cache")
