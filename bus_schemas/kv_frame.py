@@ -1,18 +1,19 @@
 """KV chunks on the bus: a binary frame with a small fixed header, then the KV bytes.
 
 Header (little-endian, 80 bytes):
-    magic b"HKV1" | request_id (32 bytes, ASCII, NUL-padded) | seq u32 | token_start u32 |
+    magic b"HKV2" | request_id (32 bytes, ASCII, NUL-padded) | seq u32 | token_start u32 |
     token_end u32 | first_token i32 (-1 unless last) | last u8 | pad 3 | prefill_cached_device
     u32 | prefill_cached_host u32 | payload_len u32 | crc32 u32 | rank u16 | world_size u16 |
-    reserved 4
-The payload holds KV of tokens `[token_start, token_end)` in whole pages, laid out
-`(pages, layer, K/V, token_in_page, kv_head, head_dim)` in the engines' KV dtype; the last
-page of a request may be partly filled. Both ends know the shapes from the namespace they
-share. The receiver checks `crc32` before writing anything.
+    tp_size u16 | reserved 2
+The payload holds KV of tokens `[token_start, token_end)` in whole pages, in the unified
+object order with one KV head per group (DESIGN.md 5): `(pages, kv_head, layer, K/V,
+token_in_page, head_dim)` of the sending rank's heads and layers, in the engines' KV dtype;
+the last page of a request may be partly filled. Both ends know the model's shapes from the
+namespace they share. The receiver checks `crc32` before writing anything.
 
 A multi-rank prefill engine sends one frame per rank for each chunk: `rank`'s own layers
-and KV heads, for the rank with the same index of a decode engine of the same layout
-(`world_size` ranks; frames of an older sender carry 0 there, read as a world of one).
+and KV heads; `world_size` and `tp_size` give the sender's TP x PP layout, so a decode engine
+of another layout can cut from the frames the heads and layers each of its ranks holds.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 
 from bus_schemas.codec import SchemaError
 
-MAGIC = b"HKV1"
-_HEADER = struct.Struct("<4s32sIIIiB3xIIIIHH4x")
+MAGIC = b"HKV2"
+_HEADER = struct.Struct("<4s32sIIIiB3xIIIIHHH2x")
 HEADER_SIZE = _HEADER.size
 
 
@@ -40,6 +41,7 @@ class KVFrameHeader:
     prefill_cached_host: int = 0
     rank: int = 0  # the sending rank: its shard of the chunk's KV
     world_size: int = 1  # ranks of the sending engine
+    tp_size: int = 1  # of which per pipeline stage (world_size // tp_size stages)
 
     def __post_init__(self) -> None:
         if len(self.request_id.encode()) > 32:
@@ -48,6 +50,12 @@ class KVFrameHeader:
             raise ValueError("token range must satisfy 0 <= start <= end")
         if not 0 <= self.rank < self.world_size <= 0xFFFF:
             raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
+        if self.tp_size < 1 or self.world_size % self.tp_size:
+            raise ValueError(f"tp_size {self.tp_size} does not divide world {self.world_size}")
+
+    @property
+    def pp_size(self) -> int:
+        return self.world_size // self.tp_size
 
 
 def encode_frame(header: KVFrameHeader, payload: bytes | memoryview) -> bytes:
@@ -67,6 +75,7 @@ def encode_frame(header: KVFrameHeader, payload: bytes | memoryview) -> bytes:
             zlib.crc32(body),
             header.rank,
             header.world_size,
+            header.tp_size,
         )
         + body
     )
@@ -90,6 +99,7 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
         crc,
         rank,
         world,
+        tp,
     ) = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise SchemaError(f"not a KV frame (magic {magic!r})")
@@ -110,6 +120,7 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
             cached_host,
             rank,
             world or 1,
+            tp or 1,
         )
     except (ValueError, UnicodeDecodeError) as e:
         raise SchemaError(f"bad KV frame header: {e}") from None

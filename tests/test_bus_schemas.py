@@ -197,15 +197,21 @@ def test_model_card_digest_and_tokenizer_kinds() -> None:
         ModelCard("t", "tiny", "spm", "", None, [257], 256, 8192, 260)
 
 
-def test_kv_frame_carries_its_rank() -> None:
-    header = KVFrameHeader("r", 0, 0, 8, rank=3, world_size=4)
+def test_kv_frame_carries_its_rank_and_layout() -> None:
+    header = KVFrameHeader("r", 0, 0, 8, rank=3, world_size=4, tp_size=2)
     got, _ = decode_frame(encode_frame(header, b"kv"))
-    assert (got.rank, got.world_size) == (3, 4)
-    old = bytearray(encode_frame(KVFrameHeader("r", 0, 0, 8), b"kv"))
-    old[72:76] = b"\0\0\0\0"  # a sender from before ranks: zeros read as a world of one
-    assert decode_frame(bytes(old))[0].world_size == 1
+    assert (got.rank, got.world_size, got.tp_size, got.pp_size) == (3, 4, 2, 2)
+    zeros = bytearray(encode_frame(KVFrameHeader("r", 0, 0, 8), b"kv"))
+    zeros[72:78] = bytes(6)  # zeros read as a world of one
+    assert decode_frame(bytes(zeros))[0].world_size == 1
     with pytest.raises(ValueError, match="not in a world"):
         KVFrameHeader("r", 0, 0, 8, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="does not divide"):
+        KVFrameHeader("r", 0, 0, 8, rank=0, world_size=4, tp_size=3)
+    older = bytearray(encode_frame(header, b"kv"))
+    older[:4] = b"HKV1"  # the previous payload order: refused, never misread
+    with pytest.raises(SchemaError, match="magic"):
+        decode_frame(bytes(older))
 
 
 def all_message_classes() -> set[type[Message]]:

@@ -1,11 +1,13 @@
-"""P/D between multi-rank engines of the same layout (issue 8, point 8).
+"""P/D between multi-rank engines over the bus (issue 8, point 8; issue 10 across layouts).
 
 A TP2 prefill engine and a TP2 decode engine (each a world of 2 rank processes) over a real
 nats-server, the test playing the router as in `test_pd_service.py`. Prefill packs its KV
 past `decode_prefix_len` on every rank, rank 0 collects the shards and sends one frame per
 rank for each chunk; decode's rank 0 hands each chunk to its ranks once every rank's frame
 of it came. Outputs equal a cold TP1 run, only the suffix moves, and the second turn reuses
-decode's own cache. A prefill of another layout is refused with a clear error.
+decode's own cache. A TP1 prefill feeds the TP2 decode engine too, and the TP2 prefill a
+TP1 decode engine: decode cuts its ranks' heads and layers from the frames
+(`tests/test_pd_layouts.py` checks the logits of every such pairing at the engine level).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def engines(nats_server: ServerProcess) -> Iterator[dict[str, subprocess.Popen[b
             "--enable-hierarchical-cache",
         ),
         "tp1-prefill": spawn(url, "tp1-prefill", "--disaggregation-mode", "prefill"),
+        "tp1-decode": spawn(
+            url,
+            "tp1-decode",
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-decode-enable-radix-cache",
+        ),
     }
     yield procs
     for proc in procs.values():
@@ -71,12 +80,19 @@ async def test_tp2_prefill_to_tp2_decode_equals_tp1(
     assert s["cached_tokens_device"] == 40  # turn 2 reused decode's own cache
 
 
-async def test_prefill_of_another_layout_is_refused(
-    engines: dict[str, subprocess.Popen[bytes]], nc: NATS
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [("tp1-prefill", "tp2-decode"), ("tp2-prefill", "tp1-decode")]
+)
+async def test_prefill_and_decode_of_other_layouts(
+    engines: dict[str, subprocess.Popen[bytes]], nc: NATS, prefill: str, decode: str
 ) -> None:
-    await wait_engines(nc, {"tp1-prefill", "tp2-decode"})
-    prompt = list(range(1, 30))
-    _, chunks = await pd_generate(nc, "tp1-prefill", "tp2-decode", prompt, 3, timeout_s=3)
-    last = chunks[-1]
-    assert last.error and last.error_code == 503
-    assert "same TP x PP layout" in last.error, last.error
+    await wait_engines(nc, {prefill, decode})
+    base = 3 if prefill == "tp1-prefill" else 5  # each pairing its own conversation
+    turn1 = [(base * i + 1) % 256 for i in range(29)]
+    turn2 = [*turn1, *range(200, 211)]
+    for turn, prompt in enumerate((turn1, turn2)):
+        reply, chunks = await pd_generate(nc, prefill, decode, prompt, 5)
+        assert chunks[-1].error is None, chunks[-1].error
+        assert [t for c in chunks for t in c.token_ids] == cold(prompt, 5)
+        assert chunks[0].transferred_tokens == len(prompt) - reply.decode_prefix_len
+        assert reply.decode_prefix_len == (0 if turn == 0 else 28)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.request import Req
 
 
@@ -36,9 +37,11 @@ class Flush:
 
 @dataclass(slots=True)
 class WriteKV:
-    """P/D decode: KV of tokens [token_start, token_end) for request `rid`, in page_first
-    order. `payloads[r]` is world rank r's shard (its layers and KV heads); every rank writes
-    its own. Rank 0 collects the shards in `parts` until all arrived (not sent on)."""
+    """P/D decode: KV of tokens [token_start, token_end) for request `rid`, in the unified
+    order with one KV head per group. `payloads[r]` is this engine's world rank r's shard
+    (its layers and KV heads); every rank writes its own. Rank 0 collects the sending
+    engine's shards in `parts` until all arrived and cuts them for its own ranks (not sent
+    on)."""
 
     rid: int
     token_start: int
@@ -46,6 +49,7 @@ class WriteKV:
     payloads: tuple[bytes, ...]
     first_token: int | None
     parts: dict[int, bytes] = field(default_factory=dict)  # rank 0 only: shards so far
+    sender: ParallelConfig | None = None  # rank 0 only: the sending engine's layout
     applied: bool = False  # result: the step that wrote it ran
     error: str | None = None  # result: why the chunk did not fit the request
     written: int = 0  # result: bytes written on rank 0

@@ -184,11 +184,11 @@ class Engine:
             head_partition=cc.storage_head_partition,
         )
         model_shard = ModelShard.of(mc, par, groups.rank)
-        heads_per_rank = mc.num_kv_heads // par.tp_size
+        heads = model_shard.kv_heads(mc)
         cells = shard_cells(
             namespace,
             (model_shard.layers.start, model_shard.layers.stop),
-            (groups.tp_rank * heads_per_rank, (groups.tp_rank + 1) * heads_per_rank),
+            (heads.start, heads.stop),
             groups.tp_rank,
         )
         return StorageLayout(shard, namespace, cells, f"tp{par.tp_size}pp{par.pp_size}")
@@ -292,16 +292,21 @@ class Engine:
         payload: bytes | memoryview,
         first_token: int | None,
         rank: int = 0,
+        sender: ParallelConfig | None = None,
     ) -> WriteKV:
-        """Queue a received KV chunk (page_first bytes of world rank `rank`'s shard) for
-        decode request `rid`. A chunk is written on every rank at the start of the step after
-        all ranks' shards of it arrived; the returned command (one per chunk) then holds the
-        bytes written or why it did not fit (`applied`). A payload of the wrong size, a
-        duplicate shard or an unknown rank raises ValueError now."""
-        world = self.groups.world_size
+        """Queue a received KV chunk for decode request `rid`: world rank `rank`'s shard of
+        it from a prefill engine of layout `sender` (this engine's own when None), in the
+        unified order with one KV head per group. Once every sender rank's shard arrived,
+        the chunk is cut into this engine's ranks' heads and layers (nothing to cut when the
+        layouts are the same) and written on every rank at the start of the next step; the
+        returned command (one per chunk) then holds the bytes written or why it did not fit
+        (`applied`). A payload of the wrong size, a duplicate shard, an unknown rank or a
+        layout that does not split the model raises ValueError now."""
+        sender = sender or self.config.parallel
+        world = sender.world_size
         if not 0 <= rank < world:
-            raise ValueError(f"KV shard of rank {rank}: this engine has {world} ranks")
-        expected = self._shard_kv_bytes(rank, token_start, token_end)
+            raise ValueError(f"KV shard of rank {rank}: the sending engine has {world} ranks")
+        expected = self._shard_kv_bytes(sender, rank, token_start, token_end)
         if token_end <= token_start or len(payload) != expected:
             raise ValueError(
                 f"KV chunk [{token_start}, {token_end}) of rank {rank} has {len(payload)} "
@@ -313,26 +318,66 @@ class Engine:
         cmd = self._partial_kv.get(key)
         if cmd is None:
             cmd = self._partial_kv[key] = WriteKV(rid, token_start, token_end, (), first_token)
+            cmd.sender = sender
+        first = cmd.sender or sender
+        if first != sender:
+            raise ValueError(
+                f"KV chunk [{token_start}, {token_end}) came from TP {sender.tp_size} x PP "
+                f"{sender.pp_size} and TP {first.tp_size} x PP {first.pp_size}"
+            )
         if rank in cmd.parts:
             raise ValueError(f"KV chunk [{token_start}, {token_end}) of rank {rank} came twice")
         cmd.parts[rank] = bytes(payload)
         if first_token is not None:
             cmd.first_token = first_token
         if len(cmd.parts) == world:  # every rank's shard is here: hand it to all ranks
-            cmd.payloads = tuple(cmd.parts.pop(r) for r in range(world))
+            parts = tuple(cmd.parts.pop(r) for r in range(world))
+            cmd.payloads = self._regroup_kv(parts, sender, token_end - token_start)
             del self._partial_kv[key]
             self._commands.append(cmd)
         return cmd
 
-    def _shard_kv_bytes(self, rank: int, token_start: int, token_end: int) -> int:
-        """Bytes of rank `rank`'s page_first shard of tokens [token_start, token_end)."""
-        local = ModelShard.of(self.model_config, self.config.parallel, rank).local_config(
-            self.model_config
-        )
+    def _unified_shape(
+        self, parallel: ParallelConfig, rank: int, num_tokens: int
+    ) -> tuple[int, ...]:
+        """The shape of rank `rank`'s shard of a KV chunk of `num_tokens` tokens in the
+        unified order with one head per group: (pages, its KV heads, its layers, K/V, token
+        in page, 1, head_dim)."""
+        local = ModelShard.of(self.model_config, parallel, rank).local_config(self.model_config)
         ps = self.kv_spec.page_size
-        num_pages = -(-(token_end - token_start) // ps)
-        elem = torch.empty((), dtype=self.kv_spec.dtype).element_size()
-        return num_pages * local.num_layers * 2 * ps * local.num_kv_heads * local.head_dim * elem
+        pages = -(-num_tokens // ps)
+        return (pages, local.num_kv_heads, local.num_layers, 2, ps, 1, local.head_dim)
+
+    def _shard_kv_bytes(
+        self, parallel: ParallelConfig, rank: int, token_start: int, token_end: int
+    ) -> int:
+        """Bytes of rank `rank`'s shard (of an engine of layout `parallel`) of the KV of
+        tokens [token_start, token_end)."""
+        shape = self._unified_shape(parallel, rank, token_end - token_start)
+        return math.prod(shape) * torch.empty((), dtype=self.kv_spec.dtype).element_size()
+
+    def _regroup_kv(
+        self, parts: tuple[bytes, ...], sender: ParallelConfig, num_tokens: int
+    ) -> tuple[bytes, ...]:
+        """The sender ranks' shards of a chunk, cut into this engine's ranks' shards: the
+        whole chunk's (pages, KV heads, layers, ...) is assembled from the sender's head and
+        layer ranges, then each own rank takes its own ranges."""
+        own = self.config.parallel
+        if sender == own:
+            return parts
+        dtype = self.kv_spec.dtype
+        shards = [ModelShard.of(self.model_config, sender, r) for r in range(len(parts))]
+        whole = torch.empty(self._unified_shape(ParallelConfig(), 0, num_tokens), dtype=dtype)
+        for r, (part, shard) in enumerate(zip(parts, shards, strict=True)):
+            heads, layers = _slice(shard.kv_heads(self.model_config)), _slice(shard.layers)
+            piece = torch.frombuffer(bytearray(part), dtype=dtype)
+            whole[:, heads, layers] = piece.view(self._unified_shape(sender, r, num_tokens))
+        out = []
+        for r in range(own.world_size):
+            shard = ModelShard.of(self.model_config, own, r)
+            mine = whole[:, _slice(shard.kv_heads(self.model_config)), _slice(shard.layers)]
+            out.append(mine.contiguous().numpy().tobytes())
+        return tuple(out)
 
     def _write_kv(self, cmd: WriteKV) -> None:
         cmd.applied = True
@@ -340,11 +385,11 @@ class Engine:
         if req is None or req.remote is None:
             cmd.error = f"no P/D decode request {cmd.rid} is waiting for KV"
             return
-        spec, ps = self.kv_spec, self.kv_spec.page_size
         payload = cmd.payloads[self.rank]
-        num_pages = -(-(cmd.token_end - cmd.token_start) // ps)
-        shape = (num_pages, spec.num_layers, 2, ps, spec.num_kv_heads, spec.head_dim)
-        staging = torch.frombuffer(bytearray(payload), dtype=spec.dtype).view(shape)
+        shape = self._unified_shape(
+            self.config.parallel, self.rank, cmd.token_end - cmd.token_start
+        )
+        staging = torch.frombuffer(bytearray(payload), dtype=self.kv_spec.dtype).view(shape)
         try:
             self.scheduler.write_remote_kv(req, cmd.token_start, cmd.token_end, staging)
         except ValueError as e:
@@ -580,6 +625,10 @@ class Engine:
             self.consensus.close()
             consensus.attach(None)
         self.cache.close()
+
+
+def _slice(r: range) -> slice:
+    return slice(r.start, r.stop)
 
 
 def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:

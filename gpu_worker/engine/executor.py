@@ -142,8 +142,8 @@ class ModelExecutor:
             )
 
     def collect_export(self, staging: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """P/D prefill: this rank's packed KV (num_pages, layers, 2, page, heads, head_dim)
-        of a finished request; rank 0 gets every rank's, in rank order (the others send
+        """P/D prefill: this rank's packed KV of a finished request in the unified order,
+        (num_pages, its KV heads, its layers, 2, page, 1, head_dim); rank 0 gets every rank's, in rank order (the others send
         theirs to it and get only their own back). Every rank calls it at the same logical
         point: when the request finishes."""
         g = self.groups
@@ -156,8 +156,9 @@ class ModelExecutor:
         out = [staging]
         for rank in range(1, g.world_size):
             shard = ModelShard.of(whole, g.config, rank).local_config(whole)
-            shape = (staging.shape[0], shard.num_layers, 2, staging.shape[3])
-            part = torch.empty((*shape, shard.num_kv_heads, shard.head_dim), dtype=staging.dtype)
+            pages, page = staging.shape[0], staging.shape[4]
+            shape = (pages, shard.num_kv_heads, shard.num_layers, 2, page, 1, shard.head_dim)
+            part = torch.empty(shape, dtype=staging.dtype)
             dist.recv(part, rank, group=g.cpu_world, tag=TAG_EXPORT)
             out.append(part)
         return tuple(out)

@@ -56,6 +56,11 @@ class ModelShard:
     def whole(self) -> bool:
         return self.tp_size == 1 and self.first_stage and self.last_stage
 
+    def kv_heads(self, config: ModelConfig) -> range:
+        """The global KV heads this rank holds (whole GQA groups, in TP order)."""
+        per = config.num_kv_heads // self.tp_size
+        return range(self.tp_rank * per, (self.tp_rank + 1) * per)
+
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The shard's own sizes: its heads, its MLP width, its layers."""
         n = self.tp_size

@@ -62,14 +62,23 @@ class RemoteKV:
 class KVExport:
     """P/D prefill side: KV of tokens [token_start, token_end) packed for the wire.
 
-    `stagings[r]` is world rank r's shard, (num_pages, its num_layers, 2, page_size, its
-    num_kv_heads, head_dim), page_first; rank 0 holds every rank's (a world of one: one).
+    `stagings[r]` is world rank r's shard in the unified object order with one KV head per
+    group, (num_pages, its num_kv_heads, its num_layers, 2, page_size, 1, head_dim); rank 0
+    holds every rank's (a world of one: one).
     """
 
     stagings: tuple[torch.Tensor, ...]
     token_start: int
     token_end: int
     first_token: int
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.staging.shape[0])
+
+    @property
+    def page_size(self) -> int:
+        return int(self.staging.shape[4])
 
     @property
     def staging(self) -> torch.Tensor:

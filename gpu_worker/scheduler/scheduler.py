@@ -31,7 +31,8 @@ from bus_schemas.token_ids import TokenIds
 from gpu_worker.cache.hicache import PrefixCache
 from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.engine.executor import ModelExecutor, SampleSpec
-from gpu_worker.kernels.page_transfer import PageView, transfer_pages
+from gpu_worker.kernels.moves import move_pages
+from gpu_worker.kernels.relayout import RunView
 from gpu_worker.model.forward_batch import ForwardBatch
 from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState
 
@@ -365,8 +366,10 @@ class Scheduler:
         req.page_ids, req.last_node = [], None
 
     def _pack_export(self, req: Req) -> KVExport:
-        """P/D prefill: pack the prompt's KV from `export_from` into a page_first staging
-        buffer with the page-transfer kernel (the wire sends it; this request's pages can go)."""
+        """P/D prefill: pack the prompt's KV from `export_from` into a staging buffer in the
+        unified order, one KV head per group, with the relayout kernel (the wire sends it,
+        and a decode engine of any TP x PP layout cuts its ranks' heads and layers from it;
+        this request's pages can go)."""
         assert req.export_from is not None
         ps = self.cache.page_size
         first_page = req.export_from // ps
@@ -374,13 +377,13 @@ class Scheduler:
         src = req.page_ids[first_page:last_page]
         spec = self.cache.spec
         staging = torch.empty(
-            (len(src), spec.num_layers, 2, ps, spec.num_kv_heads, spec.head_dim),
+            (len(src), spec.num_kv_heads, spec.num_layers, 2, ps, 1, spec.head_dim),
             dtype=spec.dtype,
             device=self.device,
         )
-        transfer_pages(
-            self.cache.device_pool.page_view(),
-            PageView.page_first(staging),
+        move_pages(
+            self.cache.device_pool.run_view(1),
+            RunView.unified(staging),
             torch.tensor(src, dtype=torch.int64, device=self.device),
             torch.arange(len(src), dtype=torch.int64, device=self.device),
         )
@@ -391,7 +394,8 @@ class Scheduler:
         self, req: Req, token_start: int, token_end: int, staging: torch.Tensor
     ) -> None:
         """P/D decode: write received KV of tokens [token_start, token_end) into the pages this
-        request reserved. `staging` is page_first, its first page at `token_start` (aligned)."""
+        request reserved. `staging` is this rank's heads and layers in the unified order, one
+        head per group (`_pack_export`), its first page at `token_start` (aligned)."""
         remote, ps = req.remote, self.cache.page_size
         if remote is None or req.state not in (ReqState.LOADING, ReqState.RECEIVING):
             raise ValueError(f"request {req.rid} is not waiting for KV")
@@ -404,9 +408,9 @@ class Scheduler:
         if token_start % ps or num_pages != -(-(token_end - token_start) // ps):
             raise ValueError("KV chunk pages do not match its token range")
         dst = req.page_ids[token_start // ps : token_start // ps + num_pages]
-        transfer_pages(
-            PageView.page_first(staging.to(self.device)),
-            self.cache.device_pool.page_view(),
+        move_pages(
+            RunView.unified(staging.to(self.device)),
+            self.cache.device_pool.run_view(1),
             torch.arange(num_pages, dtype=torch.int64, device=self.device),
             torch.tensor(dst, dtype=torch.int64, device=self.device),
         )

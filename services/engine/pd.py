@@ -33,6 +33,7 @@ from bus_schemas import (
 from bus_schemas import subjects as subj
 from bus_schemas.kv_frame import KVFrameHeader, decode_frame, encode_frame, peek_ids
 from gpu_worker.engine.engine import InvalidRequestError
+from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.request import CachedTokens, KVExport
 from services.engine.runner import Admission, EngineCrashedError, EngineRunner
 from services.engine.sampling import sampling_params
@@ -82,7 +83,6 @@ class DecodeSide:
         publish: Publish,
         open_stream: Callable[[str, str], None],
         fail_stream: FailStream,
-        world_size: int = 1,
     ) -> None:
         self.engine_id = engine_id
         self.runner = runner
@@ -90,7 +90,6 @@ class DecodeSide:
         self.open_stream = open_stream
         self.fail_stream = fail_stream
         self.transfers: dict[str, DecodeTransfer] = {}
-        self.world_size = world_size
         self._watchdogs = OwnedTasks()
         self._writes = OwnedTasks()  # frames written and ACKed in the background
 
@@ -163,13 +162,6 @@ class DecodeSide:
         if transfer is None:
             await self._ack(msg, header.request_id, header.seq, False, "unknown request")
             return
-        if header.world_size != self.world_size:
-            why = (
-                f"the prefill engine has {header.world_size} ranks, this decode engine "
-                f"{self.world_size}: P/D needs the same TP x PP layout on both sides"
-            )
-            await self._ack(msg, header.request_id, header.seq, False, why)
-            return
         transfer.last_frame = asyncio.get_running_loop().time()
         transfer.prefill_engine_id = subj.engine_of(msg.reply or "")
         if header.last:  # before the write: the first token may go out right after it
@@ -177,8 +169,15 @@ class DecodeSide:
                 header.prefill_cached_device, header.prefill_cached_host
             )
         first = header.first_token if header.last else None
+        sender = ParallelConfig(header.tp_size, header.pp_size)  # any layout: cut on write
         written = self.runner.write_kv(
-            header.request_id, header.token_start, header.token_end, payload, first, header.rank
+            header.request_id,
+            header.token_start,
+            header.token_end,
+            payload,
+            first,
+            header.rank,
+            sender,
         )
         # ACKed once written, off this callback: NATS delivers a subscription's messages one
         # at a time, and a multi-rank chunk is written only when its other ranks' frames came
@@ -239,8 +238,10 @@ class PrefillSide:
         open_stream: Callable[[str, str], None],
         fail_stream: FailStream,
         close_stream: Callable[[str], None],
+        tp_size: int = 1,
     ) -> None:
         self.engine_id = engine_id
+        self.tp_size = tp_size  # of this engine: its frames carry it (world = its stagings)
         self.runner = runner
         self.publish = publish
         self.config = config
@@ -299,10 +300,10 @@ class PrefillSide:
         self._senders.spawn(self._send(job, export, cached), f"kv-send-{request_id}")
 
     def _frames(self, rid: str, export: KVExport, cached: CachedTokens) -> list[bytes]:
-        """Chunk by chunk, one frame per rank (each rank's shard for its decode peer)."""
+        """Chunk by chunk, one frame per rank (each rank's heads and layers of the chunk; a
+        decode engine of any layout cuts its ranks' shards from them)."""
         per, world = self.config.chunk_pages, len(export.stagings)
-        ps = export.staging.shape[3]
-        num_pages = export.staging.shape[0]
+        ps, num_pages = export.page_size, export.num_pages
         frames: list[bytes] = []
         for lo in range(0, num_pages, per):
             hi = min(lo + per, num_pages)
@@ -319,6 +320,7 @@ class PrefillSide:
                     cached.host,
                     rank,
                     world,
+                    self.tp_size,
                 )
                 payload = staging[lo:hi].contiguous().numpy().tobytes()
                 frames.append(encode_frame(header, payload))

@@ -37,6 +37,7 @@ from gpu_worker.engine.commands import WriteKV
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.engine.rank import RankProcesses, launch_engine
 from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.request import CachedTokens, KVExport, Req
 
 log = logging.getLogger(__name__)
@@ -219,10 +220,12 @@ class EngineRunner:
         payload: memoryview,
         first_token: int | None,
         rank: int = 0,
+        sender: ParallelConfig | None = None,
     ) -> Future[int]:
-        """P/D decode: write world rank `rank`'s shard of a received KV chunk (at the step
-        after every rank's shard of it came); the future gives this shard's bytes, or fails
-        with ValueError if the chunk does not fit the request."""
+        """P/D decode: write world rank `rank`'s shard of a received KV chunk from a prefill
+        engine of layout `sender` (at the step after every rank's shard of it came); the
+        future gives this shard's bytes, or fails with ValueError if the chunk does not fit
+        the request."""
         done: Future[int] = Future()
 
         def command() -> None:
@@ -231,7 +234,9 @@ class EngineRunner:
             try:
                 if rid is None:
                     raise ValueError(f"unknown request {request_id}")
-                cmd = self.engine.write_kv(rid, token_start, token_end, payload, first_token, rank)
+                cmd = self.engine.write_kv(
+                    rid, token_start, token_end, payload, first_token, rank, sender
+                )
             except ValueError as e:
                 done.set_exception(e)
                 return

@@ -203,7 +203,6 @@ class EngineService:
                 self._publish_raw,
                 self._open_stream,
                 self._fail_stream,
-                self.engine_config.parallel.world_size,
             )
             return [
                 await nc.subscribe(subj.engine_decode_admit(eid), cb=self._decode.on_admit),
@@ -218,6 +217,7 @@ class EngineService:
                 self._open_stream,
                 self._fail_stream,
                 self._close_stream,
+                self.engine_config.parallel.tp_size,
             )
             return [
                 await nc.subscribe(subj.engine_prefill(eid), cb=self._prefill.on_prefill),
