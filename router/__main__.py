@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -45,7 +46,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("HICACHE_ROUTER_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $HICACHE_ROUTER_API_KEY)",
     )
-    p.add_argument("--record", metavar="FILE", default=None, help="JSON lines per request")
+    p.add_argument(
+        "--record",
+        metavar="FILE",
+        default=None,
+        help="append the traffic as JSON lines, one per request (docs/recording.md)",
+    )
+    p.add_argument(
+        "--record-redact", action="store_true", help="records keep token ids and drop text"
+    )
+    p.add_argument(
+        "--record-queue",
+        metavar="N",
+        type=int,
+        default=10_000,
+        help="records waiting for the writer thread; beyond it records are dropped (counted)",
+    )
+    p.add_argument(
+        "--record-meta",
+        metavar="JSON",
+        default="{}",
+        help="what the record header says about the mesh (`hicache-mesh up` sets it)",
+    )
     p.add_argument("--request-timeout", metavar="S", type=float, default=30.0)
     p.add_argument(
         "--bucket",
@@ -84,12 +106,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> RouterConfig:
+def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> RouterConfig:
+    try:
+        meta = json.loads(args.record_meta)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--record-meta is not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise ValueError("--record-meta must be a JSON object")
     return RouterConfig(
         nats_url=args.nats_url,
         redis_url=args.redis_url,
         api_key=args.api_key or None,
         record_path=args.record,
+        record_redact=args.record_redact,
+        record_queue=args.record_queue,
+        record_meta=args.record_meta,
+        router_argv=tuple(sys.argv[1:] if argv is None else argv),
         buckets=tuple(parse_bucket(b) for b in args.bucket or [DEFAULT]),
         request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
@@ -149,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, argv)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

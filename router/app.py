@@ -14,18 +14,20 @@ import logging
 from collections.abc import AsyncIterator
 
 import nats
+import orjson
 from aiohttp import web
 from nats.aio.msg import Msg
 
 from bus_schemas import subjects
 from router import keys
+from router.audit import PredictionAudit
 from router.config import RouterConfig
 from router.engines import EngineTable
 from router.handlers import add_routes, auth_middleware, body_middleware, errors_middleware
 from router.metrics import RouterMetrics
 from router.models import ModelCards
 from router.natsconn import connect_nats
-from router.record import Recorder
+from router.record import Recorder, header
 from router.resp import RespClient
 from router.routing import PrefixIndex, Router
 from router.server import GUARD, ConnectionGuard
@@ -42,6 +44,7 @@ def init(config: RouterConfig) -> web.Application:
     )
     app[keys.CONFIG] = config
     app[keys.METRICS] = RouterMetrics()
+    app[keys.AUDIT] = PredictionAudit()
     app[GUARD] = ConnectionGuard(config.max_connections, app[keys.METRICS])
     app.cleanup_ctx.extend([nats_ctx, engines_ctx, redis_ctx, recorder_ctx])
     add_routes(app)
@@ -131,9 +134,17 @@ async def recorder_ctx(app: web.Application) -> AsyncIterator[None]:
     if path is None:
         yield
         return
-    recorder = Recorder(path)
+    config = app[keys.CONFIG]
+    first_line = header(orjson.loads(config.record_meta), config.router_argv, config.record_redact)
+    recorder = Recorder(
+        path,
+        first_line,
+        redacted=config.record_redact,
+        max_queue=config.record_queue,
+        on_drop=app[keys.METRICS].record_dropped.inc,
+    )
     app[keys.RECORDER] = recorder
     try:
         yield
     finally:
-        recorder.close()
+        await asyncio.to_thread(recorder.close)

@@ -13,7 +13,12 @@ class RouterConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379/0"
     api_key: str | None = None  # when set, every endpoint but /health and /metrics needs it
-    record_path: str | None = None  # JSON lines, one per finished request
+    record_path: str | None = None  # JSON lines, one per request (docs/recording.md)
+    record_redact: bool = False  # records keep token ids, drop text
+    record_queue: int = 10_000  # records waiting for the writer; beyond it they are dropped
+    # the header's description of the mesh (from `up`: model, dtype, page size, flags), JSON
+    record_meta: str = "{}"
+    router_argv: tuple[str, ...] = ()  # this router's own flags (the header records them)
     # the engine buckets, smallest first (router/buckets.py); one unbounded by default
     buckets: tuple[Bucket, ...] = (Bucket(DEFAULT),)
     request_timeout_s: float = 30.0  # longest wait for the first chunk and between chunks
@@ -87,6 +92,8 @@ class RouterConfig:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.page_chain_cache_bytes < 0:
             raise ValueError("page_chain_cache_bytes must be >= 0")
+        if self.record_queue < 1:
+            raise ValueError("record_queue must be >= 1")
         if self.max_stop_strings < 1:
             raise ValueError("max_stop_strings must be >= 1")
         if not self.buckets:

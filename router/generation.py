@@ -80,6 +80,9 @@ class Outcome:
     ttft_s: float | None = None
     queue_s: float | None = None  # arrival until first sent to an engine (routing, lookup)
     route_reason: str = ""
+    # the prompt tokens the index said the chosen engine holds (P/D: the prefill engine);
+    # None when the router did not ask it (one candidate, Redis down)
+    predicted_cached_tokens: int | None = None
     disaggregation: PDInfo | None = None  # set by a P/D request's first chunk
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked, one per output id
 
@@ -220,6 +223,7 @@ class Generation:
             engine_id = choice.engine.engine_id
             self.outcome.engine_id, self.outcome.model = engine_id, choice.engine.model
             self.outcome.route_reason = choice.reason
+            self.outcome.predicted_cached_tokens = choice.predicted_tokens(len(self.spec.input_ids))
             try:
                 async for delta in self._serve(engine_id):
                     yield delta
@@ -265,6 +269,9 @@ class Generation:
             decode, prefill = route[0].engine.engine_id, route[1].engine.engine_id
             self.outcome.engine_id, self.outcome.model = decode, route[0].engine.model
             self.outcome.route_reason = route[0].reason
+            self.outcome.predicted_cached_tokens = route[1].predicted_tokens(
+                len(self.spec.input_ids)
+            )
             # the first attempt's request id is the response's; retries get fresh ones, so
             # KV still in flight for a failed attempt cannot land in the next
             rid = uuid.uuid4().hex if used else self.outcome.request_id

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
+import secrets
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
+import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from nats.errors import Error as NatsError
@@ -31,6 +34,7 @@ from router.errors import ApiError, json_response
 from router.generation import Generation, Timings, no_engine_error
 from router.models import ServedModel
 from router.protocol import (
+    MAX_SEED,
     GenerationSpec,
     check_limits,
     parse_chat,
@@ -152,13 +156,21 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
     app = request.app
     config, metrics = app[keys.CONFIG], app[keys.METRICS]
     timings, time_s = Timings(time.perf_counter()), time.time()
-    body = await read_json(request)
-    model = _served_model(app, body)
-    spec = parse(body, model, config.max_stop_strings)
-    choices = _choices(app, spec, model, timings)
-    timings.parse_s = time.perf_counter() - timings.arrived
-    recorder = app.get(keys.RECORDER)
+    body: Any = None
+    spec: GenerationSpec | None = None
+    choices: Choices | None = None
     times = _TokenTimes()
+    try:
+        body = await read_json(request)
+        model = _served_model(app, body)
+        spec = _seeded(parse(body, model, config.max_stop_strings))
+        choices = _choices(app, spec, model, timings)
+    except ApiError as e:
+        if body is None:
+            body = await _raw_body(request)
+        _record(app, time_s, timings, request.path, e.status, body, spec, choices, times, e.message)
+        raise
+    timings.parse_s = time.perf_counter() - timings.arrived
     metrics.inflight.inc()
     try:
         if spec.stream:
@@ -166,16 +178,11 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
         else:
             resp = await _whole(request, choices, times)
     except ApiError as e:
-        if recorder is not None:
-            recorder.write(
-                time_s=time_s,
-                endpoint=request.path,
-                status=e.status,
-                body=body,
-                input_ids=spec.input_ids,
-                outcome=choices.first.outcome,
-                error=e.message,
-            )
+        _record(app, time_s, timings, request.path, e.status, body, spec, choices, times, e.message)
+        raise
+    except Exception:
+        error = "internal error"
+        _record(app, time_s, timings, request.path, 500, body, spec, choices, times, error)
         raise
     finally:
         metrics.inflight.dec()
@@ -185,6 +192,22 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
         _after_response, app, choices, times, request.path, resp.status, time_s, body
     )
     return resp
+
+
+def _seeded(spec: GenerationSpec) -> GenerationSpec:
+    """A sampled request without a seed gets one, so that what it drew can be replayed
+    (`--record` keeps it): the engine draws seeded tokens alike for any seed."""
+    if spec.temperature > 0 and spec.seed is None:
+        return dataclasses.replace(spec, seed=secrets.randbelow(MAX_SEED))
+    return spec
+
+
+async def _raw_body(request: web.Request) -> Any:
+    """For the record of a refused request: the body as JSON if it is JSON, else None."""
+    try:
+        return orjson.loads(await request.read())
+    except Exception:  # not JSON, too large, unreadable: the error says which
+        return None
 
 
 def _after_response(
@@ -198,17 +221,67 @@ def _after_response(
 ) -> None:
     """Metrics and the record of a served request, once its response is on its way."""
     _account(app, choices, times)
+    gen = choices.first
+    _record(app, time_s, gen.timings, endpoint, status, body, gen.spec, choices, times, None)
+
+
+def _record(
+    app: web.Application,
+    time_s: float,
+    timings: Timings,
+    endpoint: str,
+    status: int,
+    body: Any,
+    spec: GenerationSpec | None,
+    choices: Choices | None,
+    times: _TokenTimes,
+    error: str | None,
+) -> None:
+    """Queue the request's record (docs/recording.md) when recording; references only,
+    the writer thread serializes them."""
     recorder = app.get(keys.RECORDER)
-    if recorder is not None:
-        gen = choices.first
-        recorder.write(
-            time_s=time_s,
-            endpoint=endpoint,
-            status=status,
-            body=body,
-            input_ids=gen.spec.input_ids,
-            outcome=gen.outcome,
-        )
+    if recorder is None:
+        return
+    gens = choices.gens if choices is not None else []
+    out = gens[0].outcome if gens else None
+    record: dict[str, Any] = {
+        "type": "request",
+        "time": time_s,
+        "endpoint": endpoint,
+        "status": status,
+        "request": body,
+        "input_ids": spec.input_ids if spec is not None else [],
+        "seed": spec.seed if spec is not None else None,
+        "sampling": [g.spec.sampling(g.max_new_tokens, g.choice) for g in gens],
+        "choices": [
+            {
+                "output_ids": g.outcome.output_ids,
+                "text": g.outcome.text,
+                "finish_reason": g.outcome.finish_reason,
+            }
+            for g in gens
+        ],
+        "usage": {
+            "prompt_tokens": out.prompt_tokens if out else 0,
+            "completion_tokens": sum(len(g.outcome.output_ids) for g in gens),
+            "cached_tokens": {
+                "device": out.cached_device if out else 0,
+                "host": out.cached_host if out else 0,
+                "storage": out.cached_storage if out else 0,
+            },
+        },
+        "ttft_s": out.ttft_s if out else None,
+        "itl_s": times.gaps,
+        "e2e_s": time.perf_counter() - timings.arrived,
+        "engine_id": (out.engine_id or None) if out else None,
+        "bucket": gens[0].bucket if gens else None,
+        "route_reason": (out.route_reason or None) if out else None,
+        "predicted_cached_tokens": out.predicted_cached_tokens if out else None,
+        "error": error,
+    }
+    if out is not None and out.disaggregation is not None:
+        record["disaggregation"] = out.disaggregation.as_dict()
+    recorder.write(record)
 
 
 def _served_model(app: web.Application, body: Mapping[str, Any]) -> ServedModel:
@@ -404,6 +477,14 @@ def _account(app: web.Application, choices: Choices, times: _TokenTimes) -> None
     child(metrics.cached_tokens, "host").inc(out.cached_host)
     child(metrics.cached_tokens, "storage").inc(out.cached_storage)
     app[keys.TABLE].account(out.engine_id, out.prompt_tokens, out.cached_tokens)
+    if out.predicted_cached_tokens is not None and out.finish_reason is not None:
+        result = app[keys.AUDIT].observe(
+            out.engine_id, out.predicted_cached_tokens, out.cached_tokens
+        )
+        child(metrics.prefix_predictions, result).inc()
+        metrics.prefix_prediction_error.observe(
+            abs(out.predicted_cached_tokens - out.cached_tokens)
+        )
     model = _model_name(gen)
     child(metrics.sg_prompt_tokens, model).inc(out.prompt_tokens)
     child(metrics.sg_generation_tokens, model).inc(num_output)
@@ -553,7 +634,8 @@ async def stats(request: web.Request) -> web.Response:
         b["engines"].append(engine_id)
         for key, value in entry["stats"].items():
             b["stats"][key] = b["stats"].get(key, 0) + value
-    return json_response({"engines": out, "buckets": buckets})
+    router = {"prefix_prediction": request.app[keys.AUDIT].summary()}
+    return json_response({"engines": out, "buckets": buckets, "router": router})
 
 
 async def _ask(app: web.Application, subject: str, payload: bytes) -> bytes | str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 from nats.aio.client import Client as NatsClient
 
+from router.audit import PredictionAudit
 from router.config import RouterConfig
 from router.engines import EngineTable
 from router.metrics import RouterMetrics
@@ -23,3 +24,4 @@ REDIS = web.AppKey("redis", RespClient)
 TABLE = web.AppKey("engines", EngineTable)
 ROUTER = web.AppKey("router", Router)
 RECORDER = web.AppKey("recorder", Recorder)  # only set with --record
+AUDIT = web.AppKey("audit", PredictionAudit)  # predicted against delivered prefix hits

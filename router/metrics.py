@@ -22,6 +22,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
 LOOKUP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+PREDICTION_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)  # tokens
 
 
 M = TypeVar("M", bound=MetricWrapperBase)
@@ -94,6 +95,24 @@ class RouterMetrics:
             f"{PREFIX}_prefix_lookup_seconds",
             "time of one Redis prefix lookup, as the router waited for it",
             buckets=LOOKUP_BUCKETS,
+            registry=r,
+        )
+        self.prefix_predictions = Counter(
+            f"{PREFIX}_prefix_predictions",
+            "served requests whose cached prefix the index predicted, by how the engine's "
+            "delivered prefix compared: exact, over (the index promised more), under",
+            ["result"],
+            registry=r,
+        )
+        self.prefix_prediction_error = Histogram(
+            f"{PREFIX}_prefix_prediction_error_tokens",
+            "|prefix the index predicted - prefix the engine delivered|, in tokens",
+            buckets=PREDICTION_BUCKETS,
+            registry=r,
+        )
+        self.record_dropped = Counter(
+            f"{PREFIX}_record_dropped",
+            "--record: records dropped because the writer's queue was full",
             registry=r,
         )
         self.connections_closed = Counter(

@@ -55,6 +55,16 @@ class RouteChoice:
     engine: EngineView
     reason: str  # "cache" | "load" | "redis_down" | "redis_timeout" | "retry"
     hit: PrefixHit  # what Redis said the engine holds (zero when unknown)
+    known: bool = True  # whether `hit` is the index's answer (False: no lookup was made)
+
+    def predicted_tokens(self, num_prompt_tokens: int) -> int | None:
+        """The prompt tokens the index says the engine can reuse (whole pages, never the
+        last token, which is always computed); None when the index was not asked."""
+        if not self.known:
+            return None
+        ps = self.engine.page_size
+        cacheable = max(0, num_prompt_tokens - 1) // ps * ps
+        return min((self.hit.pages + self.hit.storage_pages) * ps, cacheable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +73,7 @@ class Lookup:
 
     hits: dict[str, PrefixHit] | None  # None: Redis could not answer in time
     failure: str = ""  # "redis_down" | "redis_timeout" when `hits` is None
+    made: bool = True  # False: one candidate, so the index was not asked
 
 
 BUDGET_STRETCH = 10  # a lookup waits at most this many budgets, however busy the loop
@@ -269,7 +280,7 @@ class Router:
         """The best of `candidates` (non-empty, one bucket) for this prompt."""
         if not candidates:
             raise ValueError("no candidates")
-        found = Lookup({})
+        found = Lookup({}, made=False)
         if len(candidates) > 1:
             found = await self._lookup(candidates, input_ids, cache_salt)
         return self._pick(candidates, found, candidates[0].namespace, retry)
@@ -286,7 +297,7 @@ class Router:
         the same score, from ONE lookup (decode engines publish their cache too)."""
         if not decodes or not prefills:
             raise ValueError("no candidates")
-        found = Lookup({})
+        found = Lookup({}, made=False)
         if len(decodes) > 1 or len(prefills) > 1:
             found = await self._lookup([*decodes, *prefills], input_ids, cache_salt)
         namespace = decodes[0].namespace
@@ -330,7 +341,7 @@ class Router:
         else:
             reason = "cache" if hit.pages > 0 else "load"
         self.metrics.child(self.metrics.routing, reason).inc()
-        return RouteChoice(best, reason, hit)
+        return RouteChoice(best, reason, hit, found.made and hits is not None)
 
     def _score(self, engine: EngineView, hit: PrefixHit | None) -> float:
         cached = 0.0

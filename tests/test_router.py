@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -612,27 +613,116 @@ async def test_flush_fans_out_and_stats(
             assert (await r.json())["error"]["code"] == "flush_unanswered"
 
 
-async def test_record_writes_json_lines(
+async def test_record_writes_a_header_and_every_request_rejected_ones_too(
     nats_server: ServerProcess, redis_server: ServerProcess, tmp_path: Path
 ) -> None:
     path = tmp_path / "traffic.jsonl"
     kw = {"cached_device": 4}
+    meta = '{"model": "tiny", "page_size": 4, "mesh_flags": ["up", "--api-key", "s3cret"]}'
     async with running_mesh(
-        nats_server.url, redis_server.url, 1, engine_kw=kw, record_path=str(path)
+        nats_server.url,
+        redis_server.url,
+        1,
+        engine_kw=kw,
+        record_path=str(path),
+        record_meta=meta,
+        router_argv=("--api-key", "s3cret", "--record", str(path)),
     ) as mesh:
         await mesh.client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
         await mesh.client.post("/generate", json={"text": "ab", "stream": True})
-        await mesh.client.post("/v1/completions", json={"prompt": [999]})  # not recorded
+        await mesh.client.post("/v1/completions", json={"prompt": [999]})  # outside the vocab
+        await mesh.client.post("/v1/completions", data=b"{not json")
+        sampled = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0.7, "n": 2}
+        await mesh.client.post("/v1/completions", json=sampled)
+        seeds = [r.sampling.seed for r in mesh.engines[0].received[-2:]]
     lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
-    assert len(lines) == 2
-    first, second = lines
-    assert first["endpoint"] == "/v1/completions" and first["status"] == 200
+    head, first, second, vocab, not_json, drawn = lines
+    assert head["type"] == "header" and head["version"] == 1
+    assert head["format"] == "hicache-mesh-record" and head["model"] == "tiny"
+    assert head["page_size"] == 4 and head["redacted"] is False
+    assert "s3cret" not in path.read_text()  # secrets are masked
+    assert head["router_flags"] == ["--api-key=***", "--record", str(path)]
+    assert head["mesh_flags"] == ["up", "--api-key=***"]
+    assert first["type"] == "request" and first["status"] == 200 and first["error"] is None
+    assert first["endpoint"] == "/v1/completions"
     assert first["request"] == {"prompt": [1, 2], "max_tokens": 3}
-    assert first["input_ids"] == [1, 2] and first["output_ids"] == expected_tokens([1, 2], 3)
-    assert first["cached_tokens"] == {"device": 4, "host": 0, "storage": 0}
-    assert first["engine_id"] == mesh.engines[0].engine_id
-    assert first["ttft_s"] > 0 and first["time"] > 0
+    assert first["input_ids"] == [1, 2] and first["seed"] is None  # greedy: no seed
+    assert first["choices"][0]["output_ids"] == expected_tokens([1, 2], 3)
+    assert first["sampling"][0]["max_new_tokens"] == 3
+    assert first["usage"]["cached_tokens"] == {"device": 4, "host": 0, "storage": 0}
+    assert first["usage"]["completion_tokens"] == 3
+    assert first["engine_id"] == mesh.engines[0].engine_id and first["bucket"] == "default"
+    assert first["ttft_s"] > 0 and first["time"] > 0 and first["e2e_s"] >= first["ttft_s"]
+    assert len(first["itl_s"]) >= 1  # gaps between chunks after the first
+    assert first["predicted_cached_tokens"] is None  # one engine: the index was not asked
     assert second["endpoint"] == "/generate" and second["input_ids"] == list(b"ab")
+    assert vocab["status"] == 400 and "999" in vocab["error"] and vocab["choices"] == []
+    assert vocab["request"] == {"prompt": [999]}
+    assert not_json["status"] == 400 and not_json["request"] is None
+    assert "not valid JSON" in not_json["error"]
+    # a sampled request without a seed gets one; choice i draws with seed + i
+    assert drawn["seed"] is not None and seeds == [drawn["seed"], drawn["seed"] + 1]
+    assert [s["seed"] for s in drawn["sampling"]] == seeds
+    assert len(drawn["choices"]) == 2
+
+
+async def test_record_redact_keeps_ids_and_drops_text(
+    nats_server: ServerProcess, redis_server: ServerProcess, tmp_path: Path
+) -> None:
+    path = tmp_path / "redacted.jsonl"
+    async with running_mesh(
+        nats_server.url, redis_server.url, 1, record_path=str(path), record_redact=True
+    ) as mesh:
+        body = {"prompt": "secret words", "max_tokens": 2, "stop": ["zz"]}
+        await mesh.client.post("/v1/completions", json=body)
+    head, rec = (orjson.loads(line) for line in path.read_bytes().splitlines())
+    assert head["redacted"] is True
+    assert rec["request"] == {"max_tokens": 2, "stop": ["zz"]}
+    assert rec["input_ids"] == list(b"secret words")
+    assert rec["choices"][0]["text"] is None and rec["choices"][0]["output_ids"]
+    assert "secret" not in path.read_text()
+
+
+def test_recorder_drops_and_counts_when_its_queue_is_full(tmp_path: Path) -> None:
+    """The handler never waits for the writer: a full queue drops the record, counts it,
+    and a `drops` line marks the gap once there is room again."""
+    from router.record import Recorder
+
+    dropped: list[int] = []
+    recorder = Recorder(
+        tmp_path / "r.jsonl", {"type": "header"}, max_queue=2, on_drop=lambda: dropped.append(1)
+    )
+    gate = threading.Event()
+    real_write = recorder._file.write
+
+    def slow_write(data: bytes) -> int:
+        gate.wait(10)
+        return real_write(data)
+
+    recorder._file.write = slow_write  # type: ignore[method-assign]
+    recorder.write({"type": "request", "n": 0})  # the writer takes it and blocks
+    deadline = time.monotonic() + 5
+    while recorder._queue.qsize() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for n in range(1, 6):  # 2 fit in the queue, 3 are dropped
+        recorder.write({"type": "request", "n": n})
+    assert recorder.dropped == 3 and len(dropped) == 3
+    gate.set()
+    deadline = time.monotonic() + 5
+    while recorder._queue.qsize() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    recorder.write({"type": "request", "n": 6})  # room again: the gap is marked first
+    recorder.close()
+    lines = [orjson.loads(line) for line in (tmp_path / "r.jsonl").read_bytes().splitlines()]
+    kinds = [(rec["type"], rec.get("n", rec.get("count"))) for rec in lines]
+    assert kinds == [
+        ("header", None),
+        ("request", 0),
+        ("request", 1),
+        ("request", 2),
+        ("drops", 3),
+        ("request", 6),
+    ]
 
 
 async def test_shutdown_lets_inflight_streams_finish(

@@ -217,7 +217,8 @@ async def test_restore_failure_retries_once_without_reuse(
         assert (await r.json())["error"]["code"] == "restore_failed"
         assert [a.reuse for a in dec.admits[2:]] == [True, False]
         assert await metric(mesh, "hicache_router_pd_restore_retries_total") == 2
-    records = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    head, *records = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    assert head["type"] == "header"
     assert [rec["status"] for rec in records] == [200, 502]
     assert records[0]["disaggregation"] == disagg(mesh, 0, 0, 0, 0)
     assert records[0]["engine_id"] == dec.engine_id and "disaggregation" not in records[1]

@@ -71,6 +71,8 @@ class DebugHooks:
 
     disable_agreement: str = "none"  # "pp_sync", "tp_min", "all": ranks use their own counts
     rank_raise: tuple[int, int] | None = None  # (rank, token): that rank raises on admission
+    perturb_sampler: bool = False  # every request's 3rd output token becomes (token + 1) % vocab
+    silent_flush: bool = False  # a flush drops the cache without KV events (a stale index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +157,7 @@ class Engine:
         self.scheduler = Scheduler(
             config.scheduler, self.executor, self.cache, mc.eos_token_ids, self.device
         )
+        self.scheduler.perturb_sampler = config.debug.perturb_sampler
         self._commands: list[Command] = []  # rank 0: what the next step hands to every rank
         self._partial_kv: dict[tuple[int, int, int], WriteKV] = {}  # rank 0: shards so far
         self._next_rid = 0
@@ -575,6 +578,8 @@ class Engine:
         cmd = Flush()
         self._commands.append(cmd)
         self.step()
+        if self.config.debug.silent_flush:  # test hook: the index is not told
+            self.cache.drain_events()
         return bool(cmd.ok)
 
     def cache_stats(self) -> dict[str, Any]:

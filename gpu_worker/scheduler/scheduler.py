@@ -67,6 +67,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.last_step_worked = False  # whether the last step ran a forward
         self.running: list[Req] = []  # admitted, in admission order
+        self.perturb_sampler = False  # test hook (DebugHooks.perturb_sampler)
 
     @property
     def idle(self) -> bool:
@@ -306,6 +307,8 @@ class Scheduler:
                 finished.append(req)
                 continue
             token = outcome.token
+            if self.perturb_sampler and len(req.output_ids) == 2:
+                token = (token + 1) % self.executor.model_config_whole.vocab_size
             req.output_ids.append(token)
             if outcome.logprob is not None:
                 req.logprobs.append((outcome.logprob, outcome.top_logprobs))

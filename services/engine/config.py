@@ -63,7 +63,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         else None,
     )
     sched = SchedulerConfig(args.chunked_prefill_size, args.max_running_requests)
-    debug = DebugHooks(args.debug_disable_agreement, _rank_raise(args.debug_rank_raise))
+    debug = DebugHooks(
+        args.debug_disable_agreement,
+        _rank_raise(args.debug_rank_raise),
+        perturb_sampler=args.debug_perturb_sampler,
+        silent_flush=args.debug_silent_flush,
+    )
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,

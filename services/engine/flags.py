@@ -131,6 +131,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="test hook: rank RANK raises in its step loop when a request whose prompt "
         "holds TOKEN is admitted",
     )
+    p.add_argument(
+        "--debug-perturb-sampler",
+        action="store_true",
+        help="test hook: every request's 3rd output token becomes (token + 1) mod vocab "
+        "(replay must then report a mismatch)",
+    )
+    p.add_argument(
+        "--debug-silent-flush",
+        action="store_true",
+        help="test hook: a flush drops the cache without telling the index (its predictions "
+        "go stale: the router's prefix audit must report it)",
+    )
     h = parser.add_argument_group("hierarchical cache")
     h.add_argument(
         "--enable-hierarchical-cache",

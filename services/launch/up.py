@@ -69,7 +69,15 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         help="the buckets as [[bucket]] tables (name, tp, pp, max_len, engines)",
     )
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--record", default=None, help="record traffic as JSON lines")
+    parser.add_argument(
+        "--record",
+        default=None,
+        metavar="FILE",
+        help="record the traffic as JSON lines for `hicache-mesh replay` (docs/recording.md)",
+    )
+    parser.add_argument(
+        "--record-redact", action="store_true", help="records keep token ids and drop text"
+    )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--startup-timeout", type=float, default=120.0)
     parser.add_argument(
@@ -176,8 +184,21 @@ class Mesh:
         if a.api_key:
             argv += ["--api-key", a.api_key]
         if a.record:
-            argv += ["--record", a.record]
+            argv += ["--record", a.record, "--record-meta", json.dumps(self._record_meta())]
+            argv += ["--record-redact"] if a.record_redact else []
         return argv
+
+    def _record_meta(self) -> dict[str, object]:
+        """What the record header says about this mesh (docs/recording.md)."""
+        a = self.args
+        return {
+            "model": a.model,
+            "served_model_name": a.served_model_name or a.model,
+            "dtype": a.dtype,
+            "page_size": a.page_size,
+            "mesh_flags": sys.argv[1:],
+            "engine_flags": {name: engine_argv(a) + extra for name, extra in self._engines()},
+        }
 
     def _engines(self) -> list[tuple[str, list[str]]]:
         """(engine id, flags beyond the shared engine flags) of every engine to start."""
