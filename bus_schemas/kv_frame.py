@@ -1,10 +1,10 @@
 """KV chunks on the bus: a binary frame with a small fixed header, then the KV bytes.
 
-Header (little-endian, 80 bytes):
+Header (little-endian, 84 bytes):
     magic b"HKV2" | request_id (32 bytes, ASCII, NUL-padded) | seq u32 | token_start u32 |
     token_end u32 | first_token i32 (-1 unless last) | last u8 | pad 3 | prefill_cached_device
     u32 | prefill_cached_host u32 | payload_len u32 | crc32 u32 | rank u16 | world_size u16 |
-    tp_size u16 | reserved 2
+    tp_size u16 | reserved 2 | prefill_cached_storage u32
 The payload holds KV of tokens `[token_start, token_end)` in whole pages, in the unified
 object order with one KV head per group (DESIGN.md 5): `(pages, kv_head, layer, K/V,
 token_in_page, head_dim)` of the sending rank's heads and layers, in the engines' KV dtype;
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from bus_schemas.codec import SchemaError
 
 MAGIC = b"HKV2"
-_HEADER = struct.Struct("<4s32sIIIiB3xIIIIHHH2x")
+_HEADER = struct.Struct("<4s32sIIIiB3xIIIIHHH2xI")
 HEADER_SIZE = _HEADER.size
 
 
@@ -42,6 +42,7 @@ class KVFrameHeader:
     rank: int = 0  # the sending rank: its shard of the chunk's KV
     world_size: int = 1  # ranks of the sending engine
     tp_size: int = 1  # of which per pipeline stage (world_size // tp_size stages)
+    prefill_cached_storage: int = 0  # prompt tokens prefill read from external storage
 
     def __post_init__(self) -> None:
         if len(self.request_id.encode()) > 32:
@@ -76,6 +77,7 @@ def encode_frame(header: KVFrameHeader, payload: bytes | memoryview) -> bytes:
             header.rank,
             header.world_size,
             header.tp_size,
+            header.prefill_cached_storage,
         )
         + body
     )
@@ -100,6 +102,7 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
         rank,
         world,
         tp,
+        cached_storage,
     ) = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise SchemaError(f"not a KV frame (magic {magic!r})")
@@ -121,6 +124,7 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
             rank,
             world or 1,
             tp or 1,
+            cached_storage,
         )
     except (ValueError, UnicodeDecodeError) as e:
         raise SchemaError(f"bad KV frame header: {e}") from None

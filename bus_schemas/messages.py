@@ -60,7 +60,8 @@ class TokenChunk(Message):
     """
 
     TYPE: ClassVar[str] = "token_chunk"
-    VERSION: ClassVar[int] = 5  # 2: P/D fields; 3: engine_crashed; 4: logprobs; 5: storage
+    # 2: P/D fields; 3: engine_crashed; 4: logprobs; 5: storage; 6: prefill's storage hits
+    VERSION: ClassVar[int] = 6
 
     request_id: str
     seq: int
@@ -89,6 +90,7 @@ class TokenChunk(Message):
     top_logprob_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     cached_storage: int = 0  # prompt tokens read from external storage (L3) for it
+    prefill_cached_storage: int = 0  # P/D: ... by the prefill engine (first chunk)
 
 
 @dataclass(frozen=True, slots=True)

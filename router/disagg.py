@@ -40,6 +40,7 @@ class PDInfo:
     transferred_bytes: int
     prefill_cached_device: int  # prompt tokens prefill did not compute, by tier
     prefill_cached_host: int
+    prefill_cached_storage: int
     decode_cached_device: int  # decode's own reuse, by tier
     decode_cached_host: int
 
@@ -57,6 +58,7 @@ class PDInfo:
             transferred_bytes=chunk.transferred_bytes,
             prefill_cached_device=chunk.prefill_cached_device,
             prefill_cached_host=chunk.prefill_cached_host,
+            prefill_cached_storage=chunk.prefill_cached_storage,
             decode_cached_device=chunk.cached_device,
             decode_cached_host=chunk.cached_host,
         )

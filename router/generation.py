@@ -419,6 +419,7 @@ class Generation:
         out.disaggregation = info
         out.cached_device = info.prefill_cached_device
         out.cached_host = info.prefill_cached_host
+        out.cached_storage = info.prefill_cached_storage
         self.metrics.pd_transferred_tokens.inc(max(info.transferred_tokens, 0))
         self.metrics.pd_transferred_bytes.inc(max(info.transferred_bytes, 0))
 

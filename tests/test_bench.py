@@ -162,6 +162,7 @@ def _pd_usage(transferred: int, decode_device: int) -> dict[str, object]:
             "transferred_bytes": transferred * 10,
             "prefill_cached_device": 8,
             "prefill_cached_host": 4,
+            "prefill_cached_storage": 0,
             "decode_cached_device": decode_device,
             "decode_cached_host": 0,
         },

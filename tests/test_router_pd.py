@@ -47,6 +47,7 @@ def disagg(
         "transferred_bytes": moved * KV_BYTES_PER_TOKEN,
         "prefill_cached_device": pre_dev,
         "prefill_cached_host": pre_host,
+        "prefill_cached_storage": 0,
         "decode_cached_device": dec_dev,
         "decode_cached_host": prefix_len - dec_dev,
     }

@@ -96,3 +96,48 @@ async def test_an_engine_serves_what_another_one_stored(mesh: UpMesh) -> None:
     tiers = second["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]  # type: ignore[index]
     assert tiers == {"device": 0, "host": 0, "storage": (len(PROMPT) - 1) // PAGE * PAGE}
     assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]  # type: ignore[index]
+
+
+@pytest.fixture(scope="module")
+def pd_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
+    log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp("l3pd")))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    store = tmp_path_factory.mktemp("pdstore")
+    extra = ("--hicache-storage-backend", "file", "--hicache-storage-dir", str(store))
+    extra += ("--hicache-storage-prefetch-policy", "wait_complete")
+    m = UpMesh(MeshSpec(pd=True, extra=extra), log_dir)
+    m.start(timeout_s=180)
+    try:
+        yield m
+    finally:
+        code = m.stop()
+    assert code == 0, f"`up` did not stop cleanly: {code}\n{m.log_tail()}"
+
+
+async def test_pd_usage_reports_what_prefill_read_from_storage(pd_mesh: UpMesh) -> None:
+    """Prefill writes the prompt through to the store; after every cache is flushed, the
+    prefill engine reads it back, and usage (the total and the P/D block) says so."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        _, first = await complete(http, pd_mesh)
+        r = aioredis.Redis.from_url(pd_mesh.redis_url(), decode_responses=True)
+        try:
+            deadline, stored = time.monotonic() + 30, 0
+            while stored < 10 and time.monotonic() < deadline:
+                stored = len([k async for k in r.scan_iter(match=redis_keys.STORE_PREFIX + "*")])
+                await asyncio.sleep(0.1)
+            assert stored >= 10, "the prompt's pages never reached the store"
+        finally:
+            await r.aclose()
+        async with http.post(f"{pd_mesh.url}/flush_cache") as resp:
+            assert resp.status == 200, await resp.text()
+        _, second = await complete(http, pd_mesh)
+    want = (len(PROMPT) - 1) // PAGE * PAGE
+    usage = second["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens_by_tier"] == {  # type: ignore[index]
+        "device": 0,
+        "host": 0,
+        "storage": want,
+    }
+    assert usage["disaggregation"]["prefill_cached_storage"] == want  # type: ignore[index]
+    assert usage["disaggregation"]["decode_prefix_len"] == 0  # type: ignore[index]
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]  # type: ignore[index]

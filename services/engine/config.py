@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.cache.storage_io import StorageFaults
@@ -11,6 +12,8 @@ from gpu_worker.cache.transfer import DelayInjection
 from gpu_worker.engine.engine import DebugHooks, EngineConfig
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.scheduler import SchedulerConfig
+
+log = logging.getLogger(__name__)
 
 
 def _rank_raise(value: str | None) -> tuple[int, int] | None:
@@ -30,11 +33,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.debug_transfer_delay_ms < 0:
         raise ValueError("--debug-transfer-delay-ms must be >= 0")
     delay = DelayInjection(args.debug_transfer_delay_ms) if args.debug_transfer_delay_ms else None
+    radix = not args.disable_radix_cache and (
+        args.disaggregation_mode != "decode" or args.disaggregation_decode_enable_radix_cache
+    )
+    storage = args.hicache_storage_backend
+    if storage is not None and not radix:
+        # a cache-less engine (a P/D decode engine without its radix cache) has nothing to
+        # store or prefetch: the mesh-wide storage flags do not apply to it
+        log.info("no radix cache on this engine: --hicache-storage-backend is off")
+        storage = None
     cache = CacheConfig(
         page_size=page_size,
         num_device_pages=args.max_total_tokens // page_size,
-        enable_radix_cache=not args.disable_radix_cache
-        and (args.disaggregation_mode != "decode" or args.disaggregation_decode_enable_radix_cache),
+        enable_radix_cache=radix,
         enable_hierarchical_cache=args.enable_hierarchical_cache,
         hicache_ratio=args.hicache_ratio,
         hicache_size_gb=args.hicache_size,
@@ -44,7 +55,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         transfer_delay=delay,
         debug_fail_loads=args.debug_fail_loads,
         hicache_load_policy=args.hicache_load_policy,
-        hicache_storage_backend=args.hicache_storage_backend,
+        hicache_storage_backend=storage,
         hicache_storage_dir=args.hicache_storage_dir,
         hicache_storage_size_gb=args.hicache_storage_size,
         hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,

@@ -166,7 +166,9 @@ class DecodeSide:
         transfer.prefill_engine_id = subj.engine_of(msg.reply or "")
         if header.last:  # before the write: the first token may go out right after it
             transfer.prefill_cached = CachedTokens(
-                header.prefill_cached_device, header.prefill_cached_host
+                header.prefill_cached_device,
+                header.prefill_cached_host,
+                header.prefill_cached_storage,
             )
         first = header.first_token if header.last else None
         sender = ParallelConfig(header.tp_size, header.pp_size)  # any layout: cut on write
@@ -321,6 +323,7 @@ class PrefillSide:
                     rank,
                     world,
                     self.tp_size,
+                    cached.storage,
                 )
                 payload = staging[lo:hi].contiguous().numpy().tobytes()
                 frames.append(encode_frame(header, payload))

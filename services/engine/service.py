@@ -400,6 +400,7 @@ class EngineService:
                     prefill_engine_id=transfer.prefill_engine_id,
                     prefill_cached_device=transfer.prefill_cached.device,
                     prefill_cached_host=transfer.prefill_cached.host,
+                    prefill_cached_storage=transfer.prefill_cached.storage,
                 )
             stream.seq += 1
             self._outbound.put_nowait((stream.reply_to, chunk.encode()))
