@@ -174,11 +174,11 @@ def test_usage_parsing_with_and_without_the_pd_block() -> None:
         {
             "prompt_tokens_details": {
                 "cached_tokens": 12,
-                "cached_tokens_by_tier": {"device": 8, "host": 4},
+                "cached_tokens_by_tier": {"device": 8, "host": 4, "storage": 16},
             }
         }
     )
-    assert plain == CacheUsage(12, 8, 4, None)
+    assert plain == CacheUsage(12, 8, 4, None, 16)
     assert CacheUsage.from_usage(None) == CacheUsage()
     assert CacheUsage.from_usage({"prompt_tokens": 3}) == CacheUsage()
     pd = CacheUsage.from_usage(_pd_usage(transferred=20, decode_device=16))
@@ -187,7 +187,7 @@ def test_usage_parsing_with_and_without_the_pd_block() -> None:
     assert partial == Disaggregation(None, None, 0, 5, 0, 0, 0, 0, 0)
     record = _result("a", 1, 5.0, cache=pd, itl=(0.002, 0.004)).to_record()
     assert record["disaggregation"]["transferred_bytes"] == 200
-    assert record["cached_tokens_by_tier"] == {"device": 8, "host": 4}
+    assert record["cached_tokens_by_tier"] == {"device": 8, "host": 4, "storage": 0}
     assert record["itl_mean"] == pytest.approx(0.003)
     json.dumps(record)
 

@@ -8,6 +8,13 @@ from `ARM_FLAGS`. Two arms whose flags resolve to the same mesh are refused (exi
 comparison would measure one setup against itself. Every arm runs the same conversations
 (same `--seed`). Records go to `--output-file` as JSON
 lines, a summary per arm (and each arm against the first) to stdout, a figure to `--plot`.
+
+The dataset is `generated-shared-prefix` (multi-turn conversations) or `mooncake`, a trace
+file (`--dataset-path`, `services.bench.mooncake`): its requests start at `--request-rate`
+arrivals in timestamp order, or at the trace's own times with `--use-trace-timestamps`
+(stretched by `--mooncake-slowdown-factor`), at most `--max-concurrency` at a time. Each arm
+of a trace also prints the offline upper bound of cached tokens at the arm's page size
+beside the tokens it cached.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import shlex
 import sys
 import time
@@ -25,6 +33,14 @@ from typing import IO
 
 from services.bench.client import BenchClient, ClientConfig
 from services.bench.dataset import Conversation, GspConfig, generate_shared_prefix
+from services.bench.mooncake import (
+    TRACE_BLOCK_SIZE,
+    MooncakeConfig,
+    TraceRequest,
+    describe,
+    trace_conversations,
+    upper_bound,
+)
 from services.bench.records import RequestResult
 from services.bench.report import compare, format_comparison, format_summary, plot, summarize
 
@@ -40,6 +56,20 @@ _NOT_COMPARED = ("port", "func")
 
 
 @dataclass(frozen=True, slots=True)
+class Workload:
+    """What every arm runs: the conversations, when they start, and the trace behind them."""
+
+    description: str
+    conversations: list[Conversation]
+    start_times: list[float] | None = None  # s after the arm's start; None: --request-rate
+    trace: list[TraceRequest] | None = None  # a trace's requests (for the upper bound)
+
+    def upper_bound(self, page_size: int) -> int | None:
+        """Cached tokens a perfect cache of `page_size` pages gives; None without a trace."""
+        return None if self.trace is None else upper_bound(self.trace, page_size)
+
+
+@dataclass(frozen=True, slots=True)
 class Arm:
     """One benchmarked setup: its name and its full `hicache-mesh up` flags."""
 
@@ -50,8 +80,11 @@ class Arm:
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group("dataset")
     d.add_argument(
-        "--dataset-name", default="generated-shared-prefix", choices=["generated-shared-prefix"]
+        "--dataset-name",
+        default="generated-shared-prefix",
+        choices=["generated-shared-prefix", "mooncake"],
     )
+    d.add_argument("--dataset-path", default=None, help="mooncake: the trace file (JSON lines)")
     d.add_argument("--gsp-num-groups", type=int, default=64)
     d.add_argument("--gsp-prompts-per-group", type=int, default=16)
     d.add_argument("--gsp-system-prompt-len", type=int, default=2048)
@@ -64,9 +97,37 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="lengths drawn uniformly from [ratio * len, len]; 1 = exact",
     )
+    d.add_argument(
+        "--mooncake-block-size",
+        type=int,
+        default=TRACE_BLOCK_SIZE,
+        help=f"tokens per hash id; other than {TRACE_BLOCK_SIZE}, every request's lengths "
+        f"scale by N / {TRACE_BLOCK_SIZE} (a small model)",
+    )
+    d.add_argument(
+        "--use-trace-timestamps",
+        action="store_true",
+        help="mooncake: start each request at its timestamp (instead of --request-rate)",
+    )
+    d.add_argument(
+        "--mooncake-slowdown-factor",
+        type=float,
+        default=1.0,
+        help="with --use-trace-timestamps: 2 replays the trace twice as slowly",
+    )
+    d.add_argument(
+        "--bound-page-size",
+        type=int,
+        default=None,
+        help="mooncake with --base-url: the server's page size, for the upper bound of cached "
+        "tokens (default: the engine's default; a mesh arm uses its own --page-size)",
+    )
     d.add_argument("--seed", type=int, default=1)
     d.add_argument(
-        "--num-prompts", type=int, default=None, help="conversations (default: all of them)"
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="conversations, or a trace's first requests (default: all of them)",
     )
     c = parser.add_argument_group("load")
     c.add_argument("--max-concurrency", type=int, default=None, help="conversations at once")
@@ -123,6 +184,68 @@ def gsp_config_from_args(args: argparse.Namespace) -> GspConfig:
         seed=args.seed,
         num_prompts=args.num_prompts,
     )
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The dataset the flags name; ValueError for flags of the other dataset or a bad trace."""
+    if args.dataset_name == "generated-shared-prefix":
+        if args.dataset_path is not None or args.use_trace_timestamps:
+            raise ValueError(
+                "--dataset-path and --use-trace-timestamps need --dataset-name mooncake"
+            )
+        gsp = gsp_config_from_args(args)
+        return Workload(gsp.describe(), generate_shared_prefix(gsp))
+    if args.dataset_path is None:
+        raise ValueError("--dataset-name mooncake needs --dataset-path FILE")
+    config = MooncakeConfig(
+        path=args.dataset_path,
+        block_size=args.mooncake_block_size,
+        seed=args.seed,
+        num_prompts=args.num_prompts,
+    )
+    requests = config.read()
+    start_times = None
+    if args.use_trace_timestamps:
+        if math.isfinite(args.request_rate):
+            raise ValueError("--use-trace-timestamps and --request-rate exclude each other")
+        if not args.mooncake_slowdown_factor > 0:
+            raise ValueError("--mooncake-slowdown-factor must be positive")
+        start_times = [r.arrival_s * args.mooncake_slowdown_factor for r in requests]
+    return Workload(
+        describe(config, requests), trace_conversations(requests), start_times, requests
+    )
+
+
+def default_page_size() -> int:
+    """The engine's default `--page-size`."""
+    from services.engine.flags import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return int(parser.parse_args([]).page_size)
+
+
+def upper_bounds(
+    args: argparse.Namespace,
+    workload: Workload,
+    targets: list[tuple[str, argparse.Namespace | None]],
+) -> dict[str, int | None]:
+    """Each arm's upper bound of cached tokens at its page size (None without a trace)."""
+    if args.bound_page_size is not None and args.base_url is None:
+        raise ValueError("--bound-page-size is for --base-url: a mesh arm uses its --page-size")
+    if workload.trace is None:
+        return dict.fromkeys((arm for arm, _ in targets), None)
+    by_page_size: dict[int, int | None] = {}
+    bounds: dict[str, int | None] = {}
+    for arm, up_args in targets:
+        if up_args is not None:
+            page_size = int(up_args.page_size)
+        else:
+            page_size = args.bound_page_size or default_page_size()
+        if page_size not in by_page_size:
+            by_page_size[page_size] = workload.upper_bound(page_size)
+        bounds[arm] = by_page_size[page_size]
+    return bounds
 
 
 def parse_arm(spec: str) -> Arm:
@@ -221,7 +344,7 @@ def _measure(
     arm: str,
     base_url: str,
     api_key: str | None,
-    conversations: list[Conversation],
+    workload: Workload,
     out: IO[str] | None,
 ) -> list[RequestResult]:
     base_url = base_url.rstrip("/")
@@ -242,13 +365,14 @@ def _measure(
         show_progress=not args.disable_tqdm,
     )
     client = BenchClient(config)
+    conversations = workload.conversations
     failed = asyncio.run(client.warmup(conversations, args.warmup_requests))
     if failed:
         print(
             f"warning: {failed} of {args.warmup_requests} warmup requests failed", file=sys.stderr
         )
     flush_cache(base_url, api_key)
-    asyncio.run(client.run(arm, conversations, on_result))
+    asyncio.run(client.run(arm, conversations, on_result, workload.start_times))
     return results
 
 
@@ -256,7 +380,7 @@ def _measure_on_mesh(
     args: argparse.Namespace,
     arm: str,
     up_args: argparse.Namespace,
-    conversations: list[Conversation],
+    workload: Workload,
     out: IO[str] | None,
 ) -> list[RequestResult]:
     from services.launch.up import Mesh
@@ -268,41 +392,41 @@ def _measure_on_mesh(
         wait_for_engines(url, expected, up_args.startup_timeout)
         print(f"arm {arm}: mesh up at {url}", file=sys.stderr, flush=True)
         api_key = args.api_key or up_args.api_key
-        return _measure(args, arm, url, api_key, conversations, out)
+        return _measure(args, arm, url, api_key, workload, out)
     finally:
         mesh.stop()
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    gsp = gsp_config_from_args(args)
-    conversations = generate_shared_prefix(gsp)
+    workload = workload_from_args(args)
     if args.base_url is not None:
         targets: list[tuple[str, argparse.Namespace | None]] = [(args.arm_name, None)]
     else:
         resolved = [(arm, mesh_up_args(arm)) for arm in arms_from_args(args)]  # fail early
         check_arms_differ(resolved)
         targets = [(arm.name, up_args) for arm, up_args in resolved]
+    bounds = upper_bounds(args, workload, targets)
     by_arm: dict[str, list[RequestResult]] = {}
     out = open(args.output_file, "w") if args.output_file else None  # noqa: SIM115
     try:
         for arm, up_args in targets:
             if up_args is None:
-                by_arm[arm] = _measure(args, arm, args.base_url, args.api_key, conversations, out)
+                by_arm[arm] = _measure(args, arm, args.base_url, args.api_key, workload, out)
             else:
-                by_arm[arm] = _measure_on_mesh(args, arm, up_args, conversations, out)
+                by_arm[arm] = _measure_on_mesh(args, arm, up_args, workload, out)
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         if out is not None:
             out.close()
-    print(gsp.describe())
-    summaries = [summarize(arm, results) for arm, results in by_arm.items()]
+    print(workload.description)
+    summaries = [summarize(arm, results, bounds[arm]) for arm, results in by_arm.items()]
     for s in summaries:
         print(format_summary(s))
     for s in summaries[1:]:
         print(format_comparison(compare(summaries[0], s)))
     if args.plot:
-        plot(by_arm, args.plot, gsp.describe())
+        plot(by_arm, args.plot, workload.description)
         print(f"plot: {args.plot}")
     return 0 if all(s.num_failed == 0 for s in summaries) else 1

@@ -1,8 +1,9 @@
 """The load generator: conversations against `/v1/completions`, streamed, over HTTP only.
 
 Conversations start at Poisson arrivals (`request_rate` per second; `inf` starts them all
-at once) and at most `max_concurrency` run at a time; the turns of one conversation are
-sequential, each prompt built from the answers the server gave before. A request that
+at once) or at given times (a trace's timestamps), and at most `max_concurrency` run at a
+time; the turns of one conversation are sequential, each prompt built from the answers the
+server gave before. A request that
 fails ends its conversation (its later turns cannot be built).
 """
 
@@ -106,8 +107,15 @@ class BenchClient:
         arm: str,
         conversations: Sequence[Conversation],
         on_result: Callable[[RequestResult], None],
+        start_times: Sequence[float] | None = None,
     ) -> None:
+        """Every conversation once. `start_times`: seconds after the arm's start at which each
+        conversation starts (a trace's timestamps, in order); None: `request_rate` arrivals."""
         cfg = self.config
+        if start_times is not None and len(start_times) != len(conversations):
+            raise ValueError(
+                f"{len(start_times)} start times for {len(conversations)} conversations"
+            )
         limit = asyncio.Semaphore(cfg.max_concurrency or max(1, len(conversations)))
         arrivals = random.Random(cfg.seed)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
@@ -121,7 +129,9 @@ class BenchClient:
 
             async with aiohttp.ClientSession(timeout=timeout) as session, asyncio.TaskGroup() as tg:
                 for i, conv in enumerate(conversations):
-                    if i and math.isfinite(cfg.request_rate):
+                    if start_times is not None:
+                        await asyncio.sleep(max(0.0, start_times[i] - (time.perf_counter() - t0)))
+                    elif i and math.isfinite(cfg.request_rate):
                         await asyncio.sleep(arrivals.expovariate(cfg.request_rate))
                     tg.create_task(
                         self._conversation(session, arm, conv, limit, t0, report, bar.update)

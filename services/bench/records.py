@@ -32,6 +32,7 @@ class Disaggregation:
     prefill_cached_host: int
     decode_cached_device: int
     decode_cached_host: int
+    prefill_cached_storage: int = 0
 
     @classmethod
     def from_usage(cls, usage: Mapping[str, Any]) -> Disaggregation | None:
@@ -49,6 +50,7 @@ class Disaggregation:
             prefill_cached_host=_int(d, "prefill_cached_host"),
             decode_cached_device=_int(d, "decode_cached_device"),
             decode_cached_host=_int(d, "decode_cached_host"),
+            prefill_cached_storage=_int(d, "prefill_cached_storage"),
         )
 
 
@@ -60,6 +62,7 @@ class CacheUsage:
     cached_device: int = 0
     cached_host: int = 0
     disaggregation: Disaggregation | None = None
+    cached_storage: int = 0
 
     @classmethod
     def from_usage(cls, usage: Mapping[str, Any] | None) -> CacheUsage:
@@ -74,6 +77,7 @@ class CacheUsage:
             cached_device=_int(tiers, "device"),
             cached_host=_int(tiers, "host"),
             disaggregation=Disaggregation.from_usage(usage),
+            cached_storage=_int(tiers, "storage"),
         )
 
 
@@ -117,6 +121,7 @@ class RequestResult:
             "cached_tokens_by_tier": {
                 "device": self.cache.cached_device,
                 "host": self.cache.cached_host,
+                "storage": self.cache.cached_storage,
             },
             "disaggregation": (
                 None if self.cache.disaggregation is None else asdict(self.cache.disaggregation)

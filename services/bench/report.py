@@ -3,7 +3,9 @@
 Percentiles interpolate linearly between ranks (numpy's default). Times print in ms.
 Cached tokens "on prefill" are the P/D block's prefill counts when the server sends one,
 else the response's own `cached_tokens_by_tier` (a colocated engine does the prefill);
-"on decode" and the prefill -> decode transfer exist only with the P/D block.
+"on decode" and the prefill -> decode transfer exist only with the P/D block. A trace's arm
+also shows the offline upper bound of cached tokens (`services.bench.mooncake`) and the
+share of it cached on prefill.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ class Stats:
 class TierSums:
     device: int
     host: int
+    storage: int = 0
 
     @property
     def total(self) -> int:
-        return self.device + self.host
+        return self.device + self.host + self.storage
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,14 @@ class ArmSummary:
     cached_decode: TierSums | None  # None without the P/D block
     transferred_tokens: int | None  # prefill -> decode; None without the P/D block
     transferred_bytes: int | None
+    upper_bound: int | None = None  # offline bound of cached prompt tokens (a trace's)
+
+    @property
+    def bound_ratio(self) -> float | None:
+        """Cached on prefill over the upper bound; None without a bound or when it is 0."""
+        if not self.upper_bound:
+            return None
+        return self.cached_prefill.total / self.upper_bound
 
     @property
     def output_throughput(self) -> float:
@@ -61,19 +72,25 @@ class ArmSummary:
         return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
 
 
-def summarize(arm: str, results: Sequence[RequestResult]) -> ArmSummary:
+def summarize(
+    arm: str, results: Sequence[RequestResult], upper_bound: int | None = None
+) -> ArmSummary:
     ok = [r for r in results if r.ok]
     disagg = [r.cache.disaggregation for r in ok if r.cache.disaggregation is not None]
     if disagg:
         prefill = TierSums(
-            sum(d.prefill_cached_device for d in disagg), sum(d.prefill_cached_host for d in disagg)
+            sum(d.prefill_cached_device for d in disagg),
+            sum(d.prefill_cached_host for d in disagg),
+            sum(d.prefill_cached_storage for d in disagg),
         )
         decode: TierSums | None = TierSums(
             sum(d.decode_cached_device for d in disagg), sum(d.decode_cached_host for d in disagg)
         )
     else:
         prefill = TierSums(
-            sum(r.cache.cached_device for r in ok), sum(r.cache.cached_host for r in ok)
+            sum(r.cache.cached_device for r in ok),
+            sum(r.cache.cached_host for r in ok),
+            sum(r.cache.cached_storage for r in ok),
         )
         decode = None
     return ArmSummary(
@@ -88,6 +105,7 @@ def summarize(arm: str, results: Sequence[RequestResult]) -> ArmSummary:
         cached_decode=decode,
         transferred_tokens=sum(d.transferred_tokens for d in disagg) if disagg else None,
         transferred_bytes=sum(d.transferred_bytes for d in disagg) if disagg else None,
+        upper_bound=upper_bound,
     )
 
 
@@ -133,7 +151,10 @@ def _stats(s: Stats | None) -> str:
 
 
 def _tiers(t: TierSums | None) -> str:
-    return "-" if t is None else f"{t.total} (device {t.device}, host {t.host})"
+    if t is None:
+        return "-"
+    storage = f", storage {t.storage}" if t.storage else ""
+    return f"{t.total} (device {t.device}, host {t.host}{storage})"
 
 
 def _pct(v: float | None) -> str:
@@ -154,12 +175,20 @@ def format_summary(s: ArmSummary) -> str:
         ("TTFT mean/median/p99 (ms)", _stats(s.ttft_ms)),
         ("ITL mean/median/p99 (ms)", _stats(s.itl_ms)),
         ("cached on prefill (tokens)", _tiers(s.cached_prefill)),
+        *_bound_rows(s),
         ("cached on decode (tokens)", _tiers(s.cached_decode)),
         ("moved prefill -> decode", moved),
     ]
     title = f" arm: {s.arm} "
     lines = [f"{title:=^64}"] + [f"{k:<30}{v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def _bound_rows(s: ArmSummary) -> list[tuple[str, str]]:
+    if s.upper_bound is None:
+        return []
+    ratio = "-" if s.bound_ratio is None else f"{s.bound_ratio:.3f}"
+    return [("cached upper bound (tokens)", f"{s.upper_bound}"), ("cached / upper bound", ratio)]
 
 
 def format_comparison(c: Comparison) -> str:
