@@ -7,7 +7,8 @@ Header (little-endian, 84 bytes):
     tp_size u16 | reserved 2 | prefill_cached_storage u32
 The payload holds KV of tokens `[token_start, token_end)` in whole pages, in the unified
 object order with one KV head per group (DESIGN.md 5): `(pages, kv_head, layer, K/V,
-token_in_page, head_dim)` of the sending rank's heads and layers, in the engines' KV dtype;
+token_in_page, head_dim)` of the sending rank's heads and layers (MLA: one head, the latent
+row, and no V plane; every TP rank of a stage sends the same one), in the engines' KV dtype;
 the last page of a request may be partly filled. Both ends know the model's shapes from the
 namespace they share. The receiver checks `crc32` before writing anything.
 

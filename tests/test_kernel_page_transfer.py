@@ -130,6 +130,29 @@ def test_triton_matches_torch_reference(
     assert_bits_equal(dst[1], expected)
 
 
+@pytest.mark.parametrize("to_host", [True, False])
+def test_mla_pages_triton_and_torch_match_naive(to_host: bool) -> None:
+    """MLA pools: one latent plane per layer (num_kv 1) of width 20 (masked blocks)."""
+    gen = torch.Generator().manual_seed(2)
+    device = torch.randn(NUM_LAYERS, 1, 8 * PAGE_SIZE, 1, 20, generator=gen).to(DEVICE)
+    host = torch.randn(12, NUM_LAYERS, 1, PAGE_SIZE, 1, 20, generator=gen).to(DEVICE)
+    device_ids, host_ids = [3, 0, 7], [11, 2, 5]
+    expected = torch.zeros_like(host if to_host else device)
+    for d, h in zip(device_ids, host_ids, strict=True):  # naive: by the logical shapes
+        if to_host:
+            expected[h, :, 0] = device[:, 0, d * PAGE_SIZE : (d + 1) * PAGE_SIZE]
+        else:
+            expected[:, 0, d * PAGE_SIZE : (d + 1) * PAGE_SIZE] = host[h, :, 0]
+    d_ids, h_ids = torch.tensor(device_ids, device=DEVICE), torch.tensor(host_ids, device=DEVICE)
+    for transfer in (transfer_pages_torch, transfer_pages_triton):
+        out = expected.new_zeros(expected.shape)
+        if to_host:
+            transfer(view("layer_first", device), view("page_first", out), d_ids, h_ids)
+        else:
+            transfer(view("page_first", host), view("layer_first", out), h_ids, d_ids)
+        assert_bits_equal(out, expected)
+
+
 @pytest.mark.parametrize(
     ("head_dim", "block_size"),
     [(8, 16), (6, 32), (6, 64)],  # page_numel 64: 4 even chunks; 48: 2 masked, 1 masked
@@ -251,6 +274,13 @@ def test_page_view_strides() -> None:
     )
     assert (pf.num_layers, pf.page_numel, pf.num_pages) == (5, page_numel, 7)
 
+    # MLA: one plane per layer (the latent rows), one "head" of the latent's width
+    mla = PageView.layer_first(torch.zeros(5, 1, slots, 1, 20), PAGE_SIZE)
+    assert (mla.num_kv, mla.page_stride, mla.layer_stride) == (1, PAGE_SIZE * 20, slots * 20)
+    assert (mla.num_layers, mla.page_numel, mla.num_pages) == (5, PAGE_SIZE * 20, 3)
+    mla = PageView.page_first(torch.zeros(7, 5, 1, PAGE_SIZE, 1, 20))
+    assert (mla.num_kv, mla.page_stride, mla.layer_stride) == (1, 5 * PAGE_SIZE * 20, 80)
+
 
 @pytest.mark.parametrize(
     "make",
@@ -259,7 +289,8 @@ def test_page_view_strides() -> None:
         lambda: PageView.layer_first(torch.zeros(2, 3, 8, 2, 8), PAGE_SIZE),  # not K/V
         lambda: PageView.layer_first(torch.zeros(2, 2, 8, 2), PAGE_SIZE),  # 4-D
         lambda: PageView.layer_first(torch.zeros(2, 2, 8, 8, 2).transpose(3, 4), PAGE_SIZE),
-        lambda: PageView.page_first(torch.zeros(3, 2, 1, 4, 2, 8)),  # not K/V
+        lambda: PageView.page_first(torch.zeros(3, 2, 3, 4, 2, 8)),  # not K/V nor a latent
+        lambda: PageView(torch.zeros(64), 16, 16, 8, 1, 8, num_kv=3),
         lambda: PageView.page_first(torch.zeros(3, 2, 2, 4, 2)),  # 5-D
         lambda: PageView(torch.zeros(10), 4, 4, 4, 1, 8),  # one page does not fit
         lambda: PageView(torch.zeros(64), 16, 0, 8, 1, 8),  # zero stride

@@ -1,14 +1,15 @@
 """Copy whole KV pages between pools of different layouts: one gather-scatter kernel.
 
 Every pool (the device pool, the host pool in either layout, the staging buffer) is seen
-through a `PageView`: for page `p`, layer `l` and `c` (0 = K, 1 = V) the block of
-`page_numel = page_size * num_kv_heads * head_dim` contiguous elements starts at element
+through a `PageView`: for page `p`, layer `l` and `c` (0 = K, 1 = V; MLA has only its
+latent, `c = 0`) the block of `page_numel = page_size * num_kv_heads * head_dim` contiguous
+elements starts at element
 
     p * page_stride + l * layer_stride + c * kv_stride
 
-of the tensor's memory. A transfer copies, for every `i`, all `num_layers * 2` blocks of
-page `src_page_ids[i]` of `src` into page `dst_page_ids[i]` of `dst`. It is a bit-exact
-copy; both sides must have the same dtype.
+of the tensor's memory. A transfer copies, for every `i`, all `num_layers * num_kv` blocks
+of page `src_page_ids[i]` of `src` into page `dst_page_ids[i]` of `dst`. It is a bit-exact
+copy; both sides must have the same dtype and block geometry.
 
 Backends:
 - `transfer_pages_triton`: one kernel launch; `src` and `dst` must be on the same device.
@@ -42,7 +43,7 @@ _MAX_BLOCK_BYTES = 16 * 1024
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PageView:
-    """A KV pool tensor seen as `(num_pages, num_layers, 2, page_numel)` blocks.
+    """A KV pool tensor seen as `(num_pages, num_layers, num_kv, page_numel)` blocks.
 
     Block `(p, l, c)` is the `page_numel` contiguous elements starting at element
     `p * page_stride + l * layer_stride + c * kv_stride` of `tensor` (counted from
@@ -57,6 +58,7 @@ class PageView:
     kv_stride: int  # elements from K (c = 0) to V (c = 1)
     num_layers: int
     page_numel: int  # page_size * num_kv_heads * head_dim
+    num_kv: int = 2  # 2 (K and V) for MHA, 1 for MLA
 
     def __post_init__(self) -> None:
         if not self.tensor.is_contiguous():
@@ -64,6 +66,8 @@ class PageView:
         for name in ("page_stride", "layer_stride", "kv_stride", "num_layers", "page_numel"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"PageView.{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv not in (1, 2):
+            raise ValueError(f"PageView.num_kv must be 1 or 2, got {self.num_kv}")
         if self._page_extent() > self.tensor.numel():
             raise ValueError(
                 f"one page spans {self._page_extent()} elements but the tensor holds "
@@ -72,47 +76,49 @@ class PageView:
 
     @classmethod
     def layer_first(cls, tensor: torch.Tensor, page_size: int) -> PageView:
-        """View a `(num_layers, 2, num_slots, num_kv_heads, head_dim)` contiguous pool.
+        """View a `(num_layers, num_kv, num_slots, num_kv_heads, head_dim)` contiguous pool.
 
-        This is the device pool's layout (and the host `layer_first` layout); page `p`
-        covers slots `[p * page_size, (p + 1) * page_size)`.
+        This is the device pool's layout (and the host `layer_first` layout): num_kv is 2
+        for MHA, 1 for MLA. Page `p` covers slots `[p * page_size, (p + 1) * page_size)`.
         """
-        if tensor.dim() != 5 or tensor.shape[1] != 2:
+        if tensor.dim() != 5 or tensor.shape[1] not in (1, 2):
             raise ValueError(
-                "layer_first expects (num_layers, 2, num_slots, num_kv_heads, head_dim), "
-                f"got shape {tuple(tensor.shape)}"
+                "layer_first expects (num_layers, num_kv, num_slots, num_kv_heads, head_dim) "
+                f"with num_kv 1 or 2, got shape {tuple(tensor.shape)}"
             )
-        num_layers, _, num_slots, num_kv_heads, head_dim = tensor.shape
+        num_layers, num_kv, num_slots, num_kv_heads, head_dim = tensor.shape
         if page_size <= 0 or num_slots % page_size:
             raise ValueError(f"num_slots={num_slots} is not a multiple of page_size={page_size}")
         slot_numel = num_kv_heads * head_dim
         return cls(
             tensor=tensor,
             page_stride=page_size * slot_numel,
-            layer_stride=2 * num_slots * slot_numel,
+            layer_stride=num_kv * num_slots * slot_numel,
             kv_stride=num_slots * slot_numel,
             num_layers=num_layers,
             page_numel=page_size * slot_numel,
+            num_kv=num_kv,
         )
 
     @classmethod
     def page_first(cls, tensor: torch.Tensor) -> PageView:
-        """View a `(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)` contiguous
-        tensor: the host `page_first` layout and the staging buffer."""
-        if tensor.dim() != 6 or tensor.shape[2] != 2:
+        """View a `(num_pages, num_layers, num_kv, page_size, num_kv_heads, head_dim)`
+        contiguous tensor: the host `page_first` layout and the staging buffer."""
+        if tensor.dim() != 6 or tensor.shape[2] not in (1, 2):
             raise ValueError(
-                "page_first expects (num_pages, num_layers, 2, page_size, num_kv_heads, "
-                f"head_dim), got shape {tuple(tensor.shape)}"
+                "page_first expects (num_pages, num_layers, num_kv, page_size, num_kv_heads, "
+                f"head_dim) with num_kv 1 or 2, got shape {tuple(tensor.shape)}"
             )
-        _, num_layers, _, page_size, num_kv_heads, head_dim = tensor.shape
+        _, num_layers, num_kv, page_size, num_kv_heads, head_dim = tensor.shape
         page_numel = page_size * num_kv_heads * head_dim
         return cls(
             tensor=tensor,
-            page_stride=num_layers * 2 * page_numel,
-            layer_stride=2 * page_numel,
+            page_stride=num_layers * num_kv * page_numel,
+            layer_stride=num_kv * page_numel,
             kv_stride=page_numel,
             num_layers=num_layers,
             page_numel=page_numel,
+            num_kv=num_kv,
         )
 
     @property
@@ -129,16 +135,17 @@ class PageView:
         return self.tensor.dtype
 
     def blocks(self) -> torch.Tensor:
-        """`tensor` as a `(num_pages, num_layers, 2, page_numel)` strided view (no copy)."""
+        """`tensor` as a `(num_pages, num_layers, num_kv, page_numel)` strided view (no copy)."""
         return torch.as_strided(
             self.tensor,
-            (self.num_pages, self.num_layers, 2, self.page_numel),
+            (self.num_pages, self.num_layers, self.num_kv, self.page_numel),
             (self.page_stride, self.layer_stride, self.kv_stride, 1),
         )
 
     def _page_extent(self) -> int:
         """Elements from the start of page 0 to the end of its last block."""
-        return (self.num_layers - 1) * self.layer_stride + self.kv_stride + self.page_numel
+        last_block = (self.num_layers - 1) * self.layer_stride + (self.num_kv - 1) * self.kv_stride
+        return last_block + self.page_numel
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,11 +162,11 @@ def _check_transfer(
     """
     if src.dtype != dst.dtype:
         raise ValueError(f"dtype mismatch: src {src.dtype}, dst {dst.dtype}")
-    if src.page_numel != dst.page_numel or src.num_layers != dst.num_layers:
+    shapes = [(v.num_layers, v.num_kv, v.page_numel) for v in (src, dst)]
+    if shapes[0] != shapes[1]:
         raise ValueError(
-            f"page shape mismatch: src (num_layers={src.num_layers}, "
-            f"page_numel={src.page_numel}), dst (num_layers={dst.num_layers}, "
-            f"page_numel={dst.page_numel})"
+            f"page shape mismatch (num_layers, num_kv, page_numel): src {shapes[0]}, "
+            f"dst {shapes[1]}"
         )
     for name, ids in (("src_page_ids", src_page_ids), ("dst_page_ids", dst_page_ids)):
         if ids.dim() != 1:
@@ -194,7 +201,7 @@ def transfer_pages_torch(
 
     src_page_ids, dst_page_ids: (n,) int32 or int64, on any device.
     `src` and `dst` may be on different devices: the pages are gathered on the source
-    device into a `(n, num_layers, 2, page_numel)` buffer, moved, and scattered on the
+    device into a `(n, num_layers, num_kv, page_numel)` buffer, moved, and scattered on the
     destination device. A move to the GPU is stream-ordered (non-blocking); a move to the
     host is blocking, so the pages are in `dst` when this returns.
     """
@@ -203,7 +210,7 @@ def transfer_pages_torch(
         return
     src_ids = src_page_ids.to(src.device, torch.int64)
     dst_ids = dst_page_ids.to(dst.device, torch.int64)
-    pages = src.blocks()[src_ids]  # (n, num_layers, 2, page_numel), on src.device
+    pages = src.blocks()[src_ids]  # (n, num_layers, num_kv, page_numel), on src.device
     if src.device != dst.device:
         pages = pages.to(dst.device, non_blocking=dst.device.type == "cuda")
     dst.blocks()[dst_ids] = pages
@@ -226,17 +233,18 @@ def _page_transfer_kernel(
     dst_page_stride,  # destination strides, in elements
     dst_layer_stride,
     dst_kv_stride,
+    num_kv,  # 2 (MHA) or 1 (MLA)
     page_numel,  # elements in one (page, layer, kv) block
     BLOCK: tl.constexpr,  # elements copied by one program; a power of two
     EVEN: tl.constexpr,  # page_numel % BLOCK == 0: no mask needed
 ):
-    """Program (i, 2 * l + c, j) copies elements [j * BLOCK, (j + 1) * BLOCK) of block
+    """Program (i, num_kv * l + c, j) copies elements [j * BLOCK, (j + 1) * BLOCK) of block
     (l, c) from page src_page_ids[i] to page dst_page_ids[i]."""
     transfer = tl.program_id(0)
     layer_kv = tl.program_id(1).to(tl.int64)
     chunk = tl.program_id(2)
-    layer = layer_kv // 2
-    kv = layer_kv % 2
+    layer = layer_kv // num_kv
+    kv = layer_kv % num_kv
     # Offsets in int64: a host pool easily holds more than 2**31 elements.
     src_page = tl.load(src_page_ids_ptr + transfer).to(tl.int64)
     dst_page = tl.load(dst_page_ids_ptr + transfer).to(tl.int64)
@@ -263,7 +271,7 @@ def transfer_pages_triton(
 ) -> None:
     """Copy page `src_page_ids[i]` of `src` to page `dst_page_ids[i]` of `dst` in one launch.
 
-    src, dst: on the same device, same dtype, same num_layers and page_numel.
+    src, dst: on the same device, same dtype, same num_layers, num_kv and page_numel.
     src_page_ids, dst_page_ids: (n,) int32 or int64, on that device.
     block_size: elements per program, a power of two; by default 16 KiB worth, or the
     whole block when smaller. Asynchronous on CUDA (stream-ordered), apart from the
@@ -291,7 +299,7 @@ def transfer_pages_triton(
         raise ValueError(f"block_size must be a power of two, got {block_size}")
 
     bits = _BITS_DTYPES[itemsize]
-    grid = (num_transfers, src.num_layers * 2, triton.cdiv(src.page_numel, block_size))
+    grid = (num_transfers, src.num_layers * src.num_kv, triton.cdiv(src.page_numel, block_size))
     on_cuda = device.type == "cuda"
     with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
         _page_transfer_kernel[grid](
@@ -305,6 +313,7 @@ def transfer_pages_triton(
             dst.page_stride,
             dst.layer_stride,
             dst.kv_stride,
+            src.num_kv,
             src.page_numel,
             BLOCK=block_size,
             EVEN=src.page_numel % block_size == 0,

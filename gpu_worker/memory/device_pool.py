@@ -1,4 +1,4 @@
-"""The device KV pool: per-layer K and V rows addressed by token slot."""
+"""The device KV pool: per-layer K and V rows (or MLA's latent rows) addressed by token slot."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from gpu_worker.memory.kv_spec import KVSpec
 class DeviceKVPool:
     """KV of `num_pages` pages on `device`, with the page allocator that owns them.
 
-    Storage is `kv` of shape (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim);
-    page `p` is slots `[p * page_size, (p + 1) * page_size)` of every layer.
+    Storage is `kv` of shape (num_layers, num_kv, num_pages * page_size, num_kv_heads,
+    head_dim): num_kv 2 (K, V) for MHA, 1 for MLA (one head: the latent row, head_dim its
+    width). Page `p` is slots `[p * page_size, (p + 1) * page_size)` of every layer.
 
     With `check_reads`, pages written by an in-flight load are marked pending and `get_kv`
     raises if attention would read one before its completion was consumed (invariant 3).
@@ -29,7 +30,7 @@ class DeviceKVPool:
         self.allocator = PageAllocator(num_pages, "device")
         num_slots = num_pages * spec.page_size
         self.kv = torch.zeros(
-            (spec.num_layers, 2, num_slots, spec.num_kv_heads, spec.head_dim),
+            (spec.num_layers, spec.num_kv, num_slots, spec.num_kv_heads, spec.head_dim),
             dtype=spec.dtype,
             device=device,
         )
@@ -43,11 +44,21 @@ class DeviceKVPool:
         self.kv[layer, 1, slot_ids] = v
 
     def get_kv(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.check_reads and bool(self._pending[slot_ids // self.spec.page_size].any()):
-            raise RuntimeError("attention read a page whose load has not completed")
+        self._check_loaded(slot_ids)
         k, v = self.kv[layer, 0], self.kv[layer, 1]  # (num_slots, n_kv_heads, head_dim)
         # the rows k[slot_ids] gives, in half its time on the CPU (a plain row gather)
         return k.index_select(0, slot_ids), v.index_select(0, slot_ids)
+
+    def set_latent(self, layer: int, slot_ids: torch.Tensor, latent: torch.Tensor) -> None:
+        self.kv[layer, 0, slot_ids] = latent
+
+    def get_latent(self, layer: int, slot_ids: torch.Tensor) -> torch.Tensor:
+        self._check_loaded(slot_ids)
+        return self.kv[layer, 0].index_select(0, slot_ids)  # (n, 1, latent_dim)
+
+    def _check_loaded(self, slot_ids: torch.Tensor) -> None:
+        if self.check_reads and bool(self._pending[slot_ids // self.spec.page_size].any()):
+            raise RuntimeError("attention read a page whose load has not completed")
 
     # -- pages
 

@@ -20,12 +20,13 @@ ALL_LAYOUTS: tuple[HostLayout, ...] = (*HOST_LAYOUTS, "page_unified")
 class HostKVPool:
     """KV pages in host memory (pinned when the device is CUDA).
 
-    Layouts:
-    - `layer_first`: (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim), the
-      device pool's own order, so one layer's pages are close together.
-    - `page_first`: (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim): a page is
-      one contiguous span across all layers, the shape storage backends and P/D want.
-    - `page_unified`: (num_pages, num_groups, num_layers, 2, page_size, group_heads,
+    Layouts (`num_kv` is the spec's: 2 for K and V, 1 for MLA's latent, whose one head and
+    one head group make `page_unified` the MLA object order (layer, token_in_page, dim)):
+    - `layer_first`: (num_layers, num_kv, num_pages * page_size, num_kv_heads, head_dim),
+      the device pool's own order, so one layer's pages are close together.
+    - `page_first`: (num_pages, num_layers, num_kv, page_size, num_kv_heads, head_dim): a
+      page is one contiguous span across all layers, the shape storage backends and P/D want.
+    - `page_unified`: (num_pages, num_groups, num_layers, num_kv, page_size, group_heads,
       head_dim), the unified storage key scheme's byte order (DESIGN.md 5): every stored
       object (a range of layers of one head group) is one contiguous span of a page, read
       and written in place; device pages move in and out of it through the relayout kernel.
@@ -46,17 +47,23 @@ class HostKVPool:
         self.layout = layout
         self.num_pages = num_pages
         self.allocator = PageAllocator(num_pages, "host")
-        h, d, ps, nl = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.num_layers
+        h, d, ps, nl, kv = (
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.page_size,
+            spec.num_layers,
+            spec.num_kv,
+        )
         self.group_heads = group_heads or h
         if h % self.group_heads:
             raise ValueError(f"{self.group_heads} heads per group do not divide {h} KV heads")
         shape: tuple[int, ...]
         if layout == "layer_first":
-            shape = (nl, 2, num_pages * ps, h, d)
+            shape = (nl, kv, num_pages * ps, h, d)
         elif layout == "page_first":
-            shape = (num_pages, nl, 2, ps, h, d)
+            shape = (num_pages, nl, kv, ps, h, d)
         else:
-            shape = (num_pages, h // self.group_heads, nl, 2, ps, self.group_heads, d)
+            shape = (num_pages, h // self.group_heads, nl, kv, ps, self.group_heads, d)
         pin = device.type == "cuda"
         self.kv = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin)
 

@@ -13,6 +13,8 @@ class KVCache(Protocol):
 
     Slots are token-granular row indices into the device pool (page `p` covers slots
     `[p * page_size, (p + 1) * page_size)`). A pool may translate slots (CP sharding does).
+    MHA/GQA models use `set_kv`/`get_kv`; MLA models (one latent row per token, no separate
+    K and V) use `set_latent`/`get_latent`.
     """
 
     def set_kv(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -21,6 +23,14 @@ class KVCache(Protocol):
 
     def get_kv(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read K/V of shape (n, num_kv_heads, head_dim) from `slot_ids` (n,) int64."""
+        ...
+
+    def set_latent(self, layer: int, slot_ids: torch.Tensor, latent: torch.Tensor) -> None:
+        """MLA: write latent rows of shape (n, 1, latent_dim) into `slot_ids` (n,) int64."""
+        ...
+
+    def get_latent(self, layer: int, slot_ids: torch.Tensor) -> torch.Tensor:
+        """MLA: read latent rows of shape (n, 1, latent_dim) from `slot_ids` (n,) int64."""
         ...
 
 

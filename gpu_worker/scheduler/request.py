@@ -63,8 +63,9 @@ class KVExport:
     """P/D prefill side: KV of tokens [token_start, token_end) packed for the wire.
 
     `stagings[r]` is world rank r's shard in the unified object order with one KV head per
-    group, (num_pages, its num_kv_heads, its num_layers, 2, page_size, 1, head_dim); rank 0
-    holds every rank's (a world of one: one).
+    group, (num_pages, its num_kv_heads, its num_layers, num_kv, page_size, 1, head_dim)
+    (MLA: num_kv 1, one head, the latent row; every TP rank's shard holds the same one);
+    rank 0 holds every rank's (a world of one: one).
     """
 
     stagings: tuple[torch.Tensor, ...]

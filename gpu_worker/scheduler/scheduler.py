@@ -380,7 +380,7 @@ class Scheduler:
         src = req.page_ids[first_page:last_page]
         spec = self.cache.spec
         staging = torch.empty(
-            (len(src), spec.num_kv_heads, spec.num_layers, 2, ps, 1, spec.head_dim),
+            (len(src), spec.num_kv_heads, spec.num_layers, spec.num_kv, ps, 1, spec.head_dim),
             dtype=spec.dtype,
             device=self.device,
         )
