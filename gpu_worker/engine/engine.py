@@ -127,7 +127,12 @@ class Engine:
         mc, local = self.model_config, self.model.config  # the whole model, this rank's shard
         self.context_len = min(config.context_len or mc.context_len, mc.context_len)
         self.kv_spec = KVSpec(
-            local.num_layers, local.num_kv_heads, local.head_dim, config.cache.page_size, dtype
+            local.num_layers,
+            local.num_kv_heads,
+            local.kv_head_dim,
+            config.cache.page_size,
+            dtype,
+            local.num_kv,
         )
         self.namespace = make_namespace(config.model, config.dtype, config.cache.page_size)
         host_pages = None
@@ -345,11 +350,19 @@ class Engine:
     ) -> tuple[int, ...]:
         """The shape of rank `rank`'s shard of a KV chunk of `num_tokens` tokens in the
         unified order with one head per group: (pages, its KV heads, its layers, K/V, token
-        in page, 1, head_dim)."""
+        in page, 1, head_dim); MLA: (pages, 1, its layers, 1, token in page, 1, latent)."""
         local = ModelShard.of(self.model_config, parallel, rank).local_config(self.model_config)
         ps = self.kv_spec.page_size
         pages = -(-num_tokens // ps)
-        return (pages, local.num_kv_heads, local.num_layers, 2, ps, 1, local.head_dim)
+        return (
+            pages,
+            local.num_kv_heads,
+            local.num_layers,
+            local.num_kv,
+            ps,
+            1,
+            local.kv_head_dim,
+        )
 
     def _shard_kv_bytes(
         self, parallel: ParallelConfig, rank: int, token_start: int, token_end: int
@@ -364,7 +377,9 @@ class Engine:
     ) -> tuple[bytes, ...]:
         """The sender ranks' shards of a chunk, cut into this engine's ranks' shards: the
         whole chunk's (pages, KV heads, layers, ...) is assembled from the sender's head and
-        layer ranges, then each own rank takes its own ranges."""
+        layer ranges, then each own rank takes its own ranges. MLA's latent is every TP
+        rank's one head: the sender's TP ranks of a stage fill the same cells with the same
+        bytes, and each own TP rank takes all of them."""
         own = self.config.parallel
         if sender == own:
             return parts

@@ -143,9 +143,9 @@ class ModelExecutor:
 
     def collect_export(self, staging: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """P/D prefill: this rank's packed KV of a finished request in the unified order,
-        (num_pages, its KV heads, its layers, 2, page, 1, head_dim); rank 0 gets every rank's, in rank order (the others send
-        theirs to it and get only their own back). Every rank calls it at the same logical
-        point: when the request finishes."""
+        (num_pages, its KV heads, its layers, num_kv, page, 1, kv_head_dim); rank 0 gets
+        every rank's, in rank order (the others send theirs to it and get only their own
+        back). Every rank calls it at the same logical point: when the request finishes."""
         g = self.groups
         if g.world_size == 1:
             return (staging,)
@@ -157,7 +157,15 @@ class ModelExecutor:
         for rank in range(1, g.world_size):
             shard = ModelShard.of(whole, g.config, rank).local_config(whole)
             pages, page = staging.shape[0], staging.shape[4]
-            shape = (pages, shard.num_kv_heads, shard.num_layers, 2, page, 1, shard.head_dim)
+            shape = (
+                pages,
+                shard.num_kv_heads,
+                shard.num_layers,
+                shard.num_kv,
+                page,
+                1,
+                shard.kv_head_dim,
+            )
             part = torch.empty(shape, dtype=staging.dtype)
             dist.recv(part, rank, group=g.cpu_world, tag=TAG_EXPORT)
             out.append(part)

@@ -36,7 +36,14 @@ def resolve_dtype(name: str, model: str, device: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A Llama/Qwen2-style decoder. Derived sizes are properties, never stored twice."""
+    """A Llama/Qwen2-style decoder. Derived sizes are properties, never stored twice.
+
+    With `kv_lora_rank > 0` attention is a simplified DeepSeek-style multi-head latent
+    attention (MLA, `llama.MLAttention`): per token and layer the KV cache holds one latent
+    row of `kv_lora_rank + qk_rope_head_dim` elements (the normed compressed KV, then one
+    rotary key part shared by every head); each query head's K (`head_dim` from the latent,
+    plus the shared rotary part) and V (`head_dim`) are up-projected from it. The cache then
+    has one "KV head" (`num_kv_heads` must be 1), the latent row, replicated over TP."""
 
     vocab_size: int
     hidden_size: int
@@ -53,6 +60,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     name: str = "custom"
+    kv_lora_rank: int = 0  # MLA: the latent's compressed KV width; 0: MHA/GQA
+    qk_rope_head_dim: int = 0  # MLA: rotary dims of each query head and of the shared key
 
     def __post_init__(self) -> None:
         for field in (
@@ -69,11 +78,37 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{field} must be positive")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.kv_lora_rank < 0 or self.qk_rope_head_dim < 0:
+            raise ValueError("kv_lora_rank and qk_rope_head_dim must not be negative")
+        if self.mla and (self.num_kv_heads != 1 or self.qk_rope_head_dim % 2):
+            raise ValueError("MLA needs num_kv_heads 1 (the latent) and an even qk_rope_head_dim")
+        if not self.mla and self.qk_rope_head_dim:
+            raise ValueError("qk_rope_head_dim is for MLA (kv_lora_rank > 0) only")
 
     @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention: one latent KV row per token, replicated over TP."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def num_kv(self) -> int:
+        """KV planes per layer in the cache: 2 (K and V) for MHA, 1 (the latent) for MLA."""
+        return 1 if self.mla else 2
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Elements per cached KV head per token: `head_dim`, or MLA's latent row."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotary dims per head: the whole head, or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
 
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -113,5 +148,23 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_ids=(BYTE_EOS_ID,),
         bos_token_id=BYTE_BOS_ID,
         name="tiny-tp",
+    ),
+    # tiny-tp's shape with multi-head latent attention (see ModelConfig): 8 query heads
+    # (TP 2, 4 or 8) of 8 + 4 dims over one 20-element latent row per token and layer,
+    # replicated on every TP rank; 8 layers over PP 2, 4 or 8; float64-exact like tiny.
+    "tiny-mla": ModelConfig(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=1,
+        head_dim=8,
+        context_len=8192,
+        eos_token_ids=(BYTE_EOS_ID,),
+        bos_token_id=BYTE_BOS_ID,
+        name="tiny-mla",
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
     ),
 }

@@ -10,6 +10,11 @@ Megatron-style tensor parallelism, as SGLang and vLLM do it for Llama:
   need an all_gather of logits every step), as are the norms.
 So each rank's KV pool holds only its own KV heads of its own stage's layers.
 
+MLA (`ModelConfig.mla`): the query heads, the K and V up-projections (`k_b_proj`,
+`v_b_proj`: column-parallel by whole heads) and `o_proj` (row-parallel) split the same way;
+the latent projection (`kv_a_proj`) and its norm are replicated, so every TP rank of a stage
+computes and caches the same latent rows (its one "KV head", `kv_heads` = range(0, 1)).
+
 The shard is cut from the whole model's weights, so a TP/PP engine computes with exactly
 the weights a single-rank engine has (seeded random weights are drawn for the whole model).
 """
@@ -38,7 +43,11 @@ class ModelShard:
     def of(cls, config: ModelConfig, parallel: ParallelConfig, rank: int) -> ModelShard:
         """The shard of world rank `rank`; a clear error when the model does not split."""
         check_tp_divides(
-            config.num_heads, config.num_kv_heads, config.intermediate_size, parallel.tp_size
+            config.num_heads,
+            config.num_kv_heads,
+            config.intermediate_size,
+            parallel.tp_size,
+            kv_replicated=config.mla,
         )
         pp_rank, tp_rank = parallel.coords(rank)
         layers = stage_layers(config.num_layers, parallel.pp_size, pp_rank)
@@ -57,7 +66,10 @@ class ModelShard:
         return self.tp_size == 1 and self.first_stage and self.last_stage
 
     def kv_heads(self, config: ModelConfig) -> range:
-        """The global KV heads this rank holds (whole GQA groups, in TP order)."""
+        """The global KV heads this rank holds (whole GQA groups, in TP order; MLA's one
+        latent "head" on every rank)."""
+        if config.mla:
+            return range(config.num_kv_heads)
         per = config.num_kv_heads // self.tp_size
         return range(self.tp_rank * per, (self.tp_rank + 1) * per)
 
@@ -66,7 +78,7 @@ class ModelShard:
         n = self.tp_size
         return config.replace(
             num_heads=config.num_heads // n,
-            num_kv_heads=config.num_kv_heads // n,
+            num_kv_heads=len(self.kv_heads(config)),
             intermediate_size=config.intermediate_size // n,
             num_layers=len(self.layers),
         )
@@ -77,14 +89,22 @@ def _tp_slice(name: str, full: torch.Tensor, shard: ModelShard) -> torch.Tensor:
     t, n = shard.tp_rank, shard.tp_size
     if n == 1:
         return full
-    column_parallel = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
+    column_parallel = (
+        ".q_proj.",
+        ".k_proj.",
+        ".v_proj.",
+        ".k_b_proj.",  # MLA's per-head up-projections
+        ".v_b_proj.",
+        ".gate_proj.",
+        ".up_proj.",
+    )
     if any(part in name for part in column_parallel):  # output rows (and bias) split
         rows = full.shape[0] // n
         return full[t * rows : (t + 1) * rows]
     if ".o_proj." in name or ".down_proj." in name:  # input columns split
         cols = full.shape[1] // n
         return full[:, t * cols : (t + 1) * cols]
-    return full  # embedding, norms, LM head: replicated
+    return full  # embedding, norms, LM head, MLA's latent projection: replicated
 
 
 def _global_name(name: str, shard: ModelShard) -> str:

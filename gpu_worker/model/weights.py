@@ -21,6 +21,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 # Random weights: how much larger q/k projections are than 1/sqrt(fan_in) (sharp attention).
 QK_SCALE = 3.0
 
+# the weights QK_SCALE enlarges (MLA: the latent projection and the keys' up-projection)
+_QK_WEIGHTS = ("q_proj.weight", "k_proj.weight", "kv_a_proj.weight", "k_b_proj.weight")
+
 # Checkpoint tensors that carry no weights of ours (old Llama exports store RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -94,7 +97,8 @@ def init_random_weights(model: LlamaModel, seed: int) -> None:
     device/dtype. Scales keep activations near unit size at any depth and make logits
     non-degenerate: embeddings ~N(0, 1); input projections ~N(0, 1/fan_in); the residual
     outputs (`o_proj`, `down_proj`) a further 1/sqrt(2 * num_layers) smaller; q/k/v biases
-    ~N(0, 0.02); norm weights 1. Queries and keys are `QK_SCALE` larger: with near-uniform
+    ~N(0, 0.02); norm weights 1. Queries and keys (MLA: the latent projection and the keys'
+    up-projection) are `QK_SCALE` larger: with near-uniform
     attention the next token depends on little but the current one, and greedy output falls
     into one repeated token, which would hide KV read from the wrong place; sharp attention
     makes continuations depend on the context (tests/test_model.py checks they are varied).
@@ -113,7 +117,7 @@ def init_random_weights(model: LlamaModel, seed: int) -> None:
             std = 1.0 / math.sqrt(param.shape[1])
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 std *= residual_scale
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            elif name.endswith(_QK_WEIGHTS):
                 std *= QK_SCALE
         values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
         param.copy_(values)

@@ -56,13 +56,19 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
-def check_tp_divides(num_heads: int, num_kv_heads: int, intermediate: int, tp_size: int) -> None:
-    """A clear start-up error when the model's heads or MLP do not split over `tp_size`."""
-    for what, n in (
-        ("attention heads", num_heads),
-        ("KV heads", num_kv_heads),
-        ("MLP intermediate size", intermediate),
-    ):
+def check_tp_divides(
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate: int,
+    tp_size: int,
+    kv_replicated: bool = False,
+) -> None:
+    """A clear start-up error when the model's heads or MLP do not split over `tp_size`.
+    `kv_replicated`: every rank holds all KV heads (MLA's latent), so they need not split."""
+    sizes = [("attention heads", num_heads), ("MLP intermediate size", intermediate)]
+    if not kv_replicated:
+        sizes.insert(1, ("KV heads", num_kv_heads))
+    for what, n in sizes:
         if n % tp_size:
             raise ValueError(
                 f"--tp-size {tp_size} does not divide the model's {n} {what}; "

@@ -29,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--model-path",
         dest="model",
         default="tiny",
-        help="a preset (tiny, tiny-tp: random weights; smollm2-135m-instruct), a *.gguf "
+        help="a preset (tiny, tiny-tp, tiny-mla: random weights; smollm2-135m-instruct), a *.gguf "
         "file or a Hugging Face checkpoint directory",
     )
     g.add_argument(
