@@ -3,7 +3,8 @@ and how the objects move between the store and the rank's host pages.
 
 - `RankSuffixCodec`: one object per page, the rank's own page in `page_first` order; the
   host pages are packed into (or unpacked from) a staging buffer by the page-transfer
-  kernel, whatever the host layout.
+  kernel, whatever the host layout. MLA's latent is the same on every TP rank of a stage,
+  so all of them name TP rank 0's object (`tp0of{T}pp{p}of{P}`) and only rank 0 writes it.
 - `UnifiedCodec`: `per_page` objects per page, one per cell of the storage grid that the
   rank's layers x heads cover; the host pool is `page_unified`, where every cell of a page
   is one contiguous span, so objects are read into and written from host memory in place.
@@ -35,6 +36,7 @@ class StorageLayout:
     namespace: StorageNamespace | None = None
     cells: ShardCells | None = None
     layout: str = ""  # the rank-suffix scheme's engine layout, e.g. "tp2pp2"
+    writes: bool = True  # rank-suffix: False where another rank writes the object (MLA)
 
     @property
     def scope(self) -> str:
@@ -56,13 +58,13 @@ class StorageLayout:
     def codec(self, host: HostKVPool) -> ObjectCodec:
         if self.cells is None or self.namespace is None:
             spec = host.spec
-            shape = (spec.num_layers, 2, spec.page_size, spec.num_kv_heads, spec.head_dim)
+            shape = (spec.num_layers, spec.num_kv, spec.page_size, spec.num_kv_heads, spec.head_dim)
             view = host.page_view()
             if not isinstance(view, PageView):
                 raise ValueError(
                     "the rank-suffix key scheme needs a layer_first or page_first host pool"
                 )
-            return RankSuffixCodec(view, shape, spec.dtype, self.shard)
+            return RankSuffixCodec(view, shape, spec.dtype, self.shard, self.writes)
         if host.layout != "page_unified":
             raise ValueError("the unified key scheme needs the page_unified host layout")
         return UnifiedCodec(host.kv, self.cells, self.namespace.digest)
@@ -87,15 +89,21 @@ class ObjectCodec(abc.ABC):
 
 
 class RankSuffixCodec(ObjectCodec):
-    """`{page_hash}_{shard}`: the rank's whole page, (num_layers, 2, page_size, heads, dim)."""
+    """`{page_hash}_{shard}`: the rank's whole page, (num_layers, num_kv, page_size, heads,
+    dim). With `writes` False the object is another rank's copy of the same KV (MLA)."""
 
     per_page = 1
 
     def __init__(
-        self, host: PageView, page_shape: tuple[int, ...], dtype: torch.dtype, shard: str
+        self,
+        host: PageView,
+        page_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        shard: str,
+        writes: bool = True,
     ) -> None:
         self.host, self.page_shape, self.dtype, self.shard = host, page_shape, dtype, shard
-        self.writes = True
+        self.writes = writes
 
     def keys(self, page_hashes: Sequence[bytes]) -> list[str]:
         return [f"{h.hex()}_{self.shard}" for h in page_hashes]
@@ -109,6 +117,8 @@ class RankSuffixCodec(ObjectCodec):
         return n
 
     def write(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
+        if not self.writes:  # another rank writes these objects: nothing is missing
+            return len(keys)
         staging = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)
         src = torch.tensor(host_ids, dtype=torch.int64)
         transfer_pages(self.host, PageView.page_first(staging), src, torch.arange(len(keys)))
@@ -118,7 +128,7 @@ class RankSuffixCodec(ObjectCodec):
 class UnifiedCodec(ObjectCodec):
     """`{page_hash}_{namespace}_L{a}-{b}[_H{g}]`: the cells of the rank's shard, read and
     written in place in a `page_unified` host pool (num_pages, groups, layers, kv, page_size,
-    group_heads, dim)."""
+    group_heads, dim); for MLA (one group, kv 1, one head) a cell is (layers, token, dim)."""
 
     def __init__(self, host_kv: torch.Tensor, cells: ShardCells, namespace_digest: str) -> None:
         self.host_kv = host_kv

@@ -72,6 +72,7 @@ class StorageFaults:
     query_delay_ms: float = 0.0  # random [0, max] sleep before each hit query
     fail_rank: int = -1  # this world rank's reads fail ...
     fail_at_page: int = 0  # ... from this page of every read on
+    fail_write_rank: int = -1  # this world rank's store takes none of its writes
     seed: int = 0
     disable_min: bool = False  # each rank keeps its own counts: the checker must object
 
@@ -235,6 +236,8 @@ class StorageIO:
 
     def _write(self, keys: list[str], host_ids: list[int]) -> int:
         """Pages of `host_ids` whose every object is stored (leading)."""
+        if self.faults.fail_write_rank == self.rank:
+            return 0
         try:
             return self.codec.write(self.backend, keys, host_ids) // self.codec.per_page
         except Exception as e:  # the backend reports full/read-only itself; anything else

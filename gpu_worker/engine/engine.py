@@ -44,7 +44,7 @@ from gpu_worker.engine.commands import (
 )
 from gpu_worker.engine.executor import ModelExecutor
 from gpu_worker.memory.kv_spec import KVSpec
-from gpu_worker.model.config import parse_dtype, resolve_dtype
+from gpu_worker.model.config import ModelConfig, parse_dtype, resolve_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.shard import ModelShard
 from gpu_worker.model.tokenizer import load_tokenizer
@@ -147,7 +147,7 @@ class Engine:
             delay_seed=7919 * self.rank,
             record_events=self.rank == 0,  # rank 0 publishes the KV events
             storage=self._storage_backend(config),
-            storage_layout=self._storage_layout(config, groups)
+            storage_layout=self.storage_layout(config, mc, self.rank)
             if config.cache.hicache_storage_backend is not None
             else None,
             storage_groups=(groups.storage_hit, groups.storage_progress),
@@ -172,32 +172,38 @@ class Engine:
         self._acks_done = threading.Event()  # rung by transfer and storage workers (`run`)
         self.cache.set_ack_listener(self._acks_done.set)
 
-    def _storage_layout(self, config: EngineConfig, groups: ParallelGroups) -> StorageLayout:
-        """Which stored objects hold this rank's part of a page (a clear error, naming the
-        flag, when the unified grid does not fit the rank's shard)."""
+    @staticmethod
+    def storage_layout(config: EngineConfig, mc: ModelConfig, rank: int) -> StorageLayout:
+        """Which stored objects hold world rank `rank`'s part of a page of model `mc` (a
+        clear error, naming the flag, when the unified grid does not fit the rank's shard).
+
+        MLA's latent is replicated over TP: under either key scheme only TP rank 0 of each
+        stage writes a page's objects, and every TP rank reads those (rank-suffix: all name
+        them `tp0of{T}...`; unified: `mla_replicated` cells have no `_H`)."""
         cc, par = config.cache, config.parallel
-        shard = f"tp{groups.tp_rank}of{par.tp_size}pp{groups.pp_rank}of{par.pp_size}"
+        pp_rank, tp_rank = par.coords(rank)
+        shard = f"tp{0 if mc.mla else tp_rank}of{par.tp_size}pp{pp_rank}of{par.pp_size}"
         if cc.hicache_storage_key_scheme != "unified":
-            return StorageLayout(shard, layout=f"tp{par.tp_size}pp{par.pp_size}")
-        mc = self.model_config
+            writes = tp_rank == 0 or not mc.mla
+            return StorageLayout(shard, layout=f"tp{par.tp_size}pp{par.pp_size}", writes=writes)
         namespace = StorageNamespace(
             model=config.model,
             kv_dtype=config.dtype,
             page_size=cc.page_size,
-            replication="mha_sharded",
+            replication="mla_replicated" if mc.mla else "mha_sharded",
             num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
+            head_dim=mc.kv_head_dim,
             num_layers=mc.num_layers,
             layer_partition=cc.storage_layer_partition or mc.num_layers,
             head_partition=cc.storage_head_partition,
         )
-        model_shard = ModelShard.of(mc, par, groups.rank)
+        model_shard = ModelShard.of(mc, par, rank)
         heads = model_shard.kv_heads(mc)
         cells = shard_cells(
             namespace,
             (model_shard.layers.start, model_shard.layers.stop),
             (heads.start, heads.stop),
-            groups.tp_rank,
+            tp_rank,
         )
         return StorageLayout(shard, namespace, cells, f"tp{par.tp_size}pp{par.pp_size}")
 
