@@ -68,10 +68,11 @@ def check_tp_divides(
     sizes = [("attention heads", num_heads), ("MLP intermediate size", intermediate)]
     if not kv_replicated:
         sizes.insert(1, ("KV heads", num_kv_heads))
+    kv = "" if kv_replicated else f" and {num_kv_heads} KV heads"
     for what, n in sizes:
         if n % tp_size:
             raise ValueError(
                 f"--tp-size {tp_size} does not divide the model's {n} {what}; "
-                f"choose a TP size that divides {num_heads} heads and {num_kv_heads} KV heads "
-                f"(preset tiny-tp has 8 and 8)"
+                f"choose a TP size that divides {num_heads} heads{kv} "
+                f"(preset tiny-tp has 8 and 8, tiny-mla 8 heads over one latent)"
             )
