@@ -5,10 +5,13 @@ Subcommands:
   counts per tier (with `--repeat N` the same prompt runs N times, so the cache shows).
 - `up`: the whole mesh on loopback (nats, redis, index, engines, router); prints the URL.
 - `bench`: the multi-turn generated-shared-prefix benchmark, per arm or against a server.
+- `replay FILE`: re-send recorded traffic (`up --record FILE`) to a mesh and compare the
+  answers with the recording (and between arms).
 - `consensus DIR`: read the rank consensus checker's per-rank logs and report the first
   entry on which the ranks differ.
 
-Only `generate` loads torch (lazily): `up` and `bench` start processes and parse flags.
+Only `generate` loads torch (lazily): `up`, `bench` and `replay` start processes and parse
+flags.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from services.bench.cli import add_bench_args, run_bench
 from services.engine.flags import add_engine_args
 from services.launch.up import add_up_args, run_up
+from services.replay.cli import add_replay_args, run_replay
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -93,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="multi-turn benchmark: TTFT, ITL, cache hits per arm")
     add_bench_args(bench)
     bench.set_defaults(func=run_bench)
+    replay = sub.add_parser(
+        "replay", help="re-send recorded traffic to a mesh and compare with the recording"
+    )
+    add_replay_args(replay)
+    replay.set_defaults(func=run_replay)
     cons = sub.add_parser(
         "consensus",
         help="report the first divergence in the rank consensus checker's per-rank logs",
@@ -106,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = list(sys.argv[1:] if argv is None else argv)  # a record header's
     try:
         return int(args.func(args))
     except ValueError as e:

@@ -52,7 +52,7 @@ ARM_FLAGS: dict[str, list[str]] = {
 }
 DEFAULT_ARMS = "baseline,tree"
 # `hicache-mesh up` options that do not change what is measured (ignored when comparing arms)
-_NOT_COMPARED = ("port", "func")
+_NOT_COMPARED = ("port", "func", "command_line")
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,9 +287,11 @@ def mesh_up_args(arm: Arm) -> argparse.Namespace:
 
     argv = ["up", "--port", str(free_port()), *arm.up_flags]
     try:
-        return build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as e:  # argparse has printed why
         raise ValueError(f"arm {arm.name!r}: `hicache-mesh {shlex.join(argv)}` was rejected") from e
+    args.command_line = argv  # what a record header names as the mesh's flags
+    return args
 
 
 def check_arms_differ(resolved: list[tuple[Arm, argparse.Namespace]]) -> None:

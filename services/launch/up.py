@@ -196,7 +196,7 @@ class Mesh:
             "served_model_name": a.served_model_name or a.model,
             "dtype": a.dtype,
             "page_size": a.page_size,
-            "mesh_flags": sys.argv[1:],
+            "mesh_flags": _up_flags(getattr(a, "command_line", None) or sys.argv[1:]),
             "engine_flags": {name: engine_argv(a) + extra for name, extra in self._engines()},
         }
 
@@ -247,6 +247,11 @@ class Mesh:
     def stop(self) -> None:
         self.supervisor.stop()
         self.workdir.cleanup()
+
+
+def _up_flags(command_line: list[str]) -> list[str]:
+    """`hicache-mesh up`'s flags from its command line (without the subcommand)."""
+    return command_line[1:] if command_line[:1] == ["up"] else command_line
 
 
 def run_up(args: argparse.Namespace) -> int:
