@@ -185,6 +185,9 @@ class Recorder:
                         f.write(orjson.dumps(record, default=_default) + b"\n")
                     except (TypeError, orjson.JSONEncodeError) as e:
                         log.warning("record not written: %s", e)
+                    # hand the interpreter back to the event loop between records: a
+                    # backlog written in one go would hold it for the switch interval (5 ms)
+                    time.sleep(0)
                 f.flush()
                 if stop:
                     return
