@@ -114,9 +114,9 @@ class DecodeSide:
             self.fail_stream(req.request_id, "", 0)
             await self._reply(msg, self._refusal(req.request_id, str(e), 400))
             return
-        except EngineCrashedError as e:  # 500: the router must not retry it elsewhere
+        except EngineCrashedError as e:  # 500 (never retried elsewhere) when it held it
             self.fail_stream(req.request_id, "", 0)
-            await self._reply(msg, self._refusal(req.request_id, str(e), 500))
+            await self._reply(msg, self._refusal(req.request_id, str(e), 500 if e.held else 503))
             return
         except RuntimeError as e:
             self.fail_stream(req.request_id, "", 0)
@@ -282,7 +282,7 @@ class PrefillSide:
             self.fail_stream(req.request_id, str(e), 400)
         except EngineCrashedError as e:
             self.jobs.pop(req.request_id, None)
-            self.fail_stream(req.request_id, str(e), 500, True)
+            self.fail_stream(req.request_id, str(e), 500 if e.held else 503, e.held)
 
     async def on_ack(self, msg: Msg) -> None:
         try:

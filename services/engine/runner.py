@@ -97,7 +97,14 @@ class Outbox(Protocol):
 
 
 class EngineCrashedError(RuntimeError):
-    """The engine's step loop died; no command runs any more."""
+    """The engine's step loop died; no command runs any more. `held`: the command's request
+    was in the engine when it died (it may be the cause: never retried elsewhere); False
+    when the command came, or waited in the queue, after the engine was already gone (the
+    request cannot have caused it: another engine may serve it)."""
+
+    def __init__(self, reason: str, held: bool = True) -> None:
+        super().__init__(reason)
+        self.held = held
 
 
 @dataclass(slots=True)
@@ -122,8 +129,7 @@ def _run_command(command: Callable[[], None], done: Future[Any]) -> None:
         command()
     except Exception as e:
         log.exception("engine command failed")
-        if not done.done():
-            done.set_exception(e)
+        _fail(done, e)
 
 
 def _received(req: Req) -> tuple[int, int, int] | None:
@@ -199,7 +205,7 @@ class EngineRunner:
                 else:
                     req = engine.submit(input_ids, sampling, cache_salt=cache_salt)
             except ValueError as e:
-                done.set_exception(e)
+                _fail(done, e)
                 return
             tracked = _Tracked(request_id, req)
             self._tracked[req.rid] = tracked
@@ -207,7 +213,7 @@ class EngineRunner:
             if decode_reuse is not None:
                 tracked.admitted = done  # type: ignore[assignment]
             else:
-                done.set_result(None)
+                _resolve(done, None)
 
         self._put(command, done)
         return done
@@ -238,7 +244,7 @@ class EngineRunner:
                     rid, token_start, token_end, payload, first_token, rank, sender
                 )
             except ValueError as e:
-                done.set_exception(e)
+                _fail(done, e)
                 return
             self._awaiting.append((cmd, len(payload), done))
 
@@ -265,9 +271,11 @@ class EngineRunner:
         def command() -> None:
             assert self.engine is not None
             try:
-                done.set_result(fn(self.engine))
+                result = fn(self.engine)
             except Exception as e:  # the caller gets the error through the future
-                done.set_exception(e)
+                _fail(done, e)
+            else:
+                _resolve(done, result)
 
         self._put(command, done)
         return done
@@ -279,7 +287,7 @@ class EngineRunner:
                 self._commands.put((command, done))
                 return
             reason = self._dead
-        done.set_exception(EngineCrashedError(reason))
+        _fail(done, EngineCrashedError(reason, held=False))
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
@@ -379,9 +387,9 @@ class EngineRunner:
             if not cmd.applied:
                 waiting.append((cmd, size, done))
             elif cmd.error is not None:
-                done.set_exception(ValueError(cmd.error))
+                _fail(done, ValueError(cmd.error))
             else:
-                done.set_result(size)
+                _resolve(done, size)
         self._awaiting = waiting
 
     def _debug_crash(self) -> None:
@@ -455,9 +463,9 @@ class EngineRunner:
         if fut is None or fut.done() or req.remote is None:
             return
         if req.remote.prefix_len >= 0:
-            fut.set_result(Admission(req.remote.prefix_len, req.cached.device, req.cached.host))
+            _resolve(fut, Admission(req.remote.prefix_len, req.cached.device, req.cached.host))
         elif req.finish_reason is not None:
-            fut.set_exception(RuntimeError(f"request ended before admission: {req.finish_reason}"))
+            _fail(fut, RuntimeError(f"request ended before admission: {req.finish_reason}"))
 
     def _report_export(self, rid: int, t: _Tracked) -> None:
         req = t.req
@@ -490,7 +498,7 @@ class EngineRunner:
                 _, done = self._commands.get_nowait()
             except queue.Empty:
                 break
-            _fail(done, EngineCrashedError(reason))
+            _fail(done, EngineCrashedError(reason, held=False))  # never reached the engine
         if threading.current_thread() is self._thread:
             self._fail_local(reason)
         self._loop.call_soon_threadsafe(self._outbox.crashed, reason)
@@ -505,6 +513,14 @@ class EngineRunner:
         self._tracked.clear()
         self._by_request.clear()
         self._awaiting.clear()
+
+
+def _resolve(done: Future[Any], result: Any) -> None:
+    """Give `done` its result unless its caller gave up on it (cancelled: a caller's
+    asyncio wrapper cancels it on shutdown), which must not fail the command."""
+    if not done.done():
+        with contextlib.suppress(InvalidStateError):
+            done.set_result(result)
 
 
 def _fail(done: Future[Any], error: BaseException) -> None:

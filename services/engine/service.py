@@ -328,12 +328,9 @@ class EngineService:
             if msg.reply:
                 await self._publish_now(msg.reply, ErrorReply(str(e)).encode())
             return
-        if not self._accepting:
-            reason = self.crashed_reason
-            error = ("engine shutting down", 503) if reason is None else (reason, 500)
-            self._send_chunk(
-                req.reply_to, req.request_id, 0, error=error, crashed=reason is not None
-            )
+        if not self._accepting:  # stopping, or crashed before this request came: retriable
+            error = (self.crashed_reason or "engine shutting down", 503)
+            self._send_chunk(req.reply_to, req.request_id, 0, error=error)
             return
         if req.request_id in self._streams:
             self._send_chunk(req.reply_to, req.request_id, 0, error=("duplicate id", 400))
@@ -351,8 +348,8 @@ class EngineService:
             )
         except InvalidRequestError as e:
             self._send_error(req.request_id, str(e), 400)
-        except EngineCrashedError as e:
-            self._send_error(req.request_id, str(e), 500, crashed=True)
+        except EngineCrashedError as e:  # 500 when it held the request, else retriable
+            self._send_error(req.request_id, str(e), 500 if e.held else 503, crashed=e.held)
         except Exception as e:  # the runner isolated it to this request's command
             self._send_error(req.request_id, f"engine error: {e}", 500)
 
