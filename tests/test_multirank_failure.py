@@ -11,6 +11,10 @@ engine stops heartbeating before the first error goes out, and the service exits
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +23,7 @@ import pytest
 from bus_helpers import spawn_engine, wait_heartbeats
 from test_engine_failure import Collector
 
+from gpu_worker.engine.rank import EXIT_PEER_LOST, RankExit, RankProcesses
 from services.launch.servers import ServerProcess
 
 HEARTBEAT_S = 1.0
@@ -81,3 +86,63 @@ async def test_a_rank_that_raises_ends_its_engine(
             proc.kill()
             proc.wait()
         await nc.close()
+
+
+def _child(code: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+SLEEP = "import time; time.sleep(60)"
+
+
+@pytest.mark.parametrize(
+    ("children", "killed", "expected", "external"),
+    [
+        # a rank killed from outside; its peer saw the broken collective first
+        ([f"import os; os._exit({EXIT_PEER_LOST})", SLEEP], 2, RankExit(2, -9), True),
+        # a rank that raised, and a peer that lost it: the raiser is named, a suspect
+        (
+            [
+                "import os; os._exit(1)",
+                f"import os, time; time.sleep(0.2); os._exit({EXIT_PEER_LOST})",
+            ],
+            None,
+            RankExit(1, 1),
+            False,
+        ),
+        # a crash signal is the rank's own fault
+        (
+            [SLEEP, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"],
+            None,
+            RankExit(2, -11),
+            False,
+        ),
+        # only a lost peer and no other exit: nothing a request computed
+        (
+            [f"import os; os._exit({EXIT_PEER_LOST})", SLEEP],
+            None,
+            RankExit(1, EXIT_PEER_LOST),
+            True,
+        ),
+    ],
+    ids=["killed", "raised", "segfault", "peer-lost-only"],
+)
+def test_exit_cause_names_the_rank_that_ended_the_world(
+    children: list[str], killed: int | None, expected: RankExit, external: bool
+) -> None:
+    """The rank named to every request, and whether they may be retried elsewhere: a rank
+    whose collective broke (exit 3) is a symptom, never the cause while another exited."""
+    procs = {rank: _child(code) for rank, code in enumerate(children, start=1)}
+    ranks = RankProcesses(procs, None)  # type: ignore[arg-type]  # no world to keep alive
+    try:
+        while procs[1].poll() is None and procs[2].poll() is None:
+            time.sleep(0.01)
+        if killed is not None:
+            time.sleep(0.1)  # the symptom shows well before the cause
+            os.kill(procs[killed].pid, signal.SIGKILL)
+        cause = ranks.exit_cause(wait_s=3.0)
+        assert cause == expected
+        assert cause.external is external
+        assert f"rank {expected.rank}" in cause.describe()
+    finally:
+        ranks.kill()

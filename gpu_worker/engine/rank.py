@@ -8,9 +8,11 @@ and returns rank 0's `Engine` with a `RankProcesses` handle. The caller drives t
 (the engine service's runner thread, `hicache-mesh generate`, a test); the other ranks run
 `Engine.follow()` and exit 0 when rank 0 sends Stop.
 
-Failure: a rank that raises logs why and exits 1, so its peers' next collective with it
-fails and the error reaches rank 0; `RankProcesses.dead()` lets the caller see a dead rank
-at once. Every child asks the kernel to kill it when the thread that started it ends
+Failure: a rank that raises logs why and exits 1 (`EXIT_FAILED`), so its peers' next
+collective with it fails and the error reaches rank 0; a rank whose collective failed
+because a peer went away exits 3 (`EXIT_PEER_LOST`: a symptom, not a cause).
+`RankProcesses.dead()` lets the caller see a dead rank at once, and `exit_cause()` names the
+rank whose exit ended the world and whether a request can have caused it (`RankExit`). Every child asks the kernel to kill it when the thread that started it ends
 (PR_SET_PDEATHSIG), so no rank outlives its engine.
 """
 
@@ -24,6 +26,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +46,39 @@ log = logging.getLogger(__name__)
 
 RENDEZVOUS_HOST = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
+EXIT_FAILED = 1  # the rank raised: its own work failed (a request may be the cause)
+EXIT_PEER_LOST = 3  # a collective failed because a peer rank went away first
+# Killed from outside: an operator, a supervisor, the kernel's OOM killer. A crash signal
+# (SIGSEGV, SIGABRT, SIGBUS, SIGFPE) is the rank's own fault and may be a request's doing.
+EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+EXIT_SETTLE_S = 0.05  # after the first cause shows: time for a killed sibling's status to show
+
+
+@dataclass(frozen=True, slots=True)
+class RankExit:
+    """How a child rank ended: its exit status, or minus the signal that killed it."""
+
+    rank: int
+    status: int
+
+    @property
+    def external(self) -> bool:
+        """Nothing the rank computed can have caused it: it was killed from outside or lost
+        a peer. The requests its engine held may be served elsewhere."""
+        if self.status == EXIT_PEER_LOST:
+            return True
+        return self.status < 0 and -self.status in EXTERNAL_SIGNALS
+
+    def describe(self) -> str:
+        if self.status < 0:
+            try:
+                name = signal.Signals(-self.status).name
+            except ValueError:
+                name = f"signal {-self.status}"
+            return f"engine rank {self.rank} was killed by {name}"
+        if self.status == EXIT_PEER_LOST:
+            return f"engine rank {self.rank} lost its connection to a peer rank"
+        return f"engine rank {self.rank} exited with status {self.status}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +102,26 @@ class RankProcesses:
     def dead(self) -> list[tuple[int, int]]:
         """(rank, exit status) of every child that has exited."""
         return [(r, p.returncode) for r, p in self.procs.items() if p.poll() is not None]
+
+    def exit_cause(self, wait_s: float) -> RankExit | None:
+        """The child exit that ended the world, or None when no child has exited within
+        `wait_s`. Ranks that only lost a peer are symptoms: their peer's own exit is
+        waited for (up to `wait_s`) and named instead; of several causes, a rank killed by a
+        signal comes first (its siblings' collectives broke because of it)."""
+        deadline = time.monotonic() + wait_s
+        settle: float | None = None
+        while True:
+            dead = [RankExit(r, s) for r, s in self.dead()]
+            causes = [d for d in dead if d.status != EXIT_PEER_LOST]
+            now = time.monotonic()
+            if causes and settle is None:
+                settle = now + EXIT_SETTLE_S
+            if (settle is not None and now >= settle) or now >= deadline:
+                break
+            time.sleep(0.01)
+        if causes:
+            return min(causes, key=lambda d: (d.status >= 0, d.rank))
+        return dead[0] if dead else None
 
     @property
     def pids(self) -> dict[int, int]:
@@ -156,6 +212,14 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _peer_lost(error: Exception) -> bool:
+    """A collective failed because a peer's connection broke or timed out (gloo's transport
+    raises these as plain RuntimeErrors naming its source file), not by this rank's work."""
+    if isinstance(error, dist.DistNetworkError):
+        return True
+    return isinstance(error, RuntimeError) and "gloo/transport/" in str(error)
+
+
 def main() -> None:
     spec: RankSpec = pickle.loads(sys.stdin.buffer.read())
     _die_with_parent(spec.parent_pid)
@@ -188,10 +252,15 @@ def main() -> None:
         engine.follow()
         engine.close()
         destroy_parallel_groups(groups)
-    except Exception:
-        log.exception("rank %d of the engine failed", spec.rank)
+    except Exception as e:
+        lost = _peer_lost(e)
+        if lost:
+            log.error("rank %d of the engine lost a peer: %s", spec.rank, e)
+        else:
+            log.exception("rank %d of the engine failed", spec.rank)
         logging.shutdown()
-        os._exit(1)  # at once: rank 0 names this exit to every request; no teardown of gloo
+        # At once, without a teardown of gloo: rank 0 names the cause to every request.
+        os._exit(EXIT_PEER_LOST if lost else EXIT_FAILED)
     logging.shutdown()
     os._exit(0)  # done: the interpreter's teardown of torch would take another second or two
 

@@ -17,7 +17,12 @@ exactly like a crash of the step loop. An idle multi-rank engine still steps eve
 A request's own failure (e.g. in its sampling) is the scheduler's to isolate: it finishes
 that request with an error. Anything that escapes `engine.step()` kills the step loop: the
 runner fails every pending command, then tells the service (`Outbox.crashed`), which stops
-heartbeating, fails every request it holds and exits the process.
+heartbeating, fails every request it holds and exits the process. Whether those requests
+may be retried on another engine depends on the cause: a crash of the step loop, or a rank
+that raised or crashed, may be a request's doing (`suspect`: never retried, so one poison
+request cannot take down the fleet); a rank killed from outside (SIGKILL, SIGTERM) or cut
+off from its peers is not (`RankExit.external`), and requests with no token sent yet are
+answered 503 so the router serves them elsewhere.
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -35,7 +39,7 @@ from typing import Any, Protocol
 
 from gpu_worker.engine.commands import WriteKV
 from gpu_worker.engine.engine import Engine, EngineConfig
-from gpu_worker.engine.rank import RankProcesses, launch_engine
+from gpu_worker.engine.rank import RankExit, RankProcesses, launch_engine
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.request import CachedTokens, KVExport, Req
@@ -91,16 +95,18 @@ class Outbox(Protocol):
 
     def kv_events(self, events: list[tuple[str, str, list[str]]]) -> None: ...
 
-    def crashed(self, reason: str) -> None:
-        """The step loop died: this runner takes no more work."""
+    def crashed(self, reason: str, suspect: bool) -> None:
+        """The step loop died: this runner takes no more work. `suspect`: the requests it
+        held may have caused it (see `EngineCrashedError.held`)."""
         ...
 
 
 class EngineCrashedError(RuntimeError):
     """The engine's step loop died; no command runs any more. `held`: the command's request
-    was in the engine when it died (it may be the cause: never retried elsewhere); False
-    when the command came, or waited in the queue, after the engine was already gone (the
-    request cannot have caused it: another engine may serve it)."""
+    was in the engine when it died of a cause a request can have (it may be the culprit:
+    never retried elsewhere); False when the command came, or waited in the queue, after
+    the engine was already gone, or when a rank was killed from outside (the request cannot
+    have caused it: another engine may serve it)."""
 
     def __init__(self, reason: str, held: bool = True) -> None:
         super().__init__(reason)
@@ -157,6 +163,7 @@ class EngineRunner:
         self._debug_crash_on_token = debug_crash_on_token
         self._commands: queue.Queue[tuple[Callable[[], None], Future[Any]]] = queue.Queue()
         self._dead: str | None = None  # why the step loop died; guarded by _lock
+        self._suspect = True  # whether the requests it held may have caused it (set with _dead)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._tracked: dict[int, _Tracked] = {}
@@ -321,24 +328,23 @@ class EngineRunner:
         except Exception as e:
             crashed = True
             log.exception("engine step loop crashed")
-            self._die(self._crash_reason(e))
+            self._die(*self._crash_reason(e))
         finally:
             if self._dead is not None:
-                self._fail_local(self._dead)
+                self._fail_local(self._dead, self._suspect)
             if (crashed or self._dead is not None) and self.ranks is not None:
                 self.ranks.kill()  # a world that lost a rank or rank 0's loop cannot step on
             self._close(engine)
 
-    def _crash_reason(self, error: Exception) -> str:
-        """Why the step loop died, for every request it held: a rank that exited (rank 0's
-        collective with it failed) is named rather than the collective's error."""
+    def _crash_reason(self, error: Exception) -> tuple[str, bool]:
+        """Why the step loop died, for every request it held, and whether they may have
+        caused it: a rank that exited (rank 0's collective with it failed) is named rather
+        than the collective's error."""
         if self.ranks is not None:
-            deadline = time.monotonic() + DEAD_RANK_WAIT_S
-            while not self.ranks.dead() and time.monotonic() < deadline:
-                time.sleep(RANK_WATCH_S / 4)
-            for rank, status in self.ranks.dead():
-                return f"engine rank {rank} exited with status {status}"
-        return f"engine step loop crashed: {type(error).__name__}: {error}"
+            cause = self.ranks.exit_cause(DEAD_RANK_WAIT_S)
+            if cause is not None:
+                return _rank_crash(cause)
+        return f"engine step loop crashed: {type(error).__name__}: {error}", True
 
     def _close(self, engine: Engine) -> None:
         try:
@@ -351,14 +357,13 @@ class EngineRunner:
         """A rank that exits ends the engine at once (rank 0 may be blocked in a collective
         with it): the service stops heartbeating, fails every request and exits."""
         while not self._stop.is_set():
-            dead = ranks.dead()
-            if dead:
-                if self._stop.is_set():
+            if ranks.dead():
+                cause = ranks.exit_cause(DEAD_RANK_WAIT_S)
+                if self._stop.is_set() or cause is None:
                     return
-                rank, status = dead[0]
-                reason = f"engine rank {rank} exited with status {status}"
+                reason, suspect = _rank_crash(cause)
                 log.error("%s: the engine is down", reason)
-                self._die(reason)
+                self._die(reason, suspect)
                 return
             self._stop.wait(RANK_WATCH_S)
 
@@ -485,14 +490,14 @@ class EngineRunner:
         if events:
             self._loop.call_soon_threadsafe(self._outbox.kv_events, events)
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, suspect: bool) -> None:
         """Refuse all further commands, fail the queued ones, then tell the service (after
         any token updates already scheduled). Called once, from the runner thread or the
         rank watcher; the runner thread also fails what only it touches (`_fail_local`)."""
         with self._lock:
             if self._dead is not None:
                 return
-            self._dead = reason
+            self._dead, self._suspect = reason, suspect
         while True:
             try:
                 _, done = self._commands.get_nowait()
@@ -500,19 +505,24 @@ class EngineRunner:
                 break
             _fail(done, EngineCrashedError(reason, held=False))  # never reached the engine
         if threading.current_thread() is self._thread:
-            self._fail_local(reason)
-        self._loop.call_soon_threadsafe(self._outbox.crashed, reason)
+            self._fail_local(reason, suspect)
+        self._loop.call_soon_threadsafe(self._outbox.crashed, reason, suspect)
 
-    def _fail_local(self, reason: str) -> None:
+    def _fail_local(self, reason: str, suspect: bool) -> None:
         """Runner thread: fail every admission and command result still awaited."""
         for t in self._tracked.values():
             if t.admitted is not None:
-                _fail(t.admitted, EngineCrashedError(reason))
+                _fail(t.admitted, EngineCrashedError(reason, held=suspect))
         for _, _, done in self._awaiting:
-            _fail(done, EngineCrashedError(reason))
+            _fail(done, EngineCrashedError(reason, held=suspect))
         self._tracked.clear()
         self._by_request.clear()
         self._awaiting.clear()
+
+
+def _rank_crash(cause: RankExit) -> tuple[str, bool]:
+    """The crash reason a dead rank gives, and whether its engine's requests are suspects."""
+    return cause.describe(), not cause.external
 
 
 def _resolve(done: Future[Any], result: Any) -> None:

@@ -11,8 +11,9 @@ engine within `shutdown_grace_s` plus a few seconds even while NATS is unreachab
 
 Crash: when the engine's step loop dies (`crashed`), the service stops heartbeating at
 once, fails every request it holds with an error chunk marked `engine_crashed` (the router
-retries none of them), and sets `crashed_reason`: the process then exits non-zero, and its
-supervisor starts a fresh engine (new epoch).
+retries none of them: one may have caused it) or, when a rank was killed from outside,
+with a 503 (retried elsewhere if no token went out), and sets `crashed_reason`: the
+process then exits non-zero, and its supervisor starts a fresh engine (new epoch).
 
 NATS: the first connect is retried with backoff until it succeeds (a supervisor may start
 engines before nats-server), as are reconnects; each failed attempt logs one line.
@@ -293,9 +294,11 @@ class EngineService:
             return
         await _bounded(nc.close(), "NATS close")
 
-    def crashed(self, reason: str) -> None:
+    def crashed(self, reason: str, suspect: bool) -> None:
         """Runner callback (on the loop): the step loop died. Stop heartbeating now, fail
-        every request held with an `engine_crashed` error, and let the process exit."""
+        every request held, and let the process exit. When a request may have caused it
+        (`suspect`) each gets an `engine_crashed` 500, never retried elsewhere; otherwise
+        (a rank killed from outside) a 503 the router retries on another engine."""
         if self.crashed_reason is not None:
             return
         log.error("engine %s crashed, failing all requests: %s", self.config.engine_id, reason)
@@ -304,7 +307,7 @@ class EngineService:
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         for request_id in list(self._streams):
-            self._send_error(request_id, reason, 500, crashed=True)
+            self._send_error(request_id, reason, 500 if suspect else 503, crashed=suspect)
         self.crashed_event.set()
 
     async def abandon(self) -> None:
