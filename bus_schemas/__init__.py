@@ -20,6 +20,8 @@ from bus_schemas.messages import (
     SnapshotRequest,
     StatsReply,
     StatsRequest,
+    StreamCheck,
+    StreamState,
     TokenChunk,
 )
 from bus_schemas.page_hash import make_namespace, page_hashes
@@ -45,6 +47,8 @@ __all__ = [
     "SnapshotRequest",
     "StatsReply",
     "StatsRequest",
+    "StreamCheck",
+    "StreamState",
     "TokenChunk",
     "make_namespace",
     "page_hashes",

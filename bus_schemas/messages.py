@@ -173,8 +173,9 @@ class Heartbeat(Message):
     (cumulative since the engine started or flushed; the router exports them per engine)."""
 
     TYPE: ClassVar[str] = "heartbeat"
-    # 2: cache usage and counters; 3: eviction counters; 4: card; 5: external storage
-    VERSION: ClassVar[int] = 5
+    # 2: cache usage and counters; 3: eviction counters; 4: card; 5: external storage;
+    # 6: bus_reconnects
+    VERSION: ClassVar[int] = 6
 
     engine_id: str
     bucket: str
@@ -207,6 +208,9 @@ class Heartbeat(Message):
     storage_pages_written: int = 0
     storage_write_failures: int = 0  # puts that stopped early (a full or read-only store)
     storage_quarantined: int = 0  # objects that failed verification: set aside, not read
+    # how often the engine's NATS connection came back: messages to it, or from it to a
+    # router not yet resubscribed, may have been lost then (routers check their streams)
+    bus_reconnects: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +313,32 @@ class AbortRequest(Message):
     TYPE: ClassVar[str] = "abort"
 
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamCheck(Message):
+    """Router -> engine, after a NATS reconnect on either side: does the engine hold
+    `request_id`, streaming to `reply_to`? Answered with a StreamState on `reply_to`."""
+
+    TYPE: ClassVar[str] = "stream_check"
+
+    request_id: str
+    reply_to: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamState(Message):
+    """Engine -> router, on the stream's own reply subject, after every chunk sent before
+    it (one connection delivers in order): the engine holds the request (`held`) and has
+    sent chunks 0..`next_seq`-1. A router that got fewer, or asks about a request the
+    engine does not hold, lost replies on the bus."""
+
+    TYPE: ClassVar[str] = "stream_state"
+
+    request_id: str
+    engine_id: str
+    held: bool
+    next_seq: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,11 @@ def engine_abort(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.abort"
 
 
+def engine_stream_check(engine_id: str) -> str:
+    """StreamCheck to one engine (its StreamState goes to the stream's reply subject)."""
+    return f"{PREFIX}.engine.{engine_id}.stream_check"
+
+
 def engine_flush(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.flush"
 

@@ -63,6 +63,8 @@ async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
 
     async def on_reconnect() -> None:
         log.info("NATS reconnected")
+        if keys.REPLIES in app:  # replies sent while this router was away may be lost
+            app[keys.REPLIES].reconnected()
 
     nc = await connect_nats(
         app[keys.CONFIG].nats_url,
@@ -96,10 +98,16 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     cards = ModelCards(app[keys.NATS], app[keys.METRICS], loop.time)
     app[keys.MODELS] = cards
 
+    reconnects: dict[str, tuple[str, int]] = {}  # engine -> (epoch, its bus_reconnects)
+
     async def on_heartbeat(msg: Msg) -> None:
         hb = table.on_heartbeat_data(msg.data)
         if hb is not None:
             cards.observe(hb.engine_id, hb.card_digest)
+            seen = reconnects.get(hb.engine_id)
+            reconnects[hb.engine_id] = (hb.epoch, hb.bus_reconnects)
+            if seen is not None and seen != (hb.epoch, hb.bus_reconnects) and seen[0] == hb.epoch:
+                app[keys.REPLIES].reconnected(hb.engine_id)  # its streams may have lost replies
 
     sub = await app[keys.NATS].subscribe(subjects.HEARTBEAT, cb=on_heartbeat)
     sweeper = asyncio.create_task(table.run_sweeper(), name="engine-table-sweeper")

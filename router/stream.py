@@ -28,7 +28,15 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from bus_schemas import AbortRequest, Message, SchemaError, TokenChunk, subjects
+from bus_schemas import (
+    AbortRequest,
+    Message,
+    SchemaError,
+    StreamCheck,
+    StreamState,
+    TokenChunk,
+    subjects,
+)
 from router.config import RouterConfig
 from router.engines import EngineTable
 
@@ -50,6 +58,9 @@ ENGINE_ERRORS: Mapping[int, str] = {400: "rejected", 503: "unavailable"}
 DECODE_ERRORS: Mapping[int, str] = {400: "rejected", 409: "restore_failed", 503: "transfer_timeout"}
 
 Reply = tuple[str, bytes]  # (subject, payload) of one message to a ReplyHub subject
+# The subject of a ReplyHub marker (never a NATS subject): NATS reconnected, on the router's
+# side (payload b"") or on one engine's (its id); replies may have been lost in between.
+RECONNECTED = ""
 
 
 class EngineFailure(Exception):
@@ -107,6 +118,13 @@ class ReplyHub:
     def close(self, subject: str) -> None:
         self._queues.pop(subject, None)
 
+    def reconnected(self, engine_id: str = "") -> None:
+        """NATS came back, for this router (`engine_id` "") or for one engine: every open
+        stream (of that engine) asks its engine what it sent (`EngineStream.next_chunk`)."""
+        marker = (RECONNECTED, engine_id.encode())
+        for queue in {id(q): q for q in self._queues.values()}.values():
+            queue.put_nowait(marker)
+
     async def _on_msg(self, msg: Msg) -> None:
         queue = self._queues.get(msg.subject)
         if queue is not None:
@@ -140,6 +158,7 @@ class EngineStream:
         self._watched: str | None = None  # an engine whose failure fails the first chunk
         self._watch_subject: str | None = None
         self._watched_told = False  # the watched engine got work (abort it on a failure)
+        self._check_again_at: float | None = None  # after a reconnect: until the engine answers
 
     async def __aenter__(self) -> EngineStream:
         return self
@@ -236,9 +255,14 @@ class EngineStream:
                     subject, data = await self._queue.get()
             except TimeoutError:
                 self._check_alive()
+                if self._check_again_at is not None and loop.time() >= self._check_again_at:
+                    await self._check_stream()  # the engine may not have resubscribed yet
                 continue
             if subject == self.reply_to:
                 self._accept(data)
+            elif subject == RECONNECTED:
+                if data.decode() in ("", self.engine_id) and self.started:
+                    await self._check_stream()
             elif self.num_chunks == 0:
                 self._on_watched(data)
         chunk = self._pending.pop(self.num_chunks)
@@ -263,14 +287,52 @@ class EngineStream:
                 watched,
             )
 
+    async def _check_stream(self) -> None:
+        """After a reconnect: ask the engine whether it holds this stream and what it sent
+        (its StreamState comes on `reply_to`, after those chunks). Asked again every
+        `liveness_poll_s` until it answers."""
+        loop = asyncio.get_running_loop()
+        self._check_again_at = loop.time() + self.config.liveness_poll_s
+        check = StreamCheck(self.request_id, self.reply_to)
+        with contextlib.suppress(NatsError):  # the bus is down again: asked again later
+            await self.nc.publish(subjects.engine_stream_check(self.engine_id), check.encode())
+
     def _accept(self, data: bytes) -> None:
         try:
             chunk = TokenChunk.decode(data)
         except SchemaError as e:
-            raise self._failure("bad_message", f"undecodable chunk: {e}") from None
+            try:
+                state = StreamState.decode(data)
+            except SchemaError:
+                raise self._failure("bad_message", f"undecodable chunk: {e}") from None
+            self._on_state(state)
+            return
         if chunk.request_id != self.request_id or chunk.seq < self.num_chunks:
             return  # not ours, or a duplicate
         self._pending.setdefault(chunk.seq, chunk)
+
+    def _on_state(self, state: StreamState) -> None:
+        """The engine's answer to `_check_stream`: every chunk it sent before it has come,
+        or was lost while NATS reconnected. Lost replies fail the request at once (retried
+        elsewhere when nothing was streamed) instead of after `request_timeout_s`."""
+        if state.request_id != self.request_id or self._check_again_at is None:
+            return
+        self._check_again_at = None
+        got = self.num_chunks
+        while got in self._pending:
+            if self._pending[got].finished:
+                return  # the whole stream came
+            got += 1
+        if not state.held:
+            raise self._failure(
+                "bus", f"engine {self.engine_id} does not hold the request: lost on the bus"
+            )
+        if state.next_seq > got:
+            raise self._failure(
+                "bus",
+                f"engine {self.engine_id} sent {state.next_seq} chunks, {got} came: "
+                "replies lost while NATS reconnected",
+            )
 
     def _on_watched(self, data: bytes) -> None:
         """A message of the watched engine: only ever an error report."""

@@ -5,9 +5,11 @@ bus_schemas contract: it publishes `Heartbeat`s, answers `GenerateRequest`s with
 deterministic tokens (`output[i] = (input_ids[i % len] + 1) % vocab_size`, see
 `expected_tokens`; asked for logprobs, token i has logprob `-(i + 1) / 10` and the top k are
 `expected_top`), and serves abort, flush, stats and its model card (the byte tokenizer, no
-chat template, or `chat_template`). Knobs make it misbehave: go silent
-(no heartbeats, no chunks: a killed engine), stop answering while still heartbeating (a hung
-engine), or answer with an error chunk.
+chat template, or `chat_template`). It answers `StreamCheck`s from what it sent. Knobs make
+it misbehave: go silent (no heartbeats, no chunks: a killed engine), stop answering while
+still heartbeating (a hung engine), answer with an error chunk, or lose chunks on the bus
+(`lose_chunks_from`: counted as sent, never published) and report a NATS reconnect in its
+heartbeats (`bus_reconnects`).
 
 `FakePrefill` and `FakeDecode` play the two P/D roles (DESIGN.md section 6) with the same
 tokens: decode answers `DecodeAdmit` with a page-aligned `decode_prefix_len` (its
@@ -46,6 +48,8 @@ from bus_schemas import (
     PrefillRequest,
     Sampling,
     StatsReply,
+    StreamCheck,
+    StreamState,
     TokenChunk,
     subjects,
 )
@@ -103,6 +107,8 @@ class FakeEngine:
     bos_token_id: int | None = None  # its model card's
     store_id: str = ""  # its external store (heartbeats)
     mute_card: bool = False  # model card requests go unanswered
+    lose_chunks_from: int | None = None  # chunks of this seq on are "sent" but never arrive
+    bus_reconnects: int = 0  # reported in heartbeats
     # --- what it saw
     received: list[GenerateRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
@@ -115,6 +121,7 @@ class FakeEngine:
     _aborted: set[str] = field(default_factory=set)
     _chunks_sent: int = 0
     _running: int = 0
+    _streams: dict[str, tuple[str, int]] = field(default_factory=dict)  # held: (reply_to, seq)
 
     @property
     def nc(self) -> NATS:
@@ -128,6 +135,8 @@ class FakeEngine:
         await self.nc.subscribe(subjects.engine_flush(self.engine_id), cb=self._on_flush)
         await self.nc.subscribe(subjects.engine_stats(self.engine_id), cb=self._on_stats)
         await self.nc.subscribe(subjects.engine_model_card(self.engine_id), cb=self._on_card)
+        check = subjects.engine_stream_check(self.engine_id)
+        await self.nc.subscribe(check, cb=self._on_stream_check)
         await self.subscribe_role()
         await self.nc.flush()
         await self.beat()
@@ -163,6 +172,7 @@ class FakeEngine:
             evicted_device_pages=self.evicted_device_pages,
             card_digest=self.card.digest,
             store_id=self.store_id,
+            bus_reconnects=self.bus_reconnects,
         )
         await self.nc.publish(subjects.HEARTBEAT, hb.encode())
 
@@ -214,6 +224,7 @@ class FakeEngine:
             await self._stream(req.request_id, req.input_ids, req.sampling, req.reply_to)
         finally:
             self._running -= 1
+            self._streams.pop(req.request_id, None)
 
     async def _stream(
         self,
@@ -275,11 +286,25 @@ class FakeEngine:
     async def _send(self, reply_to: str, chunk: TokenChunk) -> bool:
         if self.silent:
             return False
-        await self.nc.publish(reply_to, chunk.encode())
+        if chunk.finished:
+            self._streams.pop(chunk.request_id, None)
+        else:
+            self._streams[chunk.request_id] = (reply_to, chunk.seq + 1)
+        if self.lose_chunks_from is None or chunk.seq < self.lose_chunks_from:
+            await self.nc.publish(reply_to, chunk.encode())
         self._chunks_sent += 1
         if self.silent_after_chunks is not None and self._chunks_sent >= self.silent_after_chunks:
             self.silent = True
         return True
+
+    async def _on_stream_check(self, msg: Msg) -> None:
+        if self.silent:
+            return
+        check = StreamCheck.decode(msg.data)
+        reply_to, seq = self._streams.get(check.request_id, ("", 0))
+        held = reply_to == check.reply_to
+        state = StreamState(check.request_id, self.engine_id, held, seq if held else 0)
+        await self.nc.publish(check.reply_to, state.encode())
 
     async def _on_abort(self, msg: Msg) -> None:
         request_id = AbortRequest.decode(msg.data).request_id

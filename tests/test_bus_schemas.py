@@ -45,6 +45,8 @@ from bus_schemas.messages import (
     SnapshotRequest,
     StatsReply,
     StatsRequest,
+    StreamCheck,
+    StreamState,
     TokenChunk,
 )
 from bus_schemas.page_hash import DIGEST_SIZE, make_namespace, page_hashes
@@ -158,6 +160,8 @@ SAMPLES: dict[type[Message], Message] = {
     ),
     SnapshotRequest: SnapshotRequest("e1", "gap"),
     AbortRequest: AbortRequest("r1"),
+    StreamCheck: StreamCheck("r1", "_INBOX.x.1"),
+    StreamState: StreamState("r1", "e1", True, 3),
     FlushRequest: FlushRequest(),
     FlushReply: FlushReply("e1", False, "busy"),
     StatsRequest: StatsRequest(),

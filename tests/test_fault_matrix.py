@@ -370,6 +370,10 @@ async def test_nats_killed(colo: UpMesh) -> None:
         t0 = time.monotonic()
         took, witness = await recover_held(colo, t0, load, held)
     assert witness.kind in ("ok", "error"), witness
+    # replies lost in the reconnect are found by asking the engines (StreamCheck), not by
+    # waiting out the router's request timeout
+    waited = [a for _, a in load.answers if "sent nothing for" in a.detail]
+    assert not waited and "sent nothing for" not in witness.detail, (waited, witness)
     assert colo.pid_of("nats") != before.pids["nats"]
     assert {e: colo.pid_of(e) for e in ENGINES} == {e: before.pids[e] for e in ENGINES}
     assert (

@@ -482,6 +482,48 @@ async def test_failure_before_first_chunk_retries_on_another_engine(
         assert r.status == 503 and r.headers["Retry-After"] == "1"
 
 
+async def test_replies_lost_in_a_reconnect_fail_at_once_and_retry_elsewhere(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """An engine's NATS connection came back (its heartbeat says so) after replies to the
+    router were lost: the router asks the engine what it sent (StreamCheck), and instead of
+    waiting out `request_timeout_s` it retries a request that got nothing on another engine
+    and ends one that had streamed with a clear error naming the lost chunks."""
+    async with running_mesh(nats_server.url, redis_server.url, 2, request_timeout_s=60) as mesh:
+        a, b = mesh.engines
+        await set_load(mesh, b, 100_000)
+        a.lose_chunks_from = 0  # every reply of a's is lost
+        a.token_delay_s = 0.05
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+        task = asyncio.create_task(mesh.client.post("/v1/completions", json=body))
+        await wait_until(lambda: bool(a.received))
+        await set_load(mesh, b, 0)
+        a.bus_reconnects += 1
+        await a.beat()
+        r = await asyncio.wait_for(task, 20)  # far below the 60 s request timeout
+        assert r.status == 200, await r.text()
+        data = await r.json()
+        expected = expected_tokens(list(PROMPT.encode()), 6)
+        assert data["choices"][0]["token_ids"] == expected
+        assert len(a.received) == 1 and len(b.received) == 1  # retried once, on b
+        assert a.received[0].request_id in a.aborts  # a was told to drop it
+
+        # two chunks came, the rest was lost: the stream ends with an error naming it
+        await set_load(mesh, b, 100_000)
+        a.lose_chunks_from, a.token_delay_s = 2, 0.3
+        body |= {"stream": True, "max_tokens": 20}
+        task = asyncio.create_task(mesh.client.post("/v1/completions", json=body))
+        await wait_until(lambda: len(a.received) == 2 and a._chunks_sent >= 3)
+        a.bus_reconnects += 1
+        await a.beat()
+        r = await asyncio.wait_for(task, 20)
+        events, done = await read_sse(r)
+        assert done  # the error event, then [DONE]
+        assert [len(e["choices"][0]["token_ids"]) for e in events[:2]] == [1, 1]
+        assert "error" in events[-1] and "2 came" in events[-1]["error"]["message"], events
+        assert len(b.received) == 1  # a request that streamed is never sent elsewhere
+
+
 async def test_engine_error_chunks(nats_server: ServerProcess, redis_server: ServerProcess) -> None:
     async with running_mesh(nats_server.url, redis_server.url, 2) as mesh:
         a, b = mesh.engines

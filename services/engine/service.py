@@ -46,6 +46,8 @@ from bus_schemas import (
     SchemaError,
     SnapshotRequest,
     StatsReply,
+    StreamCheck,
+    StreamState,
     TokenChunk,
     make_namespace,
 )
@@ -115,6 +117,7 @@ class EngineService:
         self._prefill: PrefillSide | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._reconnect_wait_s = NATS_BACKOFF_S[0]
+        self._bus_reconnects = 0  # heartbeats carry it: routers then check their streams
         self.crashed_reason: str | None = None
         self.crashed_event = asyncio.Event()
 
@@ -146,6 +149,7 @@ class EngineService:
         nc, eid = self._nc, self.config.engine_id
         self._work_subs = await self._subscribe_work(nc, eid)
         await nc.subscribe(subj.engine_abort(eid), cb=self._on_abort)
+        await nc.subscribe(subj.engine_stream_check(eid), cb=self._on_stream_check)
         await nc.subscribe(subj.engine_flush(eid), cb=self._on_flush)
         await nc.subscribe(subj.FLUSH_ALL, cb=self._on_flush)
         await nc.subscribe(subj.engine_stats(eid), cb=self._on_stats)
@@ -190,6 +194,7 @@ class EngineService:
 
     async def _on_nats_reconnected(self) -> None:
         log.info("NATS reconnected")
+        self._bus_reconnects += 1
         self._reconnect_wait_s = NATS_BACKOFF_S[0]
         if self._nc is not None:
             self._nc.options["reconnect_time_wait"] = NATS_BACKOFF_S[0]
@@ -364,6 +369,20 @@ class EngineService:
             return
         if self._runner is not None and req.request_id in self._streams:
             self._runner.abort(req.request_id)
+
+    async def _on_stream_check(self, msg: Msg) -> None:
+        """A router asks whether its stream survived a reconnect: the answer follows every
+        chunk already queued on the same subject, so the router can count what it lost."""
+        try:
+            check = StreamCheck.decode(msg.data)
+        except SchemaError as e:
+            log.warning("bad StreamCheck: %s", e)
+            return
+        stream = self._streams.get(check.request_id)
+        held = stream is not None and stream.reply_to == check.reply_to
+        seq = stream.seq if stream is not None and held else 0
+        state = StreamState(check.request_id, self.config.engine_id, held, seq)
+        self._outbound.put_nowait((check.reply_to, state.encode()))
 
     def tokens(self, updates: list[TokenUpdate]) -> None:
         """Runner callback (on the loop): forward new tokens to each request's stream."""
@@ -555,6 +574,7 @@ class EngineService:
                 **self._cache_gauges(),
                 card_digest=self._card_digest,
                 store_id=self._store_id,
+                bus_reconnects=self._bus_reconnects,
             )
             with contextlib.suppress(Exception):
                 await self._nc.publish(subj.HEARTBEAT, hb.encode())
