@@ -16,7 +16,7 @@ run: setup
 	.venv/bin/hicache-mesh up --port $(PORT) --model $(MODEL)
 
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
