@@ -80,18 +80,18 @@ async def admit(stream: EngineStream, request: DecodeAdmit, timeout_s: float) ->
     except SchemaError:
         error = _error_reply(data)
         if error is None:
-            raise _bad_reply(stream.engine_id) from None
+            raise _bad_reply(stream) from None
         stream.finished = True
-        raise _refusal(stream.engine_id, *error) from None
+        raise _refusal(stream, *error) from None
     if reply.error is not None:
         stream.finished = True
-        raise _refusal(stream.engine_id, reply.error_code, reply.error)
+        raise _refusal(stream, reply.error_code, reply.error)
     if (
         reply.request_id != request.request_id
         or not 0 <= reply.decode_prefix_len <= len(request.input_ids)
         or not reply.kv_subject
     ):
-        raise _bad_reply(stream.engine_id)
+        raise _bad_reply(stream)
     return reply
 
 
@@ -116,12 +116,15 @@ def _error_reply(data: bytes) -> tuple[int, str] | None:
     return reply.code, reply.message
 
 
-def _refusal(engine_id: str, code: int, message: str) -> EngineFailure:
+def _refusal(stream: EngineStream, code: int, message: str) -> EngineFailure:
     """400: the request is invalid; 500: the engine crashed while admitting it (not to be
     retried); anything else: the engine cannot take it now."""
     kind = {400: "rejected", 500: "engine_crashed"}.get(code, "unavailable")
-    return EngineFailure(kind, engine_id, f"decode engine {engine_id}: {message}", 0)
+    eid = stream.engine_id
+    return EngineFailure(kind, eid, f"decode engine {eid}: {message}", 0, stream.epochs[eid])
 
 
-def _bad_reply(engine_id: str) -> EngineFailure:
-    return EngineFailure("bad_message", engine_id, f"decode engine {engine_id}: bad admit reply", 0)
+def _bad_reply(stream: EngineStream) -> EngineFailure:
+    eid = stream.engine_id
+    message = f"decode engine {eid}: bad admit reply"
+    return EngineFailure("bad_message", eid, message, 0, stream.epochs[eid])

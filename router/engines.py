@@ -132,11 +132,20 @@ class EngineTable:
         entry.heartbeat = hb
         entry.last_seen = now
 
-    def mark_failed(self, engine_id: str, reason: str) -> None:
+    def epoch_of(self, engine_id: str) -> str:
+        """The epoch of the engine's last heartbeat ("" for an unknown engine)."""
+        entry = self._entries.get(engine_id)
+        return "" if entry is None else entry.heartbeat.epoch
+
+    def mark_failed(self, engine_id: str, reason: str, epoch: str = "") -> None:
         """Take `engine_id` out of routing until its next heartbeat (or, at
-        `failed_strikes` incidents in a row, for `failed_quarantine_s`)."""
+        `failed_strikes` incidents in a row, for `failed_quarantine_s`). A failure of a
+        request sent to an earlier `epoch` is not held against the restarted engine."""
         entry = self._entries.get(engine_id)
         if entry is None:
+            return
+        if epoch and epoch != entry.heartbeat.epoch:
+            log.info("engine %s: a failure of its previous epoch ignored: %s", engine_id, reason)
             return
         now, quarantine = self.clock(), self.config.failed_quarantine_s
         if not entry.failed:  # a new incident

@@ -232,7 +232,8 @@ class Generation:
                 self._count(f)
                 if not _retriable(f) or attempt + 1 == MAX_ATTEMPTS:
                     raise _client_error(f) from None
-                excluded.add(engine_id)
+                if not f.epoch or f.epoch == self.table.epoch_of(engine_id):
+                    excluded.add(engine_id)  # (a restarted engine is a new process: kept)
                 if not self.candidates(COLOCATED, excluded):
                     raise _client_error(f) from None
 
@@ -370,7 +371,7 @@ class Generation:
     def _count(self, f: EngineFailure) -> None:
         self.metrics.bus_errors.labels(f.kind).inc()
         if f.engine_broken:
-            self.table.mark_failed(f.engine_id, f.message)
+            self.table.mark_failed(f.engine_id, f.message, f.epoch)
 
     async def _consume(self, stream: EngineStream) -> AsyncIterator[Delta]:
         """The stream's chunks as deltas, until finished or a stop string matched."""

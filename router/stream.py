@@ -66,12 +66,15 @@ RECONNECTED = ""
 class EngineFailure(Exception):
     """The engine did not serve the request. `status` is what the client should see."""
 
-    def __init__(self, kind: str, engine_id: str, message: str, num_chunks: int) -> None:
+    def __init__(
+        self, kind: str, engine_id: str, message: str, num_chunks: int, epoch: str = ""
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.engine_id = engine_id  # the engine at fault (a P/D stream's prefill engine too)
         self.message = message
         self.num_chunks = num_chunks  # good chunks the engine had delivered before failing
+        self.epoch = epoch  # the engine's epoch when the request went to it ("" unknown)
 
     @property
     def status(self) -> int:
@@ -151,6 +154,7 @@ class EngineStream:
         self.request_id = request_id
         self.errors = errors  # error_code of an error chunk -> failure kind
         self.reply_to, self._queue = hub.open()
+        self.epochs = {engine_id: table.epoch_of(engine_id)}  # when the request was sent
         self.num_chunks = 0  # chunks handed out so far
         self.started = False  # the engine may hold the request (abort it unless finished)
         self.finished = False  # the engine sent its last chunk (no abort needed)
@@ -188,10 +192,16 @@ class EngineStream:
             raise self._failure("bus", f"NATS publish failed: {e!r}") from None
 
     async def ask(self, subject: str, message: Message, timeout_s: float) -> bytes:
-        """Request/reply with the engine (which may hold the request from now on)."""
+        """Request/reply with the engine (which may hold the request from now on). Fails
+        early, like `next_chunk`, when the engine stops heartbeating or restarts."""
         self.started = True
+        reply = asyncio.ensure_future(self.nc.request(subject, message.encode(), timeout=timeout_s))
         try:
-            msg = await self.nc.request(subject, message.encode(), timeout=timeout_s)
+            while not reply.done():
+                await asyncio.wait({reply}, timeout=self.config.liveness_poll_s)
+                if not reply.done():
+                    self._check_alive()
+            msg = reply.result()
         except NatsTimeoutError:
             raise self._failure(
                 "timeout", f"engine {self.engine_id} did not answer within {timeout_s:g} s"
@@ -202,12 +212,15 @@ class EngineStream:
             ) from None
         except NatsError as e:
             raise self._failure("bus", f"NATS request failed: {e!r}") from None
+        finally:
+            reply.cancel()  # no-op when it is done
         return bytes(msg.data)
 
     def watch(self, engine_id: str) -> str:
         """Until the first chunk, also fail when `engine_id` stops heartbeating or sends an
         error chunk to the returned subject."""
         self._watched = engine_id
+        self.epochs[engine_id] = self.table.epoch_of(engine_id)
         self._watch_subject, _ = self.hub.open(self._queue)
         return self._watch_subject
 
@@ -279,13 +292,26 @@ class EngineStream:
     def _check_alive(self) -> None:
         if not self.table.is_alive(self.engine_id):
             raise self._failure("lost", f"engine {self.engine_id} stopped sending heartbeats")
+        if self._restarted(self.engine_id):
+            raise self._failure("lost", f"engine {self.engine_id} restarted: the request is lost")
         watched = self._watched
-        if watched is not None and self.num_chunks == 0 and not self.table.is_alive(watched):
+        if watched is None or self.num_chunks > 0:
+            return
+        if not self.table.is_alive(watched):
             raise self._failure(
                 "lost",
                 f"prefill engine {watched} stopped sending heartbeats before its KV arrived",
                 watched,
             )
+        if self._restarted(watched):
+            raise self._failure(
+                "lost", f"prefill engine {watched} restarted before its KV arrived", watched
+            )
+
+    def _restarted(self, engine_id: str) -> bool:
+        """The engine heartbeats with a new epoch: a new process that never had the request."""
+        sent_to = self.epochs.get(engine_id, "")
+        return bool(sent_to) and self.table.epoch_of(engine_id) != sent_to
 
     async def _check_stream(self) -> None:
         """After a reconnect: ask the engine whether it holds this stream and what it sent
@@ -349,4 +375,6 @@ class EngineStream:
         raise self._failure(kind, f"prefill engine {self._watched}: {chunk.error}", self._watched)
 
     def _failure(self, kind: str, message: str, engine_id: str | None = None) -> EngineFailure:
-        return EngineFailure(kind, engine_id or self.engine_id, message, self.num_chunks)
+        engine_id = engine_id or self.engine_id
+        epoch = self.epochs.get(engine_id, "")
+        return EngineFailure(kind, engine_id, message, self.num_chunks, epoch)

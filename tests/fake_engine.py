@@ -215,6 +215,7 @@ class FakeEngine:
             return
         req = GenerateRequest.decode(msg.data)
         self.received.append(req)
+        self._aborted.discard(req.request_id)  # a retry under the id of an aborted attempt
         if not self.mute_generate:
             self._spawn(self._generate(req))
 

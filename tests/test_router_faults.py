@@ -165,6 +165,37 @@ def test_strikes_expire_and_a_new_epoch_clears_them() -> None:
     assert not t.is_alive("e1")
     t.observe(beat(epoch="2"))  # restarted: a fresh engine
     assert t.is_alive("e1")
+    # requests sent to epoch 1 that fail now (late, after their timeout) are not held
+    # against epoch 2: CI once saw three of them quarantine a restarted decode engine
+    for _ in range(3):
+        t.mark_failed("e1", "did not answer within 10 s", epoch="1")
+    assert t.is_alive("e1")
+    t.mark_failed("e1", "x", epoch="2")
+    assert not t.is_alive("e1")
+
+
+async def test_a_request_held_by_an_engine_that_restarted_fails_over_at_once(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """An engine killed and restarted by its supervisor heartbeats again under the same id
+    before the router missed any beat: its streams and admits must fail as soon as the new
+    epoch shows (the new process never had them), and that failure must not count against
+    the new epoch."""
+    async with running_mesh(nats_server.url, redis_server.url, 1, request_timeout_s=60) as mesh:
+        (engine,) = mesh.engines
+        table = mesh.client.app[TABLE]
+        engine.mute_generate = True  # the old process took it and died with it
+        task = asyncio.create_task(
+            mesh.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+        )
+        await wait_until(lambda: bool(engine.received))
+        old = engine.epoch
+        engine.epoch, engine.mute_generate = "restarted", False
+        await engine.beat()
+        r = await asyncio.wait_for(task, 20)  # far below the 60 s request timeout
+        assert r.status == 200, await r.text()  # retried on the new process
+        assert len(engine.received) == 2 and table.epoch_of(engine.engine_id) != old
+        assert table.is_alive(engine.engine_id)  # not marked failed for its old epoch
 
 
 # ------------------------------------------------------------------ defect 5
