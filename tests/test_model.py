@@ -14,6 +14,7 @@ from gpu_worker.model import (
     ForwardBatch,
     LlamaModel,
     build_model,
+    llama,
     load_tokenizer,
 )
 from gpu_worker.model.llama import DecoderLayer
@@ -149,6 +150,70 @@ def test_slots_need_not_be_contiguous(model: LlamaModel) -> None:
     permuted = run_chunks(model, DenseKVCache(model, 64), tokens, [10, 1, 4], scattered)
     for a, b in zip(contiguous, permuted, strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+class SlicingKVCache(DenseKVCache):
+    """A pool that offers `kv_slice` (runs of consecutive slots read in place, as the device
+    pool does) and counts how the decode attention read it."""
+
+    def __init__(self, model: LlamaModel, num_slots: int) -> None:
+        super().__init__(model, num_slots)
+        self.slices = self.gathers = 0
+
+    def get_kv(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.gathers += 1
+        return super().get_kv(layer, slot_ids)
+
+    def kv_slice(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.slices += 1
+        return self.kv[layer, 0, start:end], self.kv[layer, 1, start:end]
+
+
+@torch.no_grad()
+def test_decode_reads_runs_of_slots_in_place_and_gathers_fragmented_rows(
+    model: LlamaModel,
+) -> None:
+    """Decode rows whose slots form up to MAX_DECODE_RUNS runs attend over the pool in place
+    (one run: one attention call; several: one joint softmax) when torch runs one thread or
+    there is one row; a batch with a more fragmented row, or several rows on several
+    threads, is gathered. Both give the no-cache reference's logits."""
+    runs_of = {  # slots per request: 1 run, 3 runs (a cached prefix, then new pages), 7 runs
+        "one": torch.arange(100, 117),
+        "three": torch.cat([torch.arange(200, 208), torch.arange(40, 44), torch.arange(60, 65)]),
+        "many": torch.arange(300, 356, 4)[:14].repeat_interleave(1) + torch.arange(14) % 2,
+    }
+    assert len(llama._slot_runs(runs_of["three"])) == 3
+    assert len(llama._slot_runs(runs_of["many"])) > llama.MAX_DECODE_RUNS
+    tokens = {
+        name: prompt(len(slots), seed=i + 7) for i, (name, slots) in enumerate(runs_of.items())
+    }
+
+    def decode(names: list[str]) -> tuple[torch.Tensor, SlicingKVCache]:
+        cache = SlicingKVCache(model, 400)
+        for name in names:  # prefill all but the last token, then decode it in one batch
+            n = len(tokens[name]) - 1
+            run_chunks(model, cache, tokens[name][:n], [n], runs_of[name])
+        cache.slices = cache.gathers = 0
+        seqs = [(tokens[name][-1:], len(tokens[name]) - 1, runs_of[name]) for name in names]
+        return model(ForwardBatch.build(seqs, DEVICE), cache), cache
+
+    threads = torch.get_num_threads()
+    cases = [(["one", "three"], 1, True), (["one"], 2, True), (["three", "many"], 1, False)]
+    cases.append((["one", "three"], 2, False))  # two threads: one padded call spreads rows
+    for names, num_threads, in_place in cases:
+        torch.set_num_threads(num_threads)
+        try:
+            logits, cache = decode(names)
+        finally:
+            torch.set_num_threads(threads)
+        for name, row in zip(names, logits, strict=True):
+            torch.testing.assert_close(
+                row, reference_logits(model, tokens[name])[-1], atol=ATOL, rtol=0
+            )
+        if in_place:
+            assert cache.slices > 0 and cache.gathers == 0, names
+        else:
+            assert cache.slices == 0 and cache.gathers > 0, names
 
 
 @torch.no_grad()

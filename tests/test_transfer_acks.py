@@ -149,6 +149,12 @@ def test_read_guard_rejects_pending_pages() -> None:
         pool.get_kv(0, torch.arange(8, 16))
     pool.mark_pending([PageId(3)], False)
     pool.get_kv(0, torch.arange(8, 16))
+    # decode's in-place reads of runs of slots are guarded alike
+    pool.mark_pending([PageId(5)], True)
+    pool.kv_slice(0, 0, 20)  # pages 0-4: fine
+    for start, end in ((20, 24), (18, 21), (23, 30)):
+        with pytest.raises(RuntimeError, match="load has not completed"):
+            pool.kv_slice(0, start, end)
 
 
 def host_hit_engine(max_ms: float) -> Engine:

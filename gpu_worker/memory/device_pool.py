@@ -49,6 +49,16 @@ class DeviceKVPool:
         # the rows k[slot_ids] gives, in half its time on the CPU (a plain row gather)
         return k.index_select(0, slot_ids), v.index_select(0, slot_ids)
 
+    def kv_slice(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the consecutive slots `start..end-1` in place: views of the pool, no copy
+        ((n, num_kv_heads, head_dim) each). Decode attention reads a request's runs of
+        consecutive slots this way instead of gathering them (`llama.DecodeGroup.runs`)."""
+        if self.check_reads:
+            ps = self.spec.page_size
+            if bool(self._pending[start // ps : (end - 1) // ps + 1].any()):
+                raise RuntimeError("attention read a page whose load has not completed")
+        return self.kv[layer, 0, start:end], self.kv[layer, 1, start:end]
+
     def set_latent(self, layer: int, slot_ids: torch.Tensor, latent: torch.Tensor) -> None:
         self.kv[layer, 0, slot_ids] = latent
 

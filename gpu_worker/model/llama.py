@@ -36,6 +36,10 @@ from gpu_worker.model.forward_batch import ForwardBatch, KVCache
 TPReduce = Callable[[torch.Tensor], torch.Tensor]
 
 _INVARIANT_ROWS = 64  # rows per block in the batch-invariant ops: bounds their temporaries
+# Decode rows whose slots form at most this many runs of consecutive slots attend over the
+# pool in place (one attention call per run); more fragmented ones are gathered first.
+MAX_DECODE_RUNS = 4
+IN_PLACE_MAX_THREADS = 1  # several rows attend in place only at up to this many torch threads
 
 
 def batch_invariant_linear(
@@ -163,15 +167,28 @@ class RequestSpan:
 class DecodeGroup:
     """The requests of a batch that feed one token each (decode steps), attended together:
     one gather of every row's keys into a padded (B, S_max) block and one attention call per
-    layer, instead of a gather and a call per request."""
+    layer, instead of a gather and a call per request.
+
+    `runs`: when every row's slots form at most `MAX_DECODE_RUNS` runs of consecutive slots
+    (fresh pages are handed out in order; a cached prefix adds a run or two), GQA attention
+    reads those runs in place from a pool that offers `kv_slice`, with no gather, one call
+    per row and run. At batch 8 and 576 tokens of context the gather and the padded
+    attention call cost 53 of a 148 ms decode step on one CPU thread, and the in-place way
+    made the step 14% faster; with two threads the one padded call spreads its rows over
+    both and the row-by-row calls cannot, so several rows are gathered unless torch runs
+    one thread (`benchmarks/bench_decode_attention.py`; BENCHMARKS.md, issue 11)."""
 
     rows: torch.Tensor  # (B,) int64: their rows in the (T, ...) batch tensors
     slot_ids: torch.Tensor  # (B * S_max,) int64: each row's slots, padded with its first one
     max_len: int  # S_max
     mask: torch.Tensor | None  # (B, 1, 1, S_max) bool: True at real keys; None if no padding
+    runs: list[list[tuple[int, int]]] | None = None  # per row: (first slot, count) per run
 
     @classmethod
     def build(cls, spans: list[RequestSpan], device: torch.device) -> DecodeGroup:
+        runs = [_slot_runs(s.slot_ids) for s in spans]
+        serial = len(spans) == 1 or torch.get_num_threads() <= IN_PLACE_MAX_THREADS
+        in_place = serial and all(len(r) <= MAX_DECODE_RUNS for r in runs)
         max_len = max(len(s.slot_ids) for s in spans)
         padded = torch.stack(
             [
@@ -184,7 +201,17 @@ class DecodeGroup:
         if int(lens.min()) < max_len:
             mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None]
         rows = torch.tensor([s.start for s in spans], device=device)
-        return cls(rows, padded.reshape(-1), max_len, mask)
+        return cls(rows, padded.reshape(-1), max_len, mask, runs if in_place else None)
+
+
+def _slot_runs(slot_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """The maximal runs of consecutive slots in `slot_ids`, as (first slot, count)."""
+    n = len(slot_ids)
+    breaks = torch.nonzero(slot_ids[1:] - slot_ids[:-1] != 1).flatten().add_(1).tolist()
+    edges = [0, *breaks, n]
+    firsts = slot_ids[edges[:-1]].tolist()
+    pairs = zip(firsts, edges[:-1], edges[1:], strict=True)
+    return [(first, end - begin) for first, begin, end in pairs]
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +255,7 @@ class AttentionPlan:
             raise ValueError(f"sum(extend_lens) = {start} != {batch.input_ids.shape[0]} tokens")
         last_rows = torch.tensor([s.end - 1 for s in spans], device=device)
         single = [s for s in spans if s.end - s.start == 1]
-        if not group_decode or len(single) < 2:
+        if not group_decode or not single:
             return cls(spans, torch.cat(new_slots), last_rows)
         others = [s for s in spans if s.end - s.start > 1]
         return cls(others, torch.cat(new_slots), last_rows, DecodeGroup.build(single, device))
@@ -318,6 +345,9 @@ class Attention(nn.Module):
         self, q: torch.Tensor, group: DecodeGroup, kv_cache: KVCache
     ) -> torch.Tensor:
         """The decode rows' attention, all at once -> (B, n_heads, head_dim)."""
+        kv_slice = getattr(kv_cache, "kv_slice", None)
+        if group.runs is not None and kv_slice is not None:
+            return self._decode_in_place(q[group.rows], group.runs, kv_slice)
         b, s, h, d = len(group.rows), group.max_len, self.num_kv_heads, self.head_dim
         k, v = kv_cache.get_kv(self.layer_id, group.slot_ids)  # (B * S_max, n_kv_heads, D)
         out = F.scaled_dot_product_attention(
@@ -328,6 +358,39 @@ class Attention(nn.Module):
             enable_gqa=True,
         )  # (B, n_heads, 1, D)
         return out[:, :, 0]
+
+    def _decode_in_place(
+        self,
+        q: torch.Tensor,
+        runs: list[list[tuple[int, int]]],
+        kv_slice: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """q (B, n_heads, D) of decode rows over their runs of slots, read in place ->
+        (B, n_heads, D). The query heads that share a KV head are the rows of one query
+        block against it (one query each, no mask: GQA without repeating K and V); a row
+        of several runs joins their softmax exactly, from their scores."""
+        kvh, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // kvh
+        outs = []
+        for qi, row_runs in zip(q, runs, strict=True):
+            qg = qi.view(1, kvh, group, d)
+            kv = [kv_slice(self.layer_id, first, first + n) for first, n in row_runs]
+            if len(kv) == 1:
+                k, v = kv[0]  # (S, kvh, D) each
+                out = F.scaled_dot_product_attention(
+                    qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+                )  # (1, kvh, group, D)
+            else:
+                scores = torch.cat([qg[0] @ k.permute(1, 2, 0) for k, _ in kv], dim=-1)
+                p = torch.softmax(scores * d**-0.5, dim=-1)  # (kvh, group, S)
+                out = torch.zeros_like(qg[0])
+                at = 0
+                for _, v in kv:
+                    n = v.shape[0]
+                    out += p[..., at : at + n] @ v.transpose(0, 1)  # (kvh, group, D)
+                    at += n
+            outs.append(out.reshape(self.num_heads, d))
+        return torch.stack(outs)
 
 
 class MLAttention(nn.Module):
