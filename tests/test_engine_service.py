@@ -25,8 +25,11 @@ from bus_schemas import (
     Heartbeat,
     KVEventBatch,
     Sampling,
+    SchemaError,
     StatsReply,
     StatsRequest,
+    StreamCheck,
+    StreamState,
     TokenChunk,
     page_hashes,
 )
@@ -156,6 +159,45 @@ async def test_abort_flush_and_stats(engine_proc: str, nc: NATS) -> None:
     stats = await nc.request(subj.engine_stats(engine_proc), StatsRequest().encode(), timeout=10)
     s = StatsReply.decode(stats.data).stats
     assert s["device_pages_free"] == s["device_pages"]
+
+
+async def test_stream_check_answers_after_the_chunks_it_counts(engine_proc: str, nc: NATS) -> None:
+    """A router's StreamCheck after a NATS reconnect: the engine's StreamState comes on the
+    stream's own subject after every chunk it counts (so the router can tell what it lost),
+    says the request is held while it runs, and not held once it finished or for a reply
+    subject that is not the stream's."""
+    await wait_heartbeat(nc, engine_proc)
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    rid = "checked"
+    req = GenerateRequest(rid, list(range(60, 80)), Sampling(300, ignore_eos=True), inbox)
+    await nc.publish(subj.engine_generate(engine_proc), req.encode())
+    await sub.next_msg(timeout=30)  # it runs
+    check = subj.engine_stream_check(engine_proc)
+    await nc.publish(check, StreamCheck(rid, inbox).encode())
+    chunks = 1
+    while True:
+        data = (await sub.next_msg(timeout=30)).data
+        try:
+            state = StreamState.decode(data)
+        except SchemaError:
+            assert not TokenChunk.decode(data).finished, "finished before the check came"
+            chunks += 1
+            continue
+        break
+    assert state.held and state.request_id == rid and state.engine_id == engine_proc
+    assert state.next_seq == chunks  # every chunk it counts came first
+    other = nc.new_inbox()
+    other_sub = await nc.subscribe(other)
+    await nc.publish(check, StreamCheck(rid, other).encode())
+    assert not StreamState.decode((await other_sub.next_msg(timeout=30)).data).held
+    await nc.publish(subj.engine_abort(engine_proc), AbortRequest(rid).encode())
+    while not TokenChunk.decode((await sub.next_msg(timeout=30)).data).finished:
+        pass
+    await nc.publish(check, StreamCheck(rid, inbox).encode())
+    assert not StreamState.decode((await sub.next_msg(timeout=30)).data).held
+    await sub.unsubscribe()
+    await other_sub.unsubscribe()
 
 
 async def test_bad_request_gets_an_error_chunk(engine_proc: str, nc: NATS) -> None:
