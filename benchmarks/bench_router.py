@@ -470,11 +470,24 @@ def main() -> None:
     try:
         uvloop.run(measure(args, nats_server.url, ports))  # the router's loop too
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.wait(30)
+        stop_all(procs)
         redis_server.stop()
         nats_server.stop()
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
+    """SIGTERM every service at once, then SIGKILL what has not exited by `timeout_s`: none
+    may outlive the benchmark (a caller reading its output would wait on their pipes)."""
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"{p.args!r} ignored SIGTERM: killed", file=sys.stderr)
+            p.kill()
+            p.wait()
 
 
 if __name__ == "__main__":
