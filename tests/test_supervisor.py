@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -22,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import pytest
 from fake_engine import FakeEngine, running_mesh
 
+from services.launch import servers, up
 from services.launch.servers import ServerProcess, free_port, start_nats
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
 
@@ -57,6 +59,46 @@ def _wait(cond: Any, timeout_s: float, what: str) -> Any:
 
 
 # ---------------------------------------------------------------- the supervisor itself
+
+
+def test_free_port_skips_the_ports_a_mesh_already_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel may give a just-closed port out again: CI once saw `up` start redis on the
+    port it was about to give its router (the replay's mesh). A mesh's servers avoid the
+    ports it has chosen."""
+    given = iter([7001, 7001, 7002])  # the kernel's answers, a repeat among them
+
+    class Socket(socket.socket):
+        def bind(self, address: Any) -> None:
+            super().bind(("127.0.0.1", 0))
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", next(given))
+
+    monkeypatch.setattr(servers.socket, "socket", Socket)
+    chosen = {7001}  # say, the router's
+    assert free_port(avoid=chosen) == 7002
+
+
+def test_up_gives_nats_redis_and_the_router_distinct_ports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parser = argparse.ArgumentParser()
+    up.add_up_args(parser)
+    plan = up.Mesh(parser.parse_args(["--port", "7001"]))
+    try:
+        ports = iter([7001, 7001, 7002, 7002, 7001, 7003])  # what the kernel hands out
+
+        def kernel(avoid: Collection[int] = ()) -> int:
+            return next(p for p in ports if p not in avoid)
+
+        monkeypatch.setattr(up, "free_port", kernel)
+        started: list[ChildSpec] = []
+        monkeypatch.setattr(plan.supervisor, "start", started.append)
+        plan._server("nats", servers.nats_argv, "nats://127.0.0.1:{}")
+        plan._server("redis", servers.redis_argv, "redis://127.0.0.1:{}/0")
+        assert [c.port for c in started] == [7002, 7003]
+    finally:
+        plan.workdir.cleanup()
 
 
 def test_restart_policy_doubles_to_the_cap() -> None:

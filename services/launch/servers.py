@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,10 +26,17 @@ class ServerNotFoundError(RuntimeError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(avoid: Collection[int] = ()) -> int:
+    """A loopback port free now, other than those in `avoid`. The kernel may hand a port it
+    just gave out (and saw closed) again, so callers pass the ports they have already
+    chosen but not yet bound: CI once saw `up` start redis on the port it was about to
+    give its router."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
 
 
 def find_nats_server() -> str:

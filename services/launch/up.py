@@ -130,6 +130,7 @@ class Mesh:
         self.declared = bool(declared)  # else one bucket "default" of the shared flags
         self.buckets = declared or [LaunchBucket("default")]
         self.workdir = tempfile.TemporaryDirectory(prefix="hicache-mesh-")
+        self._ports = {args.port}  # chosen for this mesh: the servers' ports avoid them
         self.supervisor = Supervisor(
             RestartPolicy(initial_s=args.restart_backoff), args.status_file
         )
@@ -163,7 +164,8 @@ class Mesh:
 
     def _server(self, name: str, make_argv: Callable[[int, str], list[str]], url: str) -> str:
         """Start nats/redis on a free port that stays its port across restarts."""
-        port = free_port()
+        port = free_port(avoid=self._ports)  # not the router's, nor the other server's
+        self._ports.add(port)
         workdir = Path(self.workdir.name) / name
         workdir.mkdir()
         argv = make_argv(port, str(workdir))
