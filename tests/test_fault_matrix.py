@@ -390,7 +390,9 @@ async def _engine_killed(mesh: UpMesh, victim: str | None, name: str) -> None:
     before = await prepare(mesh)
     async with Load(mesh.url, workload(), before.expected) as load, aiohttp.ClientSession() as http:
         await load.wait_answers(8)
-        held, on = await held_stream(http, mesh.url, LONG_PROMPT)
+        # long enough to be running when the kill lands: at 200 tokens the tiny model's
+        # engine had once sent its last chunk before the client read the first one
+        held, on = await held_stream(http, mesh.url, LONG_PROMPT, max_tokens=1000)
         victim = victim or on
         mesh.signal(victim, signal.SIGKILL)
         t0 = time.monotonic()
