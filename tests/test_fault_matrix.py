@@ -390,9 +390,10 @@ async def _engine_killed(mesh: UpMesh, victim: str | None, name: str) -> None:
     before = await prepare(mesh)
     async with Load(mesh.url, workload(), before.expected) as load, aiohttp.ClientSession() as http:
         await load.wait_answers(8)
-        # long enough to be running when the kill lands: at 200 tokens the tiny model's
-        # engine had once sent its last chunk before the client read the first one
-        held, on = await held_stream(http, mesh.url, LONG_PROMPT, max_tokens=1000)
+        # long enough to be running when the kill lands: the loaded client reads the first
+        # event late, and in CI the tiny model's engine had sent the last of 200 and later
+        # of 1000 tokens by then; 3000 (of its 4096 tokens of pages) take seconds
+        held, on = await held_stream(http, mesh.url, LONG_PROMPT, max_tokens=3000)
         victim = victim or on
         mesh.signal(victim, signal.SIGKILL)
         t0 = time.monotonic()
