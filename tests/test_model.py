@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import cast
 
@@ -17,7 +18,8 @@ from gpu_worker.model import (
     llama,
     load_tokenizer,
 )
-from gpu_worker.model.llama import DecoderLayer
+from gpu_worker.model.llama import DecoderLayer, create_model
+from gpu_worker.model.weights import init_random_weights
 
 DEVICE = torch.device("cpu")
 DTYPE = torch.float64
@@ -298,3 +300,45 @@ def test_batch_invariant_rows_are_bit_identical() -> None:
     seqs = [(other, 0, torch.arange(32, 41)), (tokens, 0, slots)]
     assert torch.equal(model(ForwardBatch.build(seqs, DEVICE), cache)[1], whole)
     torch.testing.assert_close(whole, reference_logits(model, tokens)[-1], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("preset", "tied"), [("tiny", False), ("tiny", True), ("tiny-tp", False)])
+def test_float32_weights_are_prepacked_for_onednn_and_give_the_same_logits(
+    preset: str, tied: bool
+) -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    config = PRESETS[preset].replace(tie_word_embeddings=tied)
+    plain = create_model(config, DEVICE, torch.float32)
+    init_random_weights(plain, seed=3)
+    packed = copy.deepcopy(plain)
+    linears = [m for m in packed.modules() if isinstance(m, llama.Linear)]
+    assert packed.prepack_weights() == len(linears) + tied
+    assert linears and all(m.weight.is_mkldnn for m in linears)
+    assert (packed.packed_logits is not None) == tied
+
+    def logits(model: LlamaModel) -> list[torch.Tensor]:
+        cache = DenseKVCache(model, 64)
+        cache.kv = cache.kv.float()
+        return run_chunks(model, cache, prompt(40), [24, 8] + [1] * 8, torch.arange(40))
+
+    want, got = logits(plain), logits(packed)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)  # float32 sums in another order
+        assert a.argmax() == b.argmax()
+    # The batch-invariant path multiplies plain weights: switching it on unpacks them exactly.
+    packed.set_batch_invariant(True)
+    assert packed.packed_logits is None
+    for (name, a), b in zip(packed.named_parameters(), plain.parameters(), strict=True):
+        assert not a.is_mkldnn and torch.equal(a, b), name
+
+
+def test_models_are_built_prepacked_except_in_float64_or_batch_invariant() -> None:
+    _, fast = build_model("tiny", DEVICE, torch.float32)
+    assert fast.layers[0].mlp.down_proj.weight.is_mkldnn == torch.backends.mkldnn.is_available()
+    _, wide = build_model("tiny", DEVICE, torch.float64)
+    _, invariant = build_model("tiny", DEVICE, torch.float32, batch_invariant=True)
+    for model in (wide, invariant):
+        assert model.prepack_weights() == 0
+        assert not any(p.is_mkldnn for p in model.parameters())

@@ -40,6 +40,33 @@ _INVARIANT_ROWS = 64  # rows per block in the batch-invariant ops: bounds their 
 # pool in place (one attention call per run); more fragmented ones are gathered first.
 MAX_DECODE_RUNS = 4
 IN_PLACE_MAX_THREADS = 1  # several rows attend in place only at up to this many torch threads
+# Float32 CPU weights are reordered once into oneDNN's blocked layout, tuned for this many
+# rows (`prepack_weights`): torch's default CPU matmul (MKL) takes a slow path on AMD CPUs,
+# where oneDNN's is 2-3x faster at every row count (benchmarks/bench_linear.py).
+PACK_ROWS = 8
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    """Whether `weight` (out, in) can run as a oneDNN prepacked float32 CPU matmul."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and not weight.is_mkldnn
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """(out, in) float32 CPU -> an opaque oneDNN tensor for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with `packed = pack_weight(weight)`; x (..., in)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def batch_invariant_linear(
@@ -73,11 +100,26 @@ def batch_invariant_attention(
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and names) that can run batch-invariantly."""
+    """`nn.Linear` (same parameters and names) that can run batch-invariantly, or with its
+    weight prepacked for oneDNN (`prepack`: the parameter then holds the packed tensor, not
+    a second copy; `to_dense()` gives the plain one back)."""
 
     batch_invariant: bool = False
 
+    def prepack(self) -> bool:
+        """Reorder a float32 CPU weight for oneDNN in place; False where it cannot be."""
+        if self.batch_invariant or not can_prepack(self.weight):
+            return False
+        self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
+        return True
+
+    def unpack(self) -> None:
+        if self.weight.is_mkldnn:
+            self.weight = nn.Parameter(self.weight.to_dense(), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.is_mkldnn:
+            return packed_linear(x, self.weight, self.bias)
         if self.batch_invariant:
             return batch_invariant_linear(x, self.weight, self.bias)
         return super().forward(x)
@@ -539,6 +581,9 @@ class LlamaModel(nn.Module):
                 self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope_dim, config.context_len, config.rope_theta)
         self.batch_invariant = False  # set_batch_invariant()
+        # prepack_weights(): a packed copy of the tied embedding for the logits (the lookup
+        # needs the plain one); not a parameter, so checkpoints and shards never see it.
+        self.packed_logits: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -548,9 +593,29 @@ class LlamaModel(nn.Module):
     def set_batch_invariant(self, enabled: bool) -> None:
         """Make every row's result independent of the batch around it (see the module doc)."""
         self.batch_invariant = enabled
+        if enabled:
+            self.unpack_weights()
         for module in self.modules():
             if isinstance(module, Linear | Attention | MLAttention):
                 module.batch_invariant = enabled
+
+    def prepack_weights(self) -> int:
+        """Reorder every float32 CPU linear weight (and a tied LM head's) for oneDNN, once
+        the weights are final: loaded, sharded and not batch-invariant. Returns how many
+        were packed (0 on a GPU, in float64 or without oneDNN)."""
+        packed = sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+        embed = self.embed_tokens if self.last_stage and self.lm_head is None else None
+        if embed is not None and not self.batch_invariant and can_prepack(embed.weight):
+            self.packed_logits = pack_weight(embed.weight)  # the tied LM head
+            packed += 1
+        return packed
+
+    def unpack_weights(self) -> None:
+        """Undo `prepack_weights` (the batch-invariant path needs plain weights)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.unpack()
+        self.packed_logits = None
 
     def set_tp_reduce(self, reduce: TPReduce | None) -> None:
         """Complete the row-parallel outputs with `reduce` (an all_reduce over TP)."""
@@ -601,6 +666,8 @@ class LlamaModel(nn.Module):
             assert self.embed_tokens is not None
             if self.batch_invariant:
                 return batch_invariant_linear(h, self.embed_tokens.weight, None)
+            if self.packed_logits is not None:
+                return packed_linear(h, self.packed_logits, None)
             return F.linear(h, self.embed_tokens.weight)
         return self.lm_head(h)
 

@@ -37,9 +37,30 @@ def build_model(
     context_len: int | None = None,
     parallel: ParallelConfig | None = None,
     rank: int = 0,
+    prepack: bool = True,
 ) -> tuple[ModelConfig, LlamaModel]:
-    """A preset name (e.g. "tiny") gives seeded random weights; a directory is loaded as a
-    Hugging Face checkpoint (`seed` is then unused). `batch_invariant`: see `llama.py`.
+    """The model named by `name_or_path` (see `_build_model`), its float32 CPU weights
+    prepacked for oneDNN unless `prepack` is False (`LlamaModel.prepack_weights`)."""
+    config, model = _build_model(
+        name_or_path, device, dtype, seed, batch_invariant, context_len, parallel, rank
+    )
+    if prepack:
+        model.prepack_weights()
+    return config, model
+
+
+def _build_model(
+    name_or_path: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    batch_invariant: bool = False,
+    context_len: int | None = None,
+    parallel: ParallelConfig | None = None,
+    rank: int = 0,
+) -> tuple[ModelConfig, LlamaModel]:
+    """`build_model` without the prepacking. A preset name (e.g. "tiny") gives seeded
+    random weights; a directory is loaded as a Hugging Face checkpoint (`seed` is then unused). `batch_invariant`: see `llama.py`.
     `context_len` sets a preset's context length (random weights have no trained limit, so
     `--context-length` may raise it, e.g. for 32K-token benchmarks); a checkpoint keeps its own.
 
@@ -47,7 +68,7 @@ def build_model(
     `rank`'s shard (`shard.py`), cut from the whole model built on the CPU first; the
     returned config is always the whole model's."""
     if parallel is not None and parallel.world_size > 1:
-        config, full = build_model(name_or_path, "cpu", dtype, seed, batch_invariant, context_len)
+        config, full = _build_model(name_or_path, "cpu", dtype, seed, batch_invariant, context_len)
         shard = ModelShard.of(config, parallel, rank)  # a clear error if it does not split
         return config, shard_model(full, shard, device, dtype)
     if str(name_or_path) in PRESETS:
