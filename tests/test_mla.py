@@ -352,13 +352,14 @@ def on(parallel: ParallelConfig, workload: object, *args: object) -> object:
 def test_pd_moves_the_latent_across_layouts(
     prefill: tuple[int, int], decode: tuple[int, int]
 ) -> None:
-    """Every TP rank of a stage sends its copy of the stage's latent rows; every decode
-    TP rank writes the same rows. Logits as a cold TP1 run's (TP: within 1e-10)."""
+    """Only TP rank 0 of each stage exports the stage's latent rows (the other TP ranks hold
+    copies); every decode TP rank writes them. Logits as a cold TP1 run's (TP: within
+    1e-10)."""
     sender, receiver = ParallelConfig(*prefill), ParallelConfig(*decode)
     want = cold([TURN1, TURN2], PD_SP)
     exports = on(sender, prefill_turns, [(TURN1, DECODE_PREFIX[0]), (TURN2, DECODE_PREFIX[1])])
-    assert isinstance(exports, list) and len(exports[0][0]) == sender.world_size
-    assert len({bytes(s) for s in exports[0][0]}) == 1  # a stage's TP ranks: one latent
+    assert isinstance(exports, list)
+    assert sorted(exports[0][0]) == [s * sender.tp_size for s in range(sender.pp_size)]
     got = on(receiver, decode_turns, list(zip((TURN1, TURN2), exports, strict=True)), sender)
     assert isinstance(got, list)
     for (w_ids, w_logits), export, (prefix, ids, logits, received) in zip(
@@ -371,3 +372,47 @@ def test_pd_moves_the_latent_across_layouts(
         layers = 8 // receiver.pp_size  # decode rank 0's shard: its layers' latent rows
         assert export[4] == pages and received == pages * layers * PAGE * LATENT * 8
     assert exports[0][4] > CHUNK_PAGES  # the first turn came in several chunks
+
+
+def test_a_latent_shard_from_a_tp_rank_other_than_0_is_refused() -> None:
+    """MLA's KV crosses the wire once per stage (`ParallelConfig.kv_ranks`): a frame from
+    another TP rank is a sender bug, refused before anything is written."""
+    assert ParallelConfig(2, 2).kv_ranks(replicated=True) == (0, 2)
+    assert ParallelConfig(2, 2).kv_ranks(replicated=False) == (0, 1, 2, 3)
+
+    def workload(engine: Engine) -> None:
+        with pytest.raises(ValueError, match=r"rank 1: its latent is TP rank 0's"):
+            engine.write_kv(0, 0, PAGE, b"", None, 1, ParallelConfig(2, 1))
+
+    on(ParallelConfig(), workload)
+
+
+def test_prefill_frames_carry_the_exported_ranks_in_the_whole_world() -> None:
+    """The P/D service frames a TP2 x PP2 MLA export as the shards of world ranks 0 and 2
+    of a world of 4 (so the decode side knows the layout to cut), chunk by chunk."""
+    from bus_schemas.kv_frame import decode_frame
+    from gpu_worker.scheduler.request import CachedTokens, KVExport
+    from services.engine.pd import PDConfig, PrefillSide
+
+    side = PrefillSide(
+        "prefill-0",
+        mock.Mock(),
+        mock.AsyncMock(),
+        PDConfig(chunk_pages=2),
+        mock.Mock(),
+        mock.Mock(),
+        mock.Mock(),
+        tp_size=2,
+    )
+    stage = torch.arange(3 * 4 * PAGE * LATENT, dtype=torch.float32)
+    stagings = tuple(stage.view(3, 1, 4, 1, PAGE, 1, LATENT) + s for s in (0, 1))
+    export = KVExport(stagings, 0, 3 * PAGE, 7, ranks=(0, 2), world_size=4)
+    frames = [decode_frame(f) for f in side._frames("r", export, CachedTokens())]
+    got = [(h.seq, h.rank, h.world_size, h.tp_size, h.token_start, h.token_end) for h, _ in frames]
+    assert got == [
+        (0, 0, 4, 2, 0, 2 * PAGE),
+        (1, 2, 4, 2, 0, 2 * PAGE),
+        (2, 0, 4, 2, 2 * PAGE, 3 * PAGE),
+        (3, 2, 4, 2, 2 * PAGE, 3 * PAGE),
+    ]
+    assert bytes(frames[3][1]) == stagings[1][2:].numpy().tobytes()

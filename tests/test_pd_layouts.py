@@ -34,7 +34,7 @@ CHUNK_PAGES = 3
 
 # per turn: (each sender rank's staging bytes, token_start, token_end, first token, pages,
 # prefill's step-0 logits)
-Export = tuple[list[bytes], int, int, int, int, torch.Tensor]
+Export = tuple[dict[int, bytes], int, int, int, int, torch.Tensor]  # shards by world rank
 
 
 def config(tp: int, pp: int) -> EngineConfig:
@@ -60,7 +60,9 @@ def prefill_turns(engine: Engine, turns: list[tuple[list[int], int]]) -> list[Ex
         _step_until(engine, lambda p=p: p.export is not None)
         e = p.export
         assert e is not None and e.token_start == export_from
-        stagings = [s.contiguous().numpy().tobytes() for s in e.stagings]
+        stagings = {
+            r: s.contiguous().numpy().tobytes() for r, s in zip(e.ranks, e.stagings, strict=True)
+        }
         step0 = torch.stack(p.logits_trace)
         out.append((stagings, e.token_start, e.token_end, e.first_token, e.num_pages, step0))
         _step_until(engine, lambda p=p: p.finish_reason is not None)
@@ -83,7 +85,7 @@ def decode_turns(
         for lo in range(0, pages, CHUNK_PAGES):
             hi = min(lo + CHUNK_PAGES, pages)
             last = hi == pages
-            for rank, staging in enumerate(stagings):
+            for rank, staging in stagings.items():
                 per_page = len(staging) // pages
                 payload = staging[lo * per_page : hi * per_page]
                 t0, t1 = start + lo * PAGE, min(start + hi * PAGE, end)

@@ -320,6 +320,12 @@ class Engine:
         world = sender.world_size
         if not 0 <= rank < world:
             raise ValueError(f"KV shard of rank {rank}: the sending engine has {world} ranks")
+        senders = sender.kv_ranks(self.model_config.mla)
+        if rank not in senders:
+            raise ValueError(
+                f"KV shard of rank {rank}: its latent is TP rank 0's of its stage, which "
+                f"sends it once (ranks {list(senders)} send)"
+            )
         expected = self._shard_kv_bytes(sender, rank, token_start, token_end)
         if token_end <= token_start or len(payload) != expected:
             raise ValueError(
@@ -344,8 +350,8 @@ class Engine:
         cmd.parts[rank] = bytes(payload)
         if first_token is not None:
             cmd.first_token = first_token
-        if len(cmd.parts) == world:  # every rank's shard is here: hand it to all ranks
-            parts = tuple(cmd.parts.pop(r) for r in range(world))
+        if len(cmd.parts) == len(senders):  # every shard is here: hand it to all ranks
+            parts = {r: cmd.parts.pop(r) for r in senders}
             cmd.payloads = self._regroup_kv(parts, sender, token_end - token_start)
             del self._partial_kv[key]
             self._commands.append(cmd)
@@ -379,20 +385,23 @@ class Engine:
         return math.prod(shape) * torch.empty((), dtype=self.kv_spec.dtype).element_size()
 
     def _regroup_kv(
-        self, parts: tuple[bytes, ...], sender: ParallelConfig, num_tokens: int
+        self, parts: dict[int, bytes], sender: ParallelConfig, num_tokens: int
     ) -> tuple[bytes, ...]:
-        """The sender ranks' shards of a chunk, cut into this engine's ranks' shards: the
-        whole chunk's (pages, KV heads, layers, ...) is assembled from the sender's head and
-        layer ranges, then each own rank takes its own ranges. MLA's latent is every TP
-        rank's one head: the sender's TP ranks of a stage fill the same cells with the same
-        bytes, and each own TP rank takes all of them."""
+        """The sender's shards of a chunk (by world rank: `kv_ranks`), cut into this
+        engine's ranks' shards: the whole chunk's (pages, KV heads, layers, ...) is
+        assembled from the sender's head and layer ranges, then each own rank takes its own
+        ranges. MLA's latent is every TP rank's one head: a stage's one shard fills it, and
+        each own TP rank takes all of it."""
         own = self.config.parallel
-        if sender == own:
-            return parts
+        if sender == own:  # the same cut: own rank r's shard is r's, or its TP rank 0's
+            return tuple(
+                parts[r] if r in parts else parts[r - r % own.tp_size]
+                for r in range(own.world_size)
+            )
         dtype = self.kv_spec.dtype
-        shards = [ModelShard.of(self.model_config, sender, r) for r in range(len(parts))]
         whole = torch.empty(self._unified_shape(ParallelConfig(), 0, num_tokens), dtype=dtype)
-        for r, (part, shard) in enumerate(zip(parts, shards, strict=True)):
+        for r, part in parts.items():
+            shard = ModelShard.of(self.model_config, sender, r)
             heads, layers = _slice(shard.kv_heads(self.model_config)), _slice(shard.layers)
             piece = torch.frombuffer(bytearray(part), dtype=dtype)
             whole[:, heads, layers] = piece.view(self._unified_shape(sender, r, num_tokens))

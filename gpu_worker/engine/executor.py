@@ -141,20 +141,26 @@ class ModelExecutor:
                 f"({int(t[0])}..{-int(t[2])} tokens); {g.describe()} planned {shape[0]}"
             )
 
-    def collect_export(self, staging: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def collect_export(
+        self, staging: torch.Tensor
+    ) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
         """P/D prefill: this rank's packed KV of a finished request in the unified order,
-        (num_pages, its KV heads, its layers, num_kv, page, 1, kv_head_dim); rank 0 gets
-        every rank's, in rank order (the others send theirs to it and get only their own
-        back). Every rank calls it at the same logical point: when the request finishes."""
+        (num_pages, its KV heads, its layers, num_kv, page, 1, kv_head_dim). Rank 0 gets
+        the shards of `ParallelConfig.kv_ranks` (every rank's, or for MLA's replicated
+        latent one per stage), in rank order, with their ranks; the others send theirs to
+        it if it is one of those, and get only their own back. Every rank calls it at the
+        same logical point: when the request finishes."""
         g = self.groups
-        if g.world_size == 1:
-            return (staging,)
-        if g.rank != 0:
-            self.sends.send(staging.contiguous(), 0, g.cpu_world, TAG_EXPORT)
-            return (staging,)
         whole = self.model_config_whole
+        ranks = g.config.kv_ranks(whole.mla)
+        if g.world_size == 1:
+            return ranks, (staging,)
+        if g.rank != 0:
+            if g.rank in ranks:
+                self.sends.send(staging.contiguous(), 0, g.cpu_world, TAG_EXPORT)
+            return (g.rank,), (staging,)
         out = [staging]
-        for rank in range(1, g.world_size):
+        for rank in ranks[1:]:
             shard = ModelShard.of(whole, g.config, rank).local_config(whole)
             pages, page = staging.shape[0], staging.shape[4]
             shape = (
@@ -169,7 +175,7 @@ class ModelExecutor:
             part = torch.empty(shape, dtype=staging.dtype)
             dist.recv(part, rank, group=g.cpu_world, tag=TAG_EXPORT)
             out.append(part)
-        return tuple(out)
+        return ranks, tuple(out)
 
     def _send_outcomes(self, outcomes: list[SampleOutcome | None]) -> None:
         g = self.groups

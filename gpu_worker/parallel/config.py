@@ -39,6 +39,13 @@ class ParallelConfig:
         """The world ranks of pipeline stage `pp_rank` (its TP group), in TP order."""
         return [self.rank_of(pp_rank, t) for t in range(self.tp_size)]
 
+    def kv_ranks(self, replicated: bool) -> tuple[int, ...]:
+        """The world ranks whose KV shards differ: every rank, or, with KV replicated over
+        TP (MLA's latent), TP rank 0 of each stage (the others hold copies of its shard)."""
+        if replicated:
+            return tuple(self.rank_of(p, 0) for p in range(self.pp_size))
+        return tuple(range(self.world_size))
+
     def describe(self) -> str:
         return f"TP{self.tp_size}/PP{self.pp_size}"
 

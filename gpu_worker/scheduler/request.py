@@ -62,16 +62,19 @@ class RemoteKV:
 class KVExport:
     """P/D prefill side: KV of tokens [token_start, token_end) packed for the wire.
 
-    `stagings[r]` is world rank r's shard in the unified object order with one KV head per
-    group, (num_pages, its num_kv_heads, its num_layers, num_kv, page_size, 1, head_dim)
-    (MLA: num_kv 1, one head, the latent row; every TP rank's shard holds the same one);
-    rank 0 holds every rank's (a world of one: one).
+    `stagings[i]` is world rank `ranks[i]`'s shard in the unified object order with one KV
+    head per group, (num_pages, its num_kv_heads, its num_layers, num_kv, page_size, 1,
+    head_dim); rank 0 holds them all. `ranks` is `ParallelConfig.kv_ranks`: every rank, or
+    for MLA (num_kv 1, one head, the latent row, the same on every TP rank of a stage) only
+    TP rank 0 of each stage, so a replicated latent crosses the wire once.
     """
 
     stagings: tuple[torch.Tensor, ...]
     token_start: int
     token_end: int
     first_token: int
+    ranks: tuple[int, ...] = (0,)
+    world_size: int = 1  # of the exporting engine
 
     @property
     def num_pages(self) -> int:

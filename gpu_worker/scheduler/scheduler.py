@@ -390,8 +390,10 @@ class Scheduler:
             torch.tensor(src, dtype=torch.int64, device=self.device),
             torch.arange(len(src), dtype=torch.int64, device=self.device),
         )
-        stagings = self.executor.collect_export(staging.cpu())  # every rank's, on rank 0
-        return KVExport(stagings, req.export_from, req.prompt_len, req.output_ids[0])
+        ranks, stagings = self.executor.collect_export(staging.cpu())  # all, on rank 0
+        first = req.output_ids[0]
+        world = self.executor.groups.world_size
+        return KVExport(stagings, req.export_from, req.prompt_len, first, ranks, world)
 
     def write_remote_kv(
         self, req: Req, token_start: int, token_end: int, staging: torch.Tensor

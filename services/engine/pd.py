@@ -302,15 +302,16 @@ class PrefillSide:
         self._senders.spawn(self._send(job, export, cached), f"kv-send-{request_id}")
 
     def _frames(self, rid: str, export: KVExport, cached: CachedTokens) -> list[bytes]:
-        """Chunk by chunk, one frame per rank (each rank's heads and layers of the chunk; a
-        decode engine of any layout cuts its ranks' shards from them)."""
-        per, world = self.config.chunk_pages, len(export.stagings)
+        """Chunk by chunk, one frame per exported rank (each rank's heads and layers of the
+        chunk, MLA's replicated latent once per stage; a decode engine of any layout cuts
+        its ranks' shards from them)."""
+        per, world = self.config.chunk_pages, export.world_size
         ps, num_pages = export.page_size, export.num_pages
         frames: list[bytes] = []
         for lo in range(0, num_pages, per):
             hi = min(lo + per, num_pages)
             last = hi == num_pages
-            for rank, staging in enumerate(export.stagings):
+            for rank, staging in zip(export.ranks, export.stagings, strict=True):
                 header = KVFrameHeader(
                     rid,
                     len(frames),
