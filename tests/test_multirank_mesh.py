@@ -86,7 +86,10 @@ async def test_rank_killed_mid_generation(mesh: UpMesh) -> None:
     old_epoch = (await epochs(mesh.url, mesh.spec.engine_ids))["engine-0"]
     old = [mesh.pid_of("engine-0"), *mesh.ranks_of("engine-0").values()]
     async with aiohttp.ClientSession() as http:
-        held, engine = await held_stream(http, mesh.url, LONG_PROMPT, engine="engine-0")
+        # 1000 tokens: still streaming when the kill lands, however fast the engine runs
+        held, engine = await held_stream(
+            http, mesh.url, LONG_PROMPT, engine="engine-0", max_tokens=1000
+        )
         victim = mesh.ranks_of("engine-0")[3]  # PP1/TP1: the last stage, which samples
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
