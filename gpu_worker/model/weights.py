@@ -39,58 +39,42 @@ def build_model(
     rank: int = 0,
     prepack: bool = True,
 ) -> tuple[ModelConfig, LlamaModel]:
-    """The model named by `name_or_path` (see `_build_model`), its float32 CPU weights
-    prepacked for oneDNN unless `prepack` is False (`LlamaModel.prepack_weights`)."""
-    config, model = _build_model(
-        name_or_path, device, dtype, seed, batch_invariant, context_len, parallel, rank
-    )
-    if prepack:
-        model.prepack_weights()
-    return config, model
-
-
-def _build_model(
-    name_or_path: str | Path,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    seed: int = 0,
-    batch_invariant: bool = False,
-    context_len: int | None = None,
-    parallel: ParallelConfig | None = None,
-    rank: int = 0,
-) -> tuple[ModelConfig, LlamaModel]:
-    """`build_model` without the prepacking. A preset name (e.g. "tiny") gives seeded
-    random weights; a directory is loaded as a Hugging Face checkpoint (`seed` is then unused). `batch_invariant`: see `llama.py`.
+    """A preset name (e.g. "tiny") gives seeded random weights; a directory is loaded as a
+    Hugging Face checkpoint (`seed` is then unused). `batch_invariant`: see `llama.py`.
     `context_len` sets a preset's context length (random weights have no trained limit, so
     `--context-length` may raise it, e.g. for 32K-token benchmarks); a checkpoint keeps its own.
 
     With a `parallel` layout of more than one rank, the returned model is world rank
     `rank`'s shard (`shard.py`), cut from the whole model built on the CPU first; the
-    returned config is always the whole model's."""
+    returned config is always the whole model's. Once the weights are final, float32 CPU
+    ones are prepacked for oneDNN unless `prepack` is False (`LlamaModel.prepack_weights`)."""
     if parallel is not None and parallel.world_size > 1:
-        config, full = _build_model(name_or_path, "cpu", dtype, seed, batch_invariant, context_len)
+        config, full = build_model(
+            name_or_path, "cpu", dtype, seed, batch_invariant, context_len, prepack=False
+        )
         shard = ModelShard.of(config, parallel, rank)  # a clear error if it does not split
-        return config, shard_model(full, shard, device, dtype)
-    if str(name_or_path) in PRESETS:
+        model = shard_model(full, shard, device, dtype)
+    elif str(name_or_path) in PRESETS:
         config = PRESETS[str(name_or_path)]
         if context_len is not None:
             config = config.replace(context_len=context_len)
         model = create_model(config, device, dtype, batch_invariant)
         init_random_weights(model, seed)
-        return config, model
-    gguf = gguf_path(name_or_path)
-    if gguf is not None:
+    elif (gguf := gguf_path(name_or_path)) is not None:
         config, model = load_gguf(gguf, device, dtype)
         model.set_batch_invariant(batch_invariant)
-        return config, model
-    if Path(name_or_path).is_dir():
+    elif Path(name_or_path).is_dir():
         config, model = load_hf_checkpoint(name_or_path, device, dtype)
         model.set_batch_invariant(batch_invariant)
-        return config, model
-    raise ValueError(
-        f"{str(name_or_path)!r} is neither a preset ({sorted(PRESETS) + sorted(GGUF_PRESETS)}), "
-        "a *.gguf file nor a Hugging Face checkpoint directory"
-    )
+    else:
+        raise ValueError(
+            f"{str(name_or_path)!r} is neither a preset "
+            f"({sorted(PRESETS) + sorted(GGUF_PRESETS)}), "
+            "a *.gguf file nor a Hugging Face checkpoint directory"
+        )
+    if prepack:
+        model.prepack_weights()
+    return config, model
 
 
 def model_config_of(name_or_path: str | Path, context_len: int | None = None) -> ModelConfig:
