@@ -26,13 +26,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 import redis.asyncio as aioredis
 
 from bus_schemas import redis_keys as rk
@@ -230,6 +231,23 @@ class UpMesh:
         return pid
 
 
+@contextlib.contextmanager
+def running_mesh(
+    spec: MeshSpec, tmp: pytest.TempPathFactory, name: str, timeout_s: float = 180
+) -> Iterator[UpMesh]:
+    """`up` for a module's tests, its logs under $FAULT_MATRIX_LOG_DIR (else a temporary
+    folder named `name`); it must stop cleanly."""
+    log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp.mktemp(name)))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    mesh = UpMesh(spec, log_dir)
+    mesh.start(timeout_s=timeout_s)
+    try:
+        yield mesh
+    finally:
+        code = mesh.stop()
+    assert code == 0, f"`up` did not stop cleanly: {code}\n{mesh.log_tail()}"
+
+
 # ------------------------------------------------------------------ requests
 
 
@@ -394,6 +412,30 @@ def workload(n_prompts: int = 8) -> list[Req]:
         reqs.append(Req(p, 6, False))
         reqs.append(Req(p, 6, True))
     return reqs
+
+
+def cold_reference(
+    reqs: Sequence[Req], model: str = "tiny", exact: bool = False
+) -> dict[Req, tuple[int, ...]]:
+    """Each request's greedy tokens from an in-process TP1 engine of `model` (float64)
+    with the cache off; `exact`: batch-invariant, as `--enable-deterministic-inference`."""
+    from gpu_worker.cache.hicache import CacheConfig
+    from gpu_worker.engine.engine import Engine, EngineConfig
+    from gpu_worker.model.sampling import SamplingParams
+
+    cache = CacheConfig(page_size=PAGE, enable_radix_cache=False)
+    eng = Engine(EngineConfig(model=model, cache=cache, batch_invariant=exact))
+    try:
+        return {
+            r: tuple(
+                eng.generate(
+                    list(r.prompt), SamplingParams(max_new_tokens=r.max_tokens, ignore_eos=True)
+                ).output_ids
+            )
+            for r in reqs
+        }
+    finally:
+        eng.close()
 
 
 async def send_all(url: str, reqs: Sequence[Req], clients: int = 8) -> list[Answer]:

@@ -12,15 +12,13 @@ equal an offline TP1 engine's.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from fault_helpers import MeshSpec, UpMesh
+from fault_helpers import MeshSpec, UpMesh, running_mesh
 
 from bus_schemas import redis_keys
 from gpu_worker.cache.hicache import CacheConfig
@@ -36,21 +34,14 @@ NEW = [(i * 17 + 3) % 250 for i in range(30)]
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
-    log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp("buckets")))
-    log_dir.mkdir(parents=True, exist_ok=True)
     store = tmp_path_factory.mktemp("store")
     extra = ("--model", "tiny-tp", "--bucket", "short:tp=1,max_len=64,engines=1")
     extra += ("--bucket", "long:tp=2,engines=1", "--hicache-storage-backend", "file")
     extra += ("--hicache-storage-dir", str(store), "--hicache-storage-key-scheme", "unified")
     extra += ("--hicache-storage-layer-partition", "4", "--hicache-storage-head-partition", "2")
     extra += ("--hicache-storage-prefetch-policy", "wait_complete")
-    m = UpMesh(MeshSpec(engines=1, extra=extra), log_dir)
-    m.start(timeout_s=180)
-    try:
+    with running_mesh(MeshSpec(engines=1, extra=extra), tmp_path_factory, "buckets") as m:
         yield m
-    finally:
-        code = m.stop()
-    assert code == 0, f"`up` did not stop cleanly: {code}\n{m.log_tail()}"
 
 
 def offline(prompt: list[int], n: int) -> list[int]:

@@ -20,23 +20,19 @@ from pathlib import Path
 import aiohttp
 import pytest
 from fault_helpers import (
-    PAGE,
     MeshSpec,
-    Req,
     UpMesh,
     baseline,
+    cold_reference,
     epochs,
     finish_stream,
     full_round,
     held_stream,
+    running_mesh,
     send_all,
     wait_healed,
     workload,
 )
-
-from gpu_worker.cache.hicache import CacheConfig
-from gpu_worker.engine.engine import Engine, EngineConfig
-from gpu_worker.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -46,31 +42,14 @@ TP_PP = ("--tp-size", "2", "--pp-size", "2")
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
-    log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp("tp2pp2")))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    m = UpMesh(MeshSpec(engines=2, extra=TP_PP), log_dir)
-    m.start(timeout_s=180)
-    try:
+    with running_mesh(MeshSpec(engines=2, extra=TP_PP), tmp_path_factory, "tp2pp2") as m:
         yield m
-    finally:
-        code = m.stop()
-    assert code == 0, f"`up` did not stop cleanly: {code}\n{m.log_tail()}"
-
-
-def tp1_reference(reqs: list[Req]) -> dict[Req, tuple[int, ...]]:
-    eng = Engine(EngineConfig(cache=CacheConfig(page_size=PAGE, enable_radix_cache=False)))
-    out = {}
-    for r in reqs:
-        sp = SamplingParams(max_new_tokens=r.max_tokens, ignore_eos=True)
-        out[r] = tuple(eng.generate(list(r.prompt), sp).output_ids)
-    eng.close()
-    return out
 
 
 async def test_tp2_pp2_mesh_equals_tp1(mesh: UpMesh) -> None:
     reqs = workload()
     got = await baseline(mesh.url, reqs)  # plain and streamed, 8 clients at a time
-    assert got == tp1_reference(reqs)
+    assert got == cold_reference(reqs)
     assert {len(ranks) for ranks in map(mesh.ranks_of, mesh.spec.engine_ids)} == {3}
     async with aiohttp.ClientSession() as http:
         body = {"prompt": list(reqs[0].prompt), "max_tokens": 6, "temperature": 0}

@@ -11,17 +11,11 @@ disaggregated).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
-from fault_helpers import PAGE, MeshSpec, Req, UpMesh, baseline, workload
-
-from gpu_worker.cache.hicache import CacheConfig
-from gpu_worker.engine.engine import Engine, EngineConfig
-from gpu_worker.model.sampling import SamplingParams
+from fault_helpers import MeshSpec, UpMesh, baseline, cold_reference, running_mesh, workload
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -32,34 +26,16 @@ EXACT = ("--dtype", "float64", "--enable-deterministic-inference")
 def mesh(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[UpMesh]:
-    model = request.param
-    log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp(model)))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    m = UpMesh(MeshSpec(pd=True, extra=("--tp-size", "2", "--model", model, *EXACT)), log_dir)
-    m.start(timeout_s=180)
-    try:
+    spec = MeshSpec(pd=True, extra=("--tp-size", "2", "--model", request.param, *EXACT))
+    with running_mesh(spec, tmp_path_factory, request.param) as m:
         yield m
-    finally:
-        code = m.stop()
-    assert code == 0, f"`up` did not stop cleanly: {code}\n{m.log_tail()}"
-
-
-def tp1_reference(model: str, reqs: list[Req]) -> dict[Req, tuple[int, ...]]:
-    cache = CacheConfig(page_size=PAGE, enable_radix_cache=False)
-    eng = Engine(EngineConfig(model=model, dtype="float64", cache=cache, batch_invariant=True))
-    out = {}
-    for r in reqs:
-        sp = SamplingParams(max_new_tokens=r.max_tokens, ignore_eos=True)
-        out[r] = tuple(eng.generate(list(r.prompt), sp).output_ids)
-    eng.close()
-    return out
 
 
 async def test_pd_between_tp2_engines_equals_tp1(mesh: UpMesh) -> None:
     model = mesh.spec.extra[mesh.spec.extra.index("--model") + 1]
     reqs = workload()
     got = await baseline(mesh.url, reqs)  # plain and streamed, 8 clients at a time
-    assert got == tp1_reference(model, reqs)
+    assert got == cold_reference(reqs, model, exact=True)
     assert {len(ranks) for ranks in map(mesh.ranks_of, mesh.spec.engine_ids)} == {1}
     async with aiohttp.ClientSession() as http:
         body = {"prompt": list(reqs[0].prompt), "max_tokens": 6, "temperature": 0}

@@ -11,16 +11,14 @@ error in /stats and /metrics.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from fault_helpers import PAGE, MeshSpec, UpMesh
+from fault_helpers import PAGE, MeshSpec, UpMesh, running_mesh
 
 from bus_schemas import redis_keys
 
@@ -32,15 +30,9 @@ MAX_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
-    log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp("audit")))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    m = UpMesh(MeshSpec(engines=2, extra=("--debug-silent-flush",)), log_dir)
-    m.start(timeout_s=120)
-    try:
+    spec = MeshSpec(engines=2, extra=("--debug-silent-flush",))
+    with running_mesh(spec, tmp_path_factory, "audit", timeout_s=120) as m:
         yield m
-    finally:
-        code = m.stop()
-    assert code == 0, f"`up` did not stop cleanly: {code}\n{m.log_tail()}"
 
 
 async def complete(http: aiohttp.ClientSession, mesh: UpMesh, prompt: list[int]) -> Any:

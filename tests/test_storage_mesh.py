@@ -14,12 +14,11 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from fault_helpers import PAGE, MeshSpec, UpMesh
+from fault_helpers import PAGE, MeshSpec, UpMesh, running_mesh
 
 from bus_schemas import redis_keys
 
@@ -30,20 +29,15 @@ PROMPT = [(i * 29 + 3) % 250 for i in range(41)]  # 10 whole pages before the la
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
-    log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp("l3mesh")))
-    log_dir.mkdir(parents=True, exist_ok=True)
     store = tmp_path_factory.mktemp("store")
     extra = ("--hicache-storage-backend", "file", "--hicache-storage-dir", str(store))
     extra += ("--hicache-storage-prefetch-policy", "wait_complete")
-    m = UpMesh(MeshSpec(engines=2, extra=extra), log_dir)
-    m.start(timeout_s=180)
-    try:
-        yield m
-    finally:
-        for child in m.children():  # a frozen engine would ignore Ctrl-C
-            os.kill(child.pid, signal.SIGCONT)
-        code = m.stop()
-    assert code == 0, f"`up` did not stop cleanly: {code}\n{m.log_tail()}"
+    with running_mesh(MeshSpec(engines=2, extra=extra), tmp_path_factory, "l3mesh") as m:
+        try:
+            yield m
+        finally:
+            for child in m.children():  # a frozen engine would ignore Ctrl-C
+                os.kill(child.pid, signal.SIGCONT)
 
 
 async def complete(http: aiohttp.ClientSession, mesh: UpMesh) -> tuple[str, dict[str, object]]:
@@ -100,18 +94,11 @@ async def test_an_engine_serves_what_another_one_stored(mesh: UpMesh) -> None:
 
 @pytest.fixture(scope="module")
 def pd_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
-    log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp("l3pd")))
-    log_dir.mkdir(parents=True, exist_ok=True)
     store = tmp_path_factory.mktemp("pdstore")
     extra = ("--hicache-storage-backend", "file", "--hicache-storage-dir", str(store))
     extra += ("--hicache-storage-prefetch-policy", "wait_complete")
-    m = UpMesh(MeshSpec(pd=True, extra=extra), log_dir)
-    m.start(timeout_s=180)
-    try:
+    with running_mesh(MeshSpec(pd=True, extra=extra), tmp_path_factory, "l3pd") as m:
         yield m
-    finally:
-        code = m.stop()
-    assert code == 0, f"`up` did not stop cleanly: {code}\n{m.log_tail()}"
 
 
 async def test_pd_usage_reports_what_prefill_read_from_storage(pd_mesh: UpMesh) -> None:
