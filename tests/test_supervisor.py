@@ -94,11 +94,65 @@ def test_up_gives_nats_redis_and_the_router_distinct_ports(
         monkeypatch.setattr(up, "free_port", kernel)
         started: list[ChildSpec] = []
         monkeypatch.setattr(plan.supervisor, "start", started.append)
-        plan._server("nats", servers.nats_argv, "nats://127.0.0.1:{}")
-        plan._server("redis", servers.redis_argv, "redis://127.0.0.1:{}/0")
+        plan._server(servers.NATS)
+        plan._server(servers.REDIS)
         assert [c.port for c in started] == [7002, 7003]
     finally:
         plan.workdir.cleanup()
+
+
+@pytest.mark.parametrize("kind", [servers.NATS, servers.REDIS], ids=lambda k: k.name)
+def test_a_server_started_on_a_taken_port_is_not_taken_for_ready(
+    kind: servers.ServerKind, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two launchers (xdist workers, or `up` beside another mesh) can draw the same free
+    port. CI once saw the loser's nats-server fail to bind while the winner's answered its
+    readiness probe: the test SIGSTOPped a dead process and its "paused" NATS kept serving.
+    The probe now asks who answers; a start on a drawn port that turns out taken draws
+    another."""
+    holder = servers.start_server(kind)
+    try:
+        with pytest.raises((servers.PortTakenError, RuntimeError)):
+            servers.start_server(kind, holder.port)  # an explicit port: no second draw
+        drawn = iter([holder.port])
+        real_free_port = servers.free_port
+        monkeypatch.setattr(servers, "free_port", lambda: next(drawn, None) or real_free_port())
+        second = servers.start_server(kind)
+        try:
+            assert second.port != holder.port and second.alive
+            assert holder.alive
+            with socket.create_connection(("127.0.0.1", second.port), timeout=5) as conn:
+                assert kind.identify(second.workdir.name, second.proc)(conn)  # type: ignore[union-attr]
+        finally:
+            second.stop()
+    finally:
+        holder.stop()
+
+
+def test_the_readiness_probe_names_a_listener_that_is_not_ours(tmp_path: Path) -> None:
+    """A live nats-server child whose port is answered by another NATS-speaking listener:
+    PortTakenError, not ready (deterministic: the child never binds)."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+
+        def greet() -> None:
+            conn, _ = other.accept()
+            conn.sendall(b'INFO {"server_name":"someone-else"}\r\n')
+            conn.close()
+
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(greet)
+            proc = subprocess.Popen(SLEEPER)
+            try:
+                with pytest.raises(servers.PortTakenError, match=f"127.0.0.1:{port}"):
+                    servers.wait_for_port(
+                        port, proc, timeout_s=5, identify=servers.identify_nats(str(tmp_path))
+                    )
+            finally:
+                proc.kill()
+                proc.wait()
 
 
 def test_restart_policy_doubles_to_the_cap() -> None:

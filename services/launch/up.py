@@ -15,7 +15,6 @@ import json
 import logging
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ from types import FrameType
 
 from services.engine.flags import add_engine_args, engine_argv
 from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
-from services.launch.servers import free_port, nats_argv, redis_argv, wait_for_port
+from services.launch.servers import NATS, REDIS, ServerKind, free_port
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
 
 ROUTER_TIER, SERVICE_TIER, SERVER_TIER = 2, 1, 0  # stop order: router, services, servers
@@ -142,8 +141,8 @@ class Mesh:
         check_port_free(a.host, a.port)
         url = f"http://{a.host}:{a.port}"
         self.supervisor.extra_status["url"] = url
-        nats_url = a.nats_url or self._server("nats", nats_argv, "nats://127.0.0.1:{}")
-        redis_url = a.redis_url or self._server("redis", redis_argv, "redis://127.0.0.1:{}/0")
+        nats_url = a.nats_url or self._server(NATS)
+        redis_url = a.redis_url or self._server(REDIS)
         py = sys.executable
         self.supervisor.start(
             ChildSpec(
@@ -162,20 +161,17 @@ class Mesh:
         self._wait_healthy(url, a.startup_timeout, stopping)
         return url
 
-    def _server(self, name: str, make_argv: Callable[[int, str], list[str]], url: str) -> str:
+    def _server(self, kind: ServerKind) -> str:
         """Start nats/redis on a free port that stays its port across restarts."""
         port = free_port(avoid=self._ports)  # not the router's, nor the other server's
         self._ports.add(port)
-        workdir = Path(self.workdir.name) / name
+        workdir = Path(self.workdir.name) / kind.name
         workdir.mkdir()
-        argv = make_argv(port, str(workdir))
-        self.supervisor.extra_status[f"{name}_url"] = url.format(port)
-
-        def ready(proc: subprocess.Popen[bytes]) -> None:
-            wait_for_port(port, proc)
-
-        self.supervisor.start(ChildSpec(name, argv, SERVER_TIER, port, ready, quiet=True))
-        return url.format(port)
+        url = kind.url.format(port)
+        self.supervisor.extra_status[f"{kind.name}_url"] = url
+        argv, ready = kind.argv(port, str(workdir)), kind.ready(port, str(workdir))
+        self.supervisor.start(ChildSpec(kind.name, argv, SERVER_TIER, port, ready, quiet=True))
+        return url
 
     def _router_argv(self, nats_url: str, redis_url: str) -> list[str]:
         a = self.args
