@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import random
 import statistics
@@ -383,6 +384,11 @@ def print_header(args: argparse.Namespace) -> None:
         f"\nmax_tokens=1, {args.requests} rounds per prompt length ({paths} in turn); "
         f"{args.engines} engine(s), page {PAGE_SIZE}"
         + (f"; concurrency {args.concurrency} for req/s" if args.concurrency > 1 else "")
+        + (
+            f"; router on CPU {args.router_cpu}, the rest on CPUs {sorted(os.sched_getaffinity(0))}"
+            if args.router_cpu is not None
+            else ""
+        )
     )
     head = (
         f"{'prompt':>7} {'engine p50':>10} {'router p50':>10} {'added p50 [95% CI]':>22} "
@@ -432,11 +438,16 @@ def spawn(
         engine += ["--max-total-tokens", str(2 * context), "--chunked-prefill-size", "4096"]
         procs.append(subprocess.Popen(engine))
     router = [py, "-m", "router", *bus, "--redis-url", redis_url]
-    procs.append(subprocess.Popen([*router, "--port", str(ports.router)]))
+    pin = (
+        None
+        if args.router_cpu is None
+        else functools.partial(os.sched_setaffinity, 0, {args.router_cpu})
+    )  # run in the child before exec: every thread it starts inherits the CPU
+    procs.append(subprocess.Popen([*router, "--port", str(ports.router)], preexec_fn=pin))
     if args.baseline:
         env = dict(os.environ, PYTHONPATH=args.baseline)
         baseline = [*router, "--port", str(ports.baseline)]
-        procs.append(subprocess.Popen(baseline, cwd=args.baseline, env=env))
+        procs.append(subprocess.Popen(baseline, cwd=args.baseline, env=env, preexec_fn=pin))
     return procs
 
 
@@ -462,8 +473,21 @@ def main() -> None:
         metavar="DIR",
         help="also time a router started from DIR (its router/ and bus_schemas/) side by side",
     )
+    parser.add_argument(
+        "--router-cpu",
+        type=int,
+        metavar="CPU",
+        help="run the router(s) on this CPU alone and everything else (engines, index, nats, "
+        "redis, this client) on the other CPUs: a router with a core of its own, as deployed",
+    )
     args = parser.parse_args()
     args.prompt_lens = args.prompt_lens or list(PROMPT_LENS)
+    if args.router_cpu is not None:
+        cpus = os.sched_getaffinity(0)
+        rest = cpus - {args.router_cpu}
+        if args.router_cpu not in cpus or not rest:
+            raise SystemExit(f"--router-cpu {args.router_cpu}: this process may use CPUs {cpus}")
+        os.sched_setaffinity(0, rest)  # before anything starts: the children inherit it
     nats_server, redis_server = start_nats(), start_redis()
     ports = Ports(free_port(), free_port() if args.baseline else None)
     procs = spawn(args, nats_server.url, redis_server.url, ports)
