@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import os
 import secrets
 import time
 from collections import Counter
@@ -543,6 +544,7 @@ async def health(request: web.Request) -> web.Response:
         "ready_engines": [e.engine_id for e in ready],  # live, and their model card is here
         "models": sorted({e.model for e in ready}),
         "roles": {e.engine_id: e.role for e in live},
+        "pid": os.getpid(),  # a launcher checks that the router answering is the one it started
     }
     if nc.is_connected and serving:
         reasons = [] if redis_up else [REDIS_DOWN]

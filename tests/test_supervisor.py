@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.server
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,7 +35,7 @@ from fake_engine import FakeEngine, running_mesh
 
 from services.launch import servers, up
 from services.launch.servers import ServerProcess, free_port, start_nats
-from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
+from services.launch.supervisor import Child, ChildSpec, RestartPolicy, Supervisor
 
 UP = [sys.executable, "-m", "services.cli", "up"]
 NO_REDIS = ["--redis-url", "redis://127.0.0.1:1/0"]  # both services start without Redis
@@ -153,6 +155,45 @@ def test_the_readiness_probe_names_a_listener_that_is_not_ours(tmp_path: Path) -
             finally:
                 proc.kill()
                 proc.wait()
+
+
+def test_up_waits_for_its_own_router_not_one_already_on_the_port() -> None:
+    """The router's port can be drawn by another launcher at the same moment: that mesh's
+    router answering /health (same engine names, all ready) is not this mesh's. `up` waits
+    for the /health of the router process it started."""
+    parser = argparse.ArgumentParser()
+    up.add_up_args(parser)
+    plan = up.Mesh(parser.parse_args(["--port", "7001"]))
+    ours = subprocess.Popen(SLEEPER)
+    answer: dict[str, Any] = {"ready_engines": [name for name, _ in plan._engines()]}
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        plan.supervisor.children["router"] = Child(ChildSpec("router", SLEEPER, 1), ours)
+        answer["pid"] = ours.pid + 1  # another router
+        with pytest.raises(TimeoutError, match="not healthy"):
+            plan._wait_healthy(url, 1.0, lambda: False)
+        answer["pid"] = ours.pid
+        plan._wait_healthy(url, 5.0, lambda: False)
+    finally:
+        server.shutdown()
+        ours.kill()
+        ours.wait()
+        plan.workdir.cleanup()
 
 
 def test_restart_policy_doubles_to_the_cap() -> None:

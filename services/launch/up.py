@@ -220,10 +220,11 @@ class Mesh:
         ]
 
     def _wait_healthy(self, url: str, timeout_s: float, stopping: Callable[[], bool]) -> None:
-        """Return once /health is 200 and lists every engine as ready (every bucket can
-        serve). A child dying during startup is a configuration error, not a fault to
+        """Return once our router's /health is 200 and lists every engine as ready (every
+        bucket can serve). A child dying during startup is a configuration error, not a fault to
         heal: raise with its name and exit code."""
         engines = {name for name, _ in self._engines()}
+        router = self.supervisor.children["router"].pid
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not stopping():
             for child in self.supervisor.exited():
@@ -234,8 +235,11 @@ class Mesh:
                 contextlib.suppress(urllib.error.URLError, ConnectionError, OSError),
                 urllib.request.urlopen(f"{url}/health", timeout=1) as resp,
             ):
-                ready = set(json.loads(resp.read()).get("ready_engines", []))
-                if resp.status == 200 and engines <= ready:
+                health = json.loads(resp.read())
+                ready = set(health.get("ready_engines", []))
+                # another mesh's router on a port drawn at the same moment is not ours (ours
+                # then fails to bind, and exits: raised above)
+                if resp.status == 200 and engines <= ready and health.get("pid") == router:
                     return
             time.sleep(0.2)
         if stopping():
