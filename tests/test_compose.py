@@ -24,7 +24,7 @@ import pytest
 import yaml
 from fake_engine import FakeEngine
 
-from services.launch.servers import free_port, nats_argv, wait_for_port
+from services.launch.servers import free_port, identify_nats, nats_argv, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILES = sorted((ROOT / "compose").glob("docker-compose*.yml"))
@@ -248,7 +248,7 @@ def monitored_nats(tmp_path: Path) -> Iterator[tuple[str, str]]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_for_port(port, proc)
+        wait_for_port(port, proc, identify=identify_nats(str(tmp_path)))
         wait_for_port(monitor, proc)
         yield f"nats://127.0.0.1:{port}", f"http://127.0.0.1:{monitor}"
     finally:
