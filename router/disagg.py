@@ -96,12 +96,15 @@ async def admit(stream: EngineStream, request: DecodeAdmit, timeout_s: float) ->
 
 
 def retry_kind(failure: EngineFailure, prefill_engine: str) -> str | None:
-    """The retry a failed P/D attempt calls for: "restore", "prefill", "decode", or None
-    when it must not be retried (the client saw output, or the request itself is bad)."""
+    """The retry a failed P/D attempt calls for: "restore", "prefill", "decode", "bus" (on
+    any engines: it was lost in a NATS reconnect), or None when it must not be retried (the
+    client saw output, or the request itself is bad)."""
     if failure.num_chunks > 0 or failure.status < 500 or failure.kind == "engine_crashed":
         return None
     if failure.kind == "restore_failed":
         return "restore"
+    if failure.kind == "bus":
+        return "bus"
     if failure.engine_id == prefill_engine or failure.kind == "transfer_timeout":
         return "prefill"
     return "decode"

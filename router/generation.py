@@ -232,8 +232,10 @@ class Generation:
                 self._count(f)
                 if not _retriable(f) or attempt + 1 == MAX_ATTEMPTS:
                     raise _client_error(f) from None
-                if not f.epoch or f.epoch == self.table.epoch_of(engine_id):
-                    excluded.add(engine_id)  # (a restarted engine is a new process: kept)
+                if f.kind != "bus" and (not f.epoch or f.epoch == self.table.epoch_of(engine_id)):
+                    # (a restarted engine is a new process, and a request lost in a NATS
+                    # reconnect says nothing about its engine: both kept)
+                    excluded.add(engine_id)
                 if not self.candidates(COLOCATED, excluded):
                     raise _client_error(f) from None
 
@@ -294,6 +296,8 @@ class Generation:
                     pinned = None
                     if self.candidates(PREFILL, no_prefill | {prefill}):
                         no_prefill.add(prefill)
+                elif kind == "bus":  # lost in a NATS reconnect: the engines are fine
+                    pinned = None
                 else:
                     pinned = None
                     no_decode.add(decode)

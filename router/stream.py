@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 
@@ -61,6 +62,7 @@ Reply = tuple[str, bytes]  # (subject, payload) of one message to a ReplyHub sub
 # The subject of a ReplyHub marker (never a NATS subject): NATS reconnected, on the router's
 # side (payload b"") or on one engine's (its id); replies may have been lost in between.
 RECONNECTED = ""
+RESUBSCRIBE_WAIT_S = 0.05  # after a reconnect, between questions the engine cannot hear yet
 
 
 class EngineFailure(Exception):
@@ -99,6 +101,8 @@ class ReplyHub:
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
         self._next = 0
         self._sub: Subscription | None = None
+        # reconnects seen, the router's own under "" and each engine's under its id
+        self.reconnects: Counter[str] = Counter()
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(f"{self._prefix}.*", cb=self._on_msg)
@@ -124,6 +128,7 @@ class ReplyHub:
     def reconnected(self, engine_id: str = "") -> None:
         """NATS came back, for this router (`engine_id` "") or for one engine: every open
         stream (of that engine) asks its engine what it sent (`EngineStream.next_chunk`)."""
+        self.reconnects[engine_id] += 1
         marker = (RECONNECTED, engine_id.encode())
         for queue in {id(q): q for q in self._queues.values()}.values():
             queue.put_nowait(marker)
@@ -193,15 +198,35 @@ class EngineStream:
 
     async def ask(self, subject: str, message: Message, timeout_s: float) -> bytes:
         """Request/reply with the engine (which may hold the request from now on). Fails
-        early, like `next_chunk`, when the engine stops heartbeating or restarts."""
+        early, like `next_chunk`, when the engine stops heartbeating or restarts. After a
+        NATS reconnect (the router's or the engine's) the question or its answer may have
+        been lost: it is asked again, within the same `timeout_s` (engines answer a repeated
+        question alike), and "no responders" then means the engine has not subscribed
+        again yet."""
         self.started = True
-        reply = asyncio.ensure_future(self.nc.request(subject, message.encode(), timeout=timeout_s))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        data, asked_at, reconnected = message.encode(), self._reconnects(), False
+        reply = asyncio.ensure_future(self.nc.request(subject, data, timeout=timeout_s))
         try:
-            while not reply.done():
+            while True:
                 await asyncio.wait({reply}, timeout=self.config.liveness_poll_s)
                 if not reply.done():
                     self._check_alive()
-            msg = reply.result()
+                elif (error := reply.exception()) is None:
+                    return bytes(reply.result().data)
+                elif reconnected and isinstance(error, NoRespondersError):
+                    await asyncio.sleep(RESUBSCRIBE_WAIT_S)
+                else:
+                    raise error
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise NatsTimeoutError
+                if reply.done() or self._reconnects() != asked_at:
+                    reconnected = reconnected or self._reconnects() != asked_at
+                    asked_at = self._reconnects()
+                    reply.cancel()
+                    reply = asyncio.ensure_future(self.nc.request(subject, data, timeout=left))
         except NatsTimeoutError:
             raise self._failure(
                 "timeout", f"engine {self.engine_id} did not answer within {timeout_s:g} s"
@@ -214,7 +239,10 @@ class EngineStream:
             raise self._failure("bus", f"NATS request failed: {e!r}") from None
         finally:
             reply.cancel()  # no-op when it is done
-        return bytes(msg.data)
+
+    def _reconnects(self) -> int:
+        """NATS reconnects so far of the router and of this stream's engine."""
+        return self.hub.reconnects[""] + self.hub.reconnects[self.engine_id]
 
     def watch(self, engine_id: str) -> str:
         """Until the first chunk, also fail when `engine_id` stops heartbeating or sends an

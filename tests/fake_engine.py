@@ -401,6 +401,7 @@ class FakeDecode(FakeEngine):
     role: str = "decode"
     restore_fails_once: bool = False  # the first request that gets its KV fails with 409
     admit_error: tuple[int, str] | None = None  # refuse admits with this error
+    lose_admits: int = 0  # the first N admits are lost on the bus (never answered)
     admits: list[DecodeAdmit] = field(default_factory=list)
     kv_frames: list[KVFrameHeader] = field(default_factory=list)
     _admitted: dict[str, tuple[DecodeAdmit, int]] = field(default_factory=dict)
@@ -415,6 +416,9 @@ class FakeDecode(FakeEngine):
             return
         req = DecodeAdmit.decode(msg.data)
         self.admits.append(req)
+        if self.lose_admits > 0:
+            self.lose_admits -= 1
+            return
         if self.admit_error is not None:
             code, text = self.admit_error
             reply = DecodeAdmitReply(
@@ -425,6 +429,7 @@ class FakeDecode(FakeEngine):
         reused = self.cached_device + self.cached_host if req.reuse else 0
         prefix_len = min(reused, len(req.input_ids)) // self.page_size * self.page_size
         self._admitted[req.request_id] = (req, prefix_len)
+        self._streams[req.request_id] = (req.reply_to, 0)  # held from admission, as engines do
         self._spawn(self._transfer_timeout(req))
         reply = DecodeAdmitReply(
             req.request_id,

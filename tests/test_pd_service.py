@@ -106,14 +106,19 @@ async def pd_generate(
     max_new: int,
     reuse: bool = True,
     timeout_s: float = 30.0,
+    asks: int = 1,
 ) -> tuple[DecodeAdmitReply, list[TokenChunk]]:
+    """One P/D request; `asks` > 1 sends its DecodeAdmit that many times at once, as a router
+    asks again after a NATS reconnect, and checks that every answer is the same."""
     rid = uuid.uuid4().hex
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     sampling = Sampling(max_new, ignore_eos=True)
-    admit = DecodeAdmit(rid, prompt, sampling, inbox, "", reuse, timeout_s)
-    msg = await nc.request(subj.engine_decode_admit(decode), admit.encode(), timeout=30)
-    reply = DecodeAdmitReply.decode(msg.data)
+    admit = DecodeAdmit(rid, prompt, sampling, inbox, "", reuse, timeout_s).encode()
+    subject = subj.engine_decode_admit(decode)
+    msgs = await asyncio.gather(*(nc.request(subject, admit, timeout=30) for _ in range(asks)))
+    assert len({m.data for m in msgs}) == 1, [m.data for m in msgs]
+    reply = DecodeAdmitReply.decode(msgs[0].data)
     assert reply.error is None, reply.error
     req = PrefillRequest(
         rid, prompt, sampling, "", reply.decode_prefix_len, reply.kv_subject, inbox
@@ -171,6 +176,36 @@ async def test_reuse_off_moves_everything_and_returns_every_page(
         assert chunks[0].transferred_tokens == len(prompt)
         assert [t for c in chunks for t in c.token_ids] == cold(prompt, 4)
     s = await stats(nc, "pd-decode-off")
+    assert s["device_pages_free"] == s["device_pages"]
+
+
+async def test_an_admit_asked_again_gets_the_same_answer_and_admits_once(
+    engines: dict[str, subprocess.Popen[bytes]], nc: NATS
+) -> None:
+    """The router asks again when NATS reconnected while it waited for the answer: the
+    decode engine answers every copy alike, admits the request once (all its pages come
+    back after one request), and refuses the id under another reply subject."""
+    await wait_engines(nc, {"pd-prefill", "pd-decode-off"})
+    prompt = list(range(3, 40))
+    _, chunks = await pd_generate(nc, "pd-prefill", "pd-decode-off", prompt, 3, asks=3)
+    assert [t for c in chunks for t in c.token_ids] == cold(prompt, 3)
+    s = await stats(nc, "pd-decode-off")
+    assert s["device_pages_free"] == s["device_pages"]
+
+    rid, sampling = uuid.uuid4().hex, Sampling(2, ignore_eos=True)
+    subject = subj.engine_decode_admit("pd-decode-off")
+    first = DecodeAdmit(rid, prompt, sampling, nc.new_inbox(), "", False, 1.0)
+    other = DecodeAdmit(rid, prompt, sampling, nc.new_inbox(), "", False, 1.0)
+    a = await nc.request(subject, first.encode(), timeout=30)
+    b = await nc.request(subject, first.encode(), timeout=30)  # admitted by now: its answer
+    c = DecodeAdmitReply.decode((await nc.request(subject, other.encode(), timeout=30)).data)
+    assert a.data == b.data and DecodeAdmitReply.decode(a.data).error is None
+    assert c.error_code == 400 and "duplicate request id" in (c.error or "")
+    for _ in range(50):  # no KV comes: it times out after 1 s and gives its pages back
+        s = await stats(nc, "pd-decode-off")
+        if s["device_pages_free"] == s["device_pages"]:
+            break
+        await asyncio.sleep(0.1)
     assert s["device_pages_free"] == s["device_pages"]
 
 

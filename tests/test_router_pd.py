@@ -23,7 +23,7 @@ from test_router import metric, set_load, text_of, wait_until
 
 from bus_schemas import page_hashes, redis_keys, subjects
 from router.disagg import retry_kind
-from router.keys import TABLE
+from router.keys import REPLIES, TABLE
 from router.stream import EngineFailure
 from services.launch.servers import ServerProcess
 
@@ -70,6 +70,8 @@ def test_retry_kind_by_failure() -> None:
     assert retry_kind(f("engine_error", "p"), "p") == "prefill"
     assert retry_kind(f("lost"), "p") == "decode"
     assert retry_kind(f("unavailable"), "p") == "decode"
+    assert retry_kind(f("bus"), "p") == retry_kind(f("bus", "p"), "p") == "bus"
+    assert retry_kind(f("bus", chunks=1), "p") is None
     assert retry_kind(f("rejected"), "p") is None  # a bad request: never retried
     assert retry_kind(f("rejected", "p"), "p") is None
     assert retry_kind(f("restore_failed", chunks=1), "p") is None  # the client saw output
@@ -223,6 +225,25 @@ async def test_restore_failure_retries_once_without_reuse(
     assert [rec["status"] for rec in records] == [200, 502]
     assert records[0]["disaggregation"] == disagg(mesh, 0, 0, 0, 0)
     assert records[0]["engine_id"] == dec.engine_id and "disaggregation" not in records[1]
+
+
+async def test_an_admit_lost_in_a_nats_reconnect_is_asked_again(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """The question or the decode engine's answer was lost while NATS reconnected: the
+    router asks again at the reconnect instead of waiting out `pd_admit_timeout_s` for a 504
+    (the fault matrix saw 10 s waits and 504s after a nats-server kill)."""
+    async with running_mesh(
+        nats_server.url, redis_server.url, roles=PD, pd_admit_timeout_s=10.0
+    ) as mesh:
+        (dec,) = mesh.decodes
+        dec.lose_admits = 1
+        task = asyncio.create_task(mesh.client.post("/v1/completions", json={"prompt": PROMPT}))
+        await wait_until(lambda: len(dec.admits) == 1)
+        mesh.client.app[REPLIES].reconnected()  # what the router does when NATS is back
+        r = await task
+        assert r.status == 200, await r.text()
+        assert [a.request_id for a in dec.admits] == [dec.admits[0].request_id] * 2
 
 
 async def test_prefill_death_aborts_decode_and_fails_fast(

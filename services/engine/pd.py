@@ -73,6 +73,13 @@ class DecodeTransfer:
     prefill_cached: CachedTokens = field(default_factory=CachedTokens)
     complete: bool = False
     nacks: int = 0
+    admitted: tuple[str, bytes] = ("", b"")  # (reply_to, DecodeAdmitReply): for a re-ask
+
+
+def _done(data: bytes) -> asyncio.Future[bytes]:
+    answer = asyncio.get_running_loop().create_future()
+    answer.set_result(data)
+    return answer
 
 
 class DecodeSide:
@@ -90,20 +97,56 @@ class DecodeSide:
         self.open_stream = open_stream
         self.fail_stream = fail_stream
         self.transfers: dict[str, DecodeTransfer] = {}
+        # admissions under way: (reply_to, the reply to come), for a question asked again
+        self._admitting: dict[str, tuple[str, asyncio.Future[bytes]]] = {}
         self._watchdogs = OwnedTasks()
         self._writes = OwnedTasks()  # frames written and ACKed in the background
 
     async def on_admit(self, msg: Msg) -> None:
+        """Admit a request (its KV is to come from a prefill engine). A question asked again
+        (the router asks again after a NATS reconnect: the first or its answer may have been
+        lost) gets the first one's answer; the request is admitted once."""
         try:
             req = DecodeAdmit.decode(msg.data)
         except SchemaError as e:
             await self._reply(msg, ErrorReply(str(e)).encode())
             return
+        again = self._answer_of(req)
+        if again is not None:
+            await self._reply(msg, await again)
+            return
+        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._admitting[req.request_id] = (req.reply_to, answer)
+        try:
+            data = await self._admit(req)
+        except BaseException:  # a bug or a stop: a question asked again is refused, not hung
+            answer.set_result(self._refusal(req.request_id, "admission failed", 503))
+            raise
+        finally:
+            self._admitting.pop(req.request_id, None)
+        answer.set_result(data)
+        await self._reply(msg, data)
+
+    def _answer_of(self, req: DecodeAdmit) -> Awaitable[bytes] | None:
+        """The answer to a question asked before, or None for a new one."""
+        admitting = self._admitting.get(req.request_id)
+        transfer = self.transfers.get(req.request_id)
+        if admitting is not None:
+            reply_to, answer = admitting
+        elif transfer is not None:
+            reply_to, answer = transfer.admitted[0], _done(transfer.admitted[1])
+        else:
+            return None
+        if reply_to != req.reply_to:  # another request under the same id: not ours to merge
+            return _done(self._refusal(req.request_id, "duplicate request id", 400))
+        return asyncio.shield(answer)
+
+    async def _admit(self, req: DecodeAdmit) -> bytes:
+        """Submit `req` for admission; the DecodeAdmitReply to send (a refusal included)."""
         try:
             sampling = sampling_params(req.sampling)
         except ValueError as e:
-            await self._reply(msg, self._refusal(req.request_id, str(e), 400))
-            return
+            return self._refusal(req.request_id, str(e), 400)
         self.open_stream(req.request_id, req.reply_to)
         future = self.runner.submit(
             req.request_id, req.input_ids, sampling, req.cache_salt, decode_reuse=req.reuse
@@ -112,21 +155,14 @@ class DecodeSide:
             admission = await asyncio.wrap_future(future)
         except InvalidRequestError as e:
             self.fail_stream(req.request_id, "", 0)
-            await self._reply(msg, self._refusal(req.request_id, str(e), 400))
-            return
+            return self._refusal(req.request_id, str(e), 400)
         except EngineCrashedError as e:  # 500 (never retried elsewhere) when it held it
             self.fail_stream(req.request_id, "", 0)
-            await self._reply(msg, self._refusal(req.request_id, str(e), 500 if e.held else 503))
-            return
+            return self._refusal(req.request_id, str(e), 500 if e.held else 503)
         except RuntimeError as e:
             self.fail_stream(req.request_id, "", 0)
-            await self._reply(msg, self._refusal(req.request_id, str(e), 503))
-            return
+            return self._refusal(req.request_id, str(e), 503)
         assert isinstance(admission, Admission)
-        loop = asyncio.get_running_loop()
-        self.transfers[req.request_id] = DecodeTransfer(
-            admission.decode_prefix_len, req.transfer_timeout_s, loop.time()
-        )
         reply = DecodeAdmitReply(
             req.request_id,
             self.engine_id,
@@ -134,9 +170,16 @@ class DecodeSide:
             subj.engine_kv(self.engine_id),
             admission.cached_device,
             admission.cached_host,
+        ).encode()
+        loop = asyncio.get_running_loop()
+        self.transfers[req.request_id] = DecodeTransfer(
+            admission.decode_prefix_len,
+            req.transfer_timeout_s,
+            loop.time(),
+            admitted=(req.reply_to, reply),
         )
-        await self._reply(msg, reply.encode())
         self._watchdogs.spawn(self._watchdog(req.request_id), f"kv-watch-{req.request_id}")
+        return reply
 
     def _refusal(self, request_id: str, message: str, code: int) -> bytes:
         return DecodeAdmitReply(
