@@ -218,7 +218,10 @@ class Scheduler:
         own_pages = -(-req.max_seq_len // ps) - match.total_len // ps
         if load_pages + own_pages > cache.num_available_device_pages:
             cache.unlock(match.last_device_node)
-            if not self.running:  # nothing will ever free more: the engine checks sizes
+            # nothing running and no copy in flight (a backup's ACK unlocks its pages, a
+            # failed load's frees them): nothing will ever free more (the engine checks
+            # sizes). The queued count is the same on every rank: ACKs queue at submission.
+            if not self.running and not cache.num_queued_acks:
                 raise RuntimeError(f"request {req.rid} does not fit the device pool")
             return False
         self.waiting.remove(req)
