@@ -398,8 +398,9 @@ class PrefillSide:
                 else:
                     await self._send_frame(job, frames, attempts, ack.seq)
         except (TimeoutError, RuntimeError) as e:
-            log.warning("KV transfer of %s failed: %s", rid, e)
-            self.fail_stream(rid, f"KV transfer to decode failed: {e}", 503)
+            why = str(e) or f"no ACK within {self.config.ack_timeout_s:g} s"
+            log.warning("KV transfer of %s failed: %s", rid, why)
+            self.fail_stream(rid, f"KV transfer to decode failed: {why}", 503)
         else:
             self.close_stream(rid)
         finally:
