@@ -168,6 +168,7 @@ class EngineStream:
         self._watch_subject: str | None = None
         self._watched_told = False  # the watched engine got work (abort it on a failure)
         self._check_again_at: float | None = None  # after a reconnect: until the engine answers
+        self._check_watched_at: float | None = None  # the same, for the watched engine
 
     async def __aenter__(self) -> EngineStream:
         return self
@@ -298,12 +299,16 @@ class EngineStream:
                 self._check_alive()
                 if self._check_again_at is not None and loop.time() >= self._check_again_at:
                     await self._check_stream()  # the engine may not have resubscribed yet
+                if self._check_watched_at is not None and loop.time() >= self._check_watched_at:
+                    await self._check_watched()
                 continue
             if subject == self.reply_to:
                 self._accept(data)
             elif subject == RECONNECTED:
                 if data.decode() in ("", self.engine_id) and self.started:
                     await self._check_stream()
+                if data.decode() in ("", self._watched) and self._watched_told:
+                    await self._check_watched()
             elif self.num_chunks == 0:
                 self._on_watched(data)
         chunk = self._pending.pop(self.num_chunks)
@@ -351,6 +356,19 @@ class EngineStream:
         with contextlib.suppress(NatsError):  # the bus is down again: asked again later
             await self.nc.publish(subjects.engine_stream_check(self.engine_id), check.encode())
 
+    async def _check_watched(self) -> None:
+        """After a reconnect, before the first chunk: ask the watched (prefill) engine whether
+        it got the request. One it never got would leave the decode engine waiting for KV
+        until its transfer timeout."""
+        if self.num_chunks > 0 or self._watched is None or self._watch_subject is None:
+            self._check_watched_at = None
+            return
+        loop = asyncio.get_running_loop()
+        self._check_watched_at = loop.time() + self.config.liveness_poll_s
+        check = StreamCheck(self.request_id, self._watch_subject)
+        with contextlib.suppress(NatsError):
+            await self.nc.publish(subjects.engine_stream_check(self._watched), check.encode())
+
     def _accept(self, data: bytes) -> None:
         try:
             chunk = TokenChunk.decode(data)
@@ -394,13 +412,33 @@ class EngineStream:
         try:
             chunk = TokenChunk.decode(data)
         except SchemaError as e:
-            raise self._failure("bad_message", f"undecodable chunk: {e}", self._watched) from None
+            try:
+                state = StreamState.decode(data)
+            except SchemaError:
+                raise self._failure(
+                    "bad_message", f"undecodable chunk: {e}", self._watched
+                ) from None
+            self._on_watched_state(state)
+            return
         if chunk.request_id != self.request_id or chunk.error is None:
             return
         kind = ENGINE_ERRORS.get(chunk.error_code, "engine_error")
         if chunk.engine_crashed:
             kind = "engine_crashed"
         raise self._failure(kind, f"prefill engine {self._watched}: {chunk.error}", self._watched)
+
+    def _on_watched_state(self, state: StreamState) -> None:
+        """The watched engine's answer to `_check_watched`: it holds the request (or has
+        delivered its KV), or the request was lost on the bus (retried at once)."""
+        if state.request_id != self.request_id or self._check_watched_at is None:
+            return
+        self._check_watched_at = None
+        if not state.held:
+            raise self._failure(
+                "bus",
+                f"prefill engine {self._watched} does not hold the request: lost on the bus",
+                self._watched,
+            )
 
     def _failure(self, kind: str, message: str, engine_id: str | None = None) -> EngineFailure:
         engine_id = engine_id or self.engine_id

@@ -355,6 +355,7 @@ class FakePrefill(FakeEngine):
     role: str = "prefill"
     mute_prefill: bool = False  # heartbeats continue, prefill requests go unanswered
     prefill_error: tuple[int, str] | None = None  # report this error chunk instead
+    lose_prefills: int = 0  # the first N prefill requests are lost on the bus (never seen)
     prefills: list[PrefillRequest] = field(default_factory=list)
 
     async def subscribe_role(self) -> None:
@@ -365,6 +366,10 @@ class FakePrefill(FakeEngine):
             return
         req = PrefillRequest.decode(msg.data)
         self.prefills.append(req)
+        if self.lose_prefills > 0:
+            self.lose_prefills -= 1
+            return
+        self._streams[req.request_id] = (req.reply_to, 0)  # held (and kept once delivered)
         if self.mute_prefill:
             return
         if self.prefill_error is not None:

@@ -25,6 +25,8 @@ from bus_schemas import (
     Sampling,
     StatsReply,
     StatsRequest,
+    StreamCheck,
+    StreamState,
     TokenChunk,
 )
 from bus_schemas import subjects as subj
@@ -207,6 +209,44 @@ async def test_an_admit_asked_again_gets_the_same_answer_and_admits_once(
             break
         await asyncio.sleep(0.1)
     assert s["device_pages_free"] == s["device_pages"]
+
+
+async def test_prefill_answers_stream_checks_for_delivered_requests(
+    engines: dict[str, subprocess.Popen[bytes]], nc: NATS
+) -> None:
+    """A router that reconnected asks the prefill engine whether it got a request: one whose
+    KV it delivered is held (not lost), an unknown one or another reply subject is not."""
+    await wait_engines(nc, {"pd-prefill", "pd-decode-off"})
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    prompt = list(range(7, 30))
+    rid = uuid.uuid4().hex
+    sampling = Sampling(2, ignore_eos=True)
+    admit = DecodeAdmit(rid, prompt, sampling, inbox, "", False, 30.0)
+    msg = await nc.request(subj.engine_decode_admit("pd-decode-off"), admit.encode(), timeout=30)
+    reply = DecodeAdmitReply.decode(msg.data)
+    watch = nc.new_inbox()
+    watch_sub = await nc.subscribe(watch)
+    req = PrefillRequest(rid, prompt, sampling, "", 0, reply.kv_subject, watch)
+    await nc.publish(subj.engine_prefill("pd-prefill"), req.encode())
+    while not TokenChunk.decode((await sub.next_msg(timeout=60)).data).finished:
+        pass
+    held = {}
+    for name, (request_id, reply_to) in {
+        "delivered": (rid, watch),
+        "other reply subject": (rid, inbox),
+        "unknown": (uuid.uuid4().hex, watch),
+    }.items():
+        check = StreamCheck(request_id, reply_to)
+        await nc.publish(subj.engine_stream_check("pd-prefill"), check.encode())
+        if reply_to == watch:
+            state = StreamState.decode((await watch_sub.next_msg(timeout=10)).data)
+        else:
+            state = StreamState.decode((await sub.next_msg(timeout=10)).data)
+        held[name] = state.held
+    assert held == {"delivered": True, "other reply subject": False, "unknown": False}
+    await sub.unsubscribe()
+    await watch_sub.unsubscribe()
 
 
 async def test_corrupt_frames_are_resent(

@@ -246,6 +246,27 @@ async def test_an_admit_lost_in_a_nats_reconnect_is_asked_again(
         assert [a.request_id for a in dec.admits] == [dec.admits[0].request_id] * 2
 
 
+async def test_a_prefill_request_lost_in_a_nats_reconnect_is_found_and_retried(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """The PrefillRequest was lost while NATS reconnected: the decode engine would wait for
+    KV until its transfer timeout (20 s here). The router asks the prefill engine at the
+    reconnect, learns it never got the request, and retries the pair at once."""
+    async with running_mesh(
+        nats_server.url, redis_server.url, roles=PD, pd_transfer_timeout_s=20.0
+    ) as mesh:
+        (pre,), (dec,) = mesh.prefills, mesh.decodes
+        pre.lose_prefills = 1
+        task = asyncio.create_task(mesh.client.post("/v1/completions", json={"prompt": PROMPT}))
+        await wait_until(lambda: len(pre.prefills) == 1)
+        mesh.client.app[REPLIES].reconnected()  # what the router does when NATS is back
+        r = await asyncio.wait_for(task, 10.0)
+        assert r.status == 200, await r.text()
+        assert len(pre.prefills) == len(dec.admits) == 2
+        assert dec.aborts == [dec.admits[0].request_id]  # the first admission released
+        assert await metric(mesh, "hicache_router_bus_errors_total", 'kind="bus"') == 1
+
+
 async def test_prefill_death_aborts_decode_and_fails_fast(
     nats_server: ServerProcess, redis_server: ServerProcess
 ) -> None:

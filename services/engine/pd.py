@@ -13,6 +13,7 @@ frame; the staging buffer is dropped once the last frame is ACKed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -41,6 +42,7 @@ from services.tasks import OwnedTasks
 
 log = logging.getLogger(__name__)
 
+DELIVERED_MEMORY = 4096  # prefill: delivered request ids kept for routers' stream checks
 Publish = Callable[..., Awaitable[None]]  # (subject, data, reply="") -> None
 
 
@@ -294,6 +296,8 @@ class PrefillSide:
         self.fail_stream = fail_stream
         self.close_stream = close_stream
         self.jobs: dict[str, _PrefillJob] = {}
+        # requests whose KV was delivered, newest last: (request id -> reply subject)
+        self._delivered: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._senders = OwnedTasks()
         self._frames_sent = 0
         self._corrupt_left = config.debug_corrupt_frames
@@ -403,8 +407,16 @@ class PrefillSide:
             self.fail_stream(rid, f"KV transfer to decode failed: {why}", 503)
         else:
             self.close_stream(rid)
+            self._delivered[rid] = job.request.reply_to
+            while len(self._delivered) > DELIVERED_MEMORY:
+                self._delivered.popitem(last=False)
         finally:
             self.jobs.pop(rid, None)  # the staging buffer goes with the job
+
+    def delivered(self, request_id: str, reply_to: str) -> bool:
+        """Whether this engine sent all of the request's KV (one of the last
+        `DELIVERED_MEMORY`): a router that asks after a reconnect learns it was not lost."""
+        return self._delivered.get(request_id) == reply_to
 
     async def _send_frame(
         self, job: _PrefillJob, frames: list[bytes], attempts: list[int], seq: int

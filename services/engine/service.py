@@ -380,6 +380,8 @@ class EngineService:
             return
         stream = self._streams.get(check.request_id)
         held = stream is not None and stream.reply_to == check.reply_to
+        if not held and self._prefill is not None:  # P/D prefill: its KV went out already
+            held = self._prefill.delivered(check.request_id, check.reply_to)
         seq = stream.seq if stream is not None and held else 0
         state = StreamState(check.request_id, self.config.engine_id, held, seq)
         self._outbound.put_nowait((check.reply_to, state.encode()))
