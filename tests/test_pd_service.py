@@ -11,16 +11,19 @@ import asyncio
 import signal
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from types import SimpleNamespace
 
 import nats
 import pytest
+import torch
 from bus_helpers import spawn_engine, wait_heartbeats
 from nats.aio.client import Client as NATS
 
 from bus_schemas import (
     DecodeAdmit,
     DecodeAdmitReply,
+    KVChunkAck,
     PrefillRequest,
     Sampling,
     StatsReply,
@@ -33,6 +36,8 @@ from bus_schemas import subjects as subj
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.scheduler.request import CachedTokens, KVExport
+from services.engine.pd import PDConfig, PrefillSide, _PrefillJob
 from services.launch.servers import ServerProcess
 
 PAGE = 4
@@ -249,6 +254,34 @@ async def test_prefill_answers_stream_checks_for_delivered_requests(
     await watch_sub.unsubscribe()
 
 
+async def test_a_copy_of_a_written_frame_is_acked_again(
+    engines: dict[str, subprocess.Popen[bytes]], nc: NATS
+) -> None:
+    """After a NATS reconnect the prefill engine sends its unACKed frames again: the
+    decode engine ACKs a copy of a frame it wrote instead of refusing it (which would end
+    the transfer after three refusals), and the output is still the cold run's."""
+    await wait_engines(nc, {"pd-prefill", "pd-decode-off"})
+    prompt, max_new = list(range(11, 40)), 64
+    rid, inbox = uuid.uuid4().hex, nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    sampling = Sampling(max_new, ignore_eos=True)
+    admit = DecodeAdmit(rid, prompt, sampling, inbox, "", False, 30.0)
+    msg = await nc.request(subj.engine_decode_admit("pd-decode-off"), admit.encode(), timeout=30)
+    reply = DecodeAdmitReply.decode(msg.data)
+    frames = await nc.subscribe(reply.kv_subject)  # a copy of every frame the decode gets
+    req = PrefillRequest(rid, prompt, sampling, "", 0, reply.kv_subject, nc.new_inbox())
+    await nc.publish(subj.engine_prefill("pd-prefill"), req.encode())
+    chunks = [TokenChunk.decode((await sub.next_msg(timeout=60)).data)]  # every frame written
+    first = await frames.next_msg(timeout=10)
+    ack = await nc.request(reply.kv_subject, first.data, timeout=10)
+    assert KVChunkAck.decode(ack.data).ok, KVChunkAck.decode(ack.data).error
+    while not chunks[-1].finished:
+        chunks.append(TokenChunk.decode((await sub.next_msg(timeout=60)).data))
+    assert [t for c in chunks for t in c.token_ids] == cold(prompt, max_new)
+    await frames.unsubscribe()
+    await sub.unsubscribe()
+
+
 async def test_corrupt_frames_are_resent(
     engines: dict[str, subprocess.Popen[bytes]], nc: NATS
 ) -> None:
@@ -292,3 +325,40 @@ async def test_prefill_dying_mid_transfer_times_out_and_releases(
     finally:
         if dying.poll() is None:
             dying.kill()
+
+
+async def test_prefill_sends_unacked_frames_again_after_a_nats_reconnect() -> None:
+    """Frames (or their ACKs) lost while NATS reconnected: at the reconnect the prefill
+    side sends its unACKed frames again, every `RESEND_S` until ACKed, instead of failing
+    the transfer after `ack_timeout_s` (the fault matrix saw 10 s waits end in 503s)."""
+    sent: list[bytes] = []
+    closed: list[str] = []
+
+    async def publish(subject: str, data: bytes, reply: str = "") -> None:
+        sent.append(data)  # the first two are lost: no ACK ever comes for them
+
+    def fail(request_id: str, message: str, code: int, crashed: bool = False) -> None:
+        raise AssertionError(f"the transfer failed: {message}")
+
+    config = PDConfig(chunk_pages=1, window=2, ack_timeout_s=30.0)
+    side = PrefillSide("p", None, publish, config, lambda *a: None, fail, closed.append)  # type: ignore[arg-type]
+    rid = uuid.uuid4().hex
+    req = PrefillRequest(rid, list(range(8)), Sampling(1), "", 0, "kv", "watch")
+    side.jobs[rid] = _PrefillJob(req)
+    export = KVExport((torch.zeros(2, 1, 1, 2, 4, 1, 1),), 0, 8, 5)  # 2 pages: 2 frames
+    side.exported(rid, export, CachedTokens())
+
+    async def until(pred: Callable[[], bool]) -> None:
+        while not pred():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(until(lambda: len(sent) == 2), 5)
+    side.reconnected()
+    await asyncio.wait_for(until(lambda: len(sent) >= 4), 5)  # both again at once...
+    assert sent[2:4] == sent[:2]
+    await asyncio.wait_for(until(lambda: len(sent) >= 6), 5)  # ...and after RESEND_S
+    for seq in (0, 1):
+        ack = KVChunkAck(rid, seq, True, "")
+        await side.on_ack(SimpleNamespace(data=ack.encode()))  # type: ignore[arg-type]
+    await asyncio.wait_for(until(lambda: bool(closed)), 5)
+    assert closed == [rid] and side.delivered(rid, "watch") and rid not in side.jobs

@@ -76,6 +76,10 @@ class DecodeTransfer:
     complete: bool = False
     nacks: int = 0
     admitted: tuple[str, bytes] = ("", b"")  # (reply_to, DecodeAdmitReply): for a re-ask
+    # frame seqs written (ACKed ok) and being written: a copy (prefill sends the frames in
+    # flight again after a NATS reconnect) is ACKed again, or left to the first's ACK
+    written: set[int] = field(default_factory=set)
+    writing: set[int] = field(default_factory=set)
 
 
 def _done(data: bytes) -> asyncio.Future[bytes]:
@@ -208,6 +212,12 @@ class DecodeSide:
             await self._ack(msg, header.request_id, header.seq, False, "unknown request")
             return
         transfer.last_frame = asyncio.get_running_loop().time()
+        if header.seq in transfer.written:  # a copy of a written frame: its ACK was lost
+            await self._ack(msg, header.request_id, header.seq, True, "")
+            return
+        if header.seq in transfer.writing:  # a copy of one being written: its ACK will come
+            return
+        transfer.writing.add(header.seq)
         transfer.prefill_engine_id = subj.engine_of(msg.reply or "")
         if header.last:  # before the write: the first token may go out right after it
             transfer.prefill_cached = CachedTokens(
@@ -242,6 +252,9 @@ class DecodeSide:
         except EngineCrashedError as e:
             await self._ack(msg, header.request_id, header.seq, False, str(e))
             return
+        finally:
+            transfer.writing.discard(header.seq)
+        transfer.written.add(header.seq)
         transfer.transferred_bytes += size
         transfer.complete = transfer.complete or header.last
         await self._ack(msg, header.request_id, header.seq, True, "")
@@ -267,6 +280,11 @@ class DecodeSide:
     async def stop(self) -> None:
         await self._watchdogs.cancel_all()
         await self._writes.cancel_all()
+
+
+# put on every sending job's ACK queue when this engine's NATS connection came back
+_RECONNECTED = KVChunkAck("", -1, False, "NATS reconnected")
+RESEND_S = 0.5  # after a reconnect: frames in flight are sent again this often until ACKed
 
 
 @dataclass(slots=True)
@@ -341,6 +359,12 @@ class PrefillSide:
         if job is not None:
             job.acks.put_nowait(ack)
 
+    def reconnected(self) -> None:
+        """This engine's NATS connection came back: frames and ACKs in flight may have been
+        lost, so every transfer sends its unACKed frames again (decode ACKs copies alike)."""
+        for job in self.jobs.values():
+            job.acks.put_nowait(_RECONNECTED)
+
     def exported(self, request_id: str, export: KVExport, cached: CachedTokens) -> None:
         """Runner callback (on the loop): the KV is packed; send it."""
         job = self.jobs.get(request_id)
@@ -385,15 +409,31 @@ class PrefillSide:
         attempts = [0] * len(frames)
         inflight: set[int] = set()
         next_seq = acked = 0
+        loop = asyncio.get_running_loop()
+        deadline = resend_until = 0.0  # for the next ACK; of re-sending after a reconnect
         try:
             while acked < len(frames):
                 while next_seq < len(frames) and len(inflight) < window:
                     await self._send_frame(job, frames, attempts, next_seq)
                     inflight.add(next_seq)
                     next_seq += 1
-                ack = await asyncio.wait_for(job.acks.get(), self.config.ack_timeout_s)
+                    deadline = loop.time() + self.config.ack_timeout_s
+                now = loop.time()
+                wait = deadline - now if now >= resend_until else min(RESEND_S, deadline - now)
+                try:
+                    ack = await asyncio.wait_for(job.acks.get(), max(wait, 0.0))
+                except TimeoutError:
+                    if loop.time() >= deadline:
+                        raise
+                    await self._resend(job, frames, inflight)
+                    continue
+                if ack is _RECONNECTED:
+                    deadline = resend_until = loop.time() + self.config.ack_timeout_s
+                    await self._resend(job, frames, inflight)
+                    continue
                 if ack.seq not in inflight:
                     continue
+                deadline = loop.time() + self.config.ack_timeout_s
                 if ack.ok:
                     inflight.discard(ack.seq)
                     acked += 1
@@ -417,6 +457,13 @@ class PrefillSide:
         """Whether this engine sent all of the request's KV (one of the last
         `DELIVERED_MEMORY`): a router that asks after a reconnect learns it was not lost."""
         return self._delivered.get(request_id) == reply_to
+
+    async def _resend(self, job: _PrefillJob, frames: list[bytes], seqs: set[int]) -> None:
+        """Send the frames in flight again (not counted as attempts: none was refused)."""
+        for seq in sorted(seqs):
+            await self.publish(
+                job.request.kv_subject, frames[seq], subj.engine_kv_ack(self.engine_id)
+            )
 
     async def _send_frame(
         self, job: _PrefillJob, frames: list[bytes], attempts: list[int], seq: int

@@ -195,6 +195,8 @@ class EngineService:
     async def _on_nats_reconnected(self) -> None:
         log.info("NATS reconnected")
         self._bus_reconnects += 1
+        if self._prefill is not None:
+            self._prefill.reconnected()
         self._reconnect_wait_s = NATS_BACKOFF_S[0]
         if self._nc is not None:
             self._nc.options["reconnect_time_wait"] = NATS_BACKOFF_S[0]
