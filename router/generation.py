@@ -225,7 +225,10 @@ class Generation:
             self.outcome.route_reason = choice.reason
             self.outcome.predicted_cached_tokens = choice.predicted_tokens(len(self.spec.input_ids))
             try:
-                async for delta in self._serve(engine_id):
+                # retries get fresh request ids, as in P/D: one may go to the same engine
+                # (a request lost on the bus), which may yet get the first copy late
+                rid = uuid.uuid4().hex if attempt else self.outcome.request_id
+                async for delta in self._serve(engine_id, rid):
                     yield delta
                 return
             except EngineFailure as f:
@@ -239,8 +242,7 @@ class Generation:
                 if not self.candidates(COLOCATED, excluded):
                     raise _client_error(f) from None
 
-    async def _serve(self, engine_id: str) -> AsyncIterator[Delta]:
-        rid = self.outcome.request_id
+    async def _serve(self, engine_id: str, rid: str) -> AsyncIterator[Delta]:
         with self.table.lease(engine_id, len(self.spec.input_ids) + self.max_new_tokens):
             async with EngineStream(self.hub, self.table, self.config, engine_id, rid) as stream:
                 request = GenerateRequest(

@@ -377,7 +377,12 @@ async def _nats_killed(mesh: UpMesh, name: str) -> None:
     # replies lost in the reconnect are found by asking the engines (StreamCheck), not by
     # waiting out the router's request timeout (nor, in P/D, the decode engine's wait for
     # KV that a lost message will never send, or its admission's answer: asked again)
-    slow = ("sent nothing for", "KV transfer from prefill timed out", "did not answer within")
+    slow = (
+        "sent nothing for",
+        "KV transfer from prefill timed out",
+        "did not answer within",
+        "no ACK within",
+    )
     waited = [a for _, a in load.answers if any(w in a.detail for w in slow)]
     assert not waited and not any(w in witness.detail for w in slow), (waited, witness)
     engines = mesh.spec.engine_ids

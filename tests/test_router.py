@@ -524,6 +524,30 @@ async def test_replies_lost_in_a_reconnect_fail_at_once_and_retry_elsewhere(
         assert len(b.received) == 1  # a request that streamed is never sent elsewhere
 
 
+async def test_a_request_lost_on_the_bus_is_retried_on_the_same_engine(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """Replies lost in a reconnect say nothing about the engine: with no other engine, the
+    retry goes to the same one, under a fresh request id (the first copy may still be
+    held there)."""
+    async with running_mesh(nats_server.url, redis_server.url, 1, request_timeout_s=60) as mesh:
+        (a,) = mesh.engines
+        a.lose_chunks_from, a.token_delay_s = 0, 0.05
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+        task = asyncio.create_task(mesh.client.post("/v1/completions", json=body))
+        await wait_until(lambda: bool(a.received))
+        a.lose_chunks_from = None  # the bus is back
+        a.bus_reconnects += 1
+        await a.beat()
+        r = await asyncio.wait_for(task, 20)
+        assert r.status == 200, await r.text()
+        data = await r.json()
+        assert data["choices"][0]["token_ids"] == expected_tokens(list(PROMPT.encode()), 6)
+        first, second = (req.request_id for req in a.received)
+        assert first != second and first in a.aborts
+        assert data["id"] == f"cmpl-{first}"  # the response keeps the first id
+
+
 async def test_engine_error_chunks(nats_server: ServerProcess, redis_server: ServerProcess) -> None:
     async with running_mesh(nats_server.url, redis_server.url, 2) as mesh:
         a, b = mesh.engines
