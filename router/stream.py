@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
@@ -63,6 +65,7 @@ Reply = tuple[str, bytes]  # (subject, payload) of one message to a ReplyHub sub
 # side (payload b"") or on one engine's (its id); replies may have been lost in between.
 RECONNECTED = ""
 RESUBSCRIBE_WAIT_S = 0.05  # after a reconnect, between questions the engine cannot hear yet
+RESUBSCRIBE_GRACE_S = 5.0  # how long after a reconnect "no responders" may mean "not yet"
 
 
 class EngineFailure(Exception):
@@ -103,6 +106,7 @@ class ReplyHub:
         self._sub: Subscription | None = None
         # reconnects seen, the router's own under "" and each engine's under its id
         self.reconnects: Counter[str] = Counter()
+        self._last_reconnect = -math.inf  # time.monotonic() of the latest
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(f"{self._prefix}.*", cb=self._on_msg)
@@ -129,9 +133,14 @@ class ReplyHub:
         """NATS came back, for this router (`engine_id` "") or for one engine: every open
         stream (of that engine) asks its engine what it sent (`EngineStream.next_chunk`)."""
         self.reconnects[engine_id] += 1
+        self._last_reconnect = time.monotonic()
         marker = (RECONNECTED, engine_id.encode())
         for queue in {id(q): q for q in self._queues.values()}.values():
             queue.put_nowait(marker)
+
+    def reconnected_within(self, seconds: float) -> bool:
+        """Whether NATS came back (for this router or any engine) in the last `seconds`."""
+        return time.monotonic() - self._last_reconnect < seconds
 
     async def _on_msg(self, msg: Msg) -> None:
         queue = self._queues.get(msg.subject)
@@ -202,12 +211,12 @@ class EngineStream:
         early, like `next_chunk`, when the engine stops heartbeating or restarts. After a
         NATS reconnect (the router's or the engine's) the question or its answer may have
         been lost: it is asked again, within the same `timeout_s` (engines answer a repeated
-        question alike), and "no responders" then means the engine has not subscribed
-        again yet."""
+        question alike), and "no responders" within `RESUBSCRIBE_GRACE_S` of a reconnect
+        means the engine has not subscribed again yet."""
         self.started = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        data, asked_at, reconnected = message.encode(), self._reconnects(), False
+        data, asked_at = message.encode(), self._reconnects()
         reply = asyncio.ensure_future(self.nc.request(subject, data, timeout=timeout_s))
         try:
             while True:
@@ -216,7 +225,9 @@ class EngineStream:
                     self._check_alive()
                 elif (error := reply.exception()) is None:
                     return bytes(reply.result().data)
-                elif reconnected and isinstance(error, NoRespondersError):
+                elif isinstance(error, NoRespondersError) and self.hub.reconnected_within(
+                    RESUBSCRIBE_GRACE_S
+                ):
                     await asyncio.sleep(RESUBSCRIBE_WAIT_S)
                 else:
                     raise error
@@ -224,7 +235,6 @@ class EngineStream:
                 if left <= 0:
                     raise NatsTimeoutError
                 if reply.done() or self._reconnects() != asked_at:
-                    reconnected = reconnected or self._reconnects() != asked_at
                     asked_at = self._reconnects()
                     reply.cancel()
                     reply = asyncio.ensure_future(self.nc.request(subject, data, timeout=left))

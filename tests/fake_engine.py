@@ -36,6 +36,7 @@ import orjson
 from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from bus_schemas import (
     AbortRequest,
@@ -410,11 +411,22 @@ class FakeDecode(FakeEngine):
     admits: list[DecodeAdmit] = field(default_factory=list)
     kv_frames: list[KVFrameHeader] = field(default_factory=list)
     _admitted: dict[str, tuple[DecodeAdmit, int]] = field(default_factory=dict)
+    _admit_sub: Subscription | None = None
     _restore_failed: bool = False
 
     async def subscribe_role(self) -> None:
-        await self.nc.subscribe(subjects.engine_decode_admit(self.engine_id), cb=self._on_admit)
+        await self.subscribe_admits()
         await self.nc.subscribe(subjects.engine_kv(self.engine_id), cb=self._on_kv)
+
+    async def subscribe_admits(self) -> None:
+        subject = subjects.engine_decode_admit(self.engine_id)
+        self._admit_sub = await self.nc.subscribe(subject, cb=self._on_admit)
+
+    async def unsubscribe_admits(self) -> None:
+        """As an engine whose NATS connection has not come back yet: no responders."""
+        if self._admit_sub is not None:
+            await self._admit_sub.unsubscribe()
+            self._admit_sub = None
 
     async def _on_admit(self, msg: Msg) -> None:
         if self.silent:

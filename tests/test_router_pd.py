@@ -246,6 +246,25 @@ async def test_an_admit_lost_in_a_nats_reconnect_is_asked_again(
         assert [a.request_id for a in dec.admits] == [dec.admits[0].request_id] * 2
 
 
+async def test_no_responders_just_after_a_reconnect_is_asked_again(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """NATS came back for the router before the decode engine resubscribed: "no responders"
+    then means "not yet", and the admission is asked again until it is heard (the fault
+    matrix saw a 502 "engine decode-0 is not listening" after a nats-server kill)."""
+    async with running_mesh(nats_server.url, redis_server.url, roles=PD) as mesh:
+        (dec,) = mesh.decodes
+        await dec.unsubscribe_admits()
+        mesh.client.app[REPLIES].reconnected()
+        task = asyncio.create_task(mesh.client.post("/v1/completions", json={"prompt": PROMPT}))
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        await dec.subscribe_admits()
+        r = await asyncio.wait_for(task, 10.0)
+        assert r.status == 200, await r.text()
+        assert len(dec.admits) == 1
+
+
 async def test_a_prefill_request_lost_in_a_nats_reconnect_is_found_and_retried(
     nats_server: ServerProcess, redis_server: ServerProcess
 ) -> None:
