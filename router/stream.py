@@ -370,12 +370,13 @@ class EngineStream:
         """After a reconnect, before the first chunk: ask the watched (prefill) engine whether
         it got the request. One it never got would leave the decode engine waiting for KV
         until its transfer timeout."""
-        if self.num_chunks > 0 or self._watched is None or self._watch_subject is None:
+        if self.num_chunks > 0 or self._watch_subject is None:
             self._check_watched_at = None
             return
         loop = asyncio.get_running_loop()
         self._check_watched_at = loop.time() + self.config.liveness_poll_s
         check = StreamCheck(self.request_id, self._watch_subject)
+        assert self._watched is not None  # watch() sets both
         with contextlib.suppress(NatsError):
             await self.nc.publish(subjects.engine_stream_check(self._watched), check.encode())
 

@@ -196,6 +196,24 @@ def test_up_waits_for_its_own_router_not_one_already_on_the_port() -> None:
         plan.workdir.cleanup()
 
 
+def test_a_listener_slow_to_greet_is_waited_for_not_taken_for_another(tmp_path: Path) -> None:
+    """A server that accepts but does not answer within the probe's 2 s (a loaded machine)
+    is asked again until `timeout_s`: not ready, and not "another process" either."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        proc = subprocess.Popen(SLEEPER)
+        try:
+            with pytest.raises(TimeoutError, match="nothing listened"):
+                servers.wait_for_port(
+                    port, proc, timeout_s=3, identify=servers.identify_nats(str(tmp_path))
+                )
+        finally:
+            proc.kill()
+            proc.wait()
+
+
 def test_restart_policy_doubles_to_the_cap() -> None:
     policy = RestartPolicy(initial_s=0.5, max_s=10.0)
     assert [policy.delay(n) for n in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]

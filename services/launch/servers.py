@@ -92,8 +92,11 @@ def wait_for_port(
             s.settimeout(0.2)
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 s.settimeout(2.0)
-                if identify is None or _identified(identify, s):
+                answer = True if identify is None else _identified(identify, s)
+                if answer:
                     return
+                if answer is None:  # slow to answer (a loaded machine): ask again
+                    continue
                 raise PortTakenError(
                     f"127.0.0.1:{port} answers, but not as the server just started "
                     f"(pid {proc.pid}): another process holds the port"
@@ -102,10 +105,13 @@ def wait_for_port(
     raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout_s}s")
 
 
-def _identified(identify: Identify, conn: socket.socket) -> bool:
+def _identified(identify: Identify, conn: socket.socket) -> bool | None:
+    """Whether the server on `conn` is ours; None when it did not answer in time."""
     try:
         return identify(conn)
-    except (OSError, ValueError):  # closed, timed out or garbled: not the server we started
+    except TimeoutError:
+        return None
+    except (OSError, ValueError):  # closed or garbled: not the server we started
         return False
 
 
