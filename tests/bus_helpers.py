@@ -13,6 +13,17 @@ from bus_schemas import Heartbeat
 from bus_schemas import subjects as subj
 
 
+async def barrier(nc: NATS) -> None:
+    """Return once the server has processed everything `nc` queued so far.
+
+    `nc.flush()` alone is not that: nats-py writes its PING straight to the socket, ahead of
+    the SUB, UNSUB and PUB commands still in its pending buffer, so the PONG can come back
+    before them. By the time the first PONG is back the flusher task has written what was
+    pending (it was woken first), so a second PING follows it on the socket."""
+    await nc.flush()
+    await nc.flush()
+
+
 async def wait_heartbeats(
     nc: NATS, engine_ids: set[str], timeout_s: float = 90
 ) -> dict[str, Heartbeat]:

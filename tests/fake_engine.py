@@ -34,6 +34,7 @@ from typing import Any
 import nats
 import orjson
 from aiohttp.test_utils import TestClient, TestServer
+from bus_helpers import barrier
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -139,7 +140,7 @@ class FakeEngine:
         check = subjects.engine_stream_check(self.engine_id)
         await self.nc.subscribe(check, cb=self._on_stream_check)
         await self.subscribe_role()
-        await self.nc.flush()
+        await barrier(self.nc)
         await self.beat()
         self._spawn(self._heartbeats())
 
@@ -193,7 +194,7 @@ class FakeEngine:
 
     async def sync(self) -> None:
         """Round trip to the server: everything published to us before is delivered."""
-        await self.nc.flush()
+        await barrier(self.nc)
 
     # ---------------------------------------------------------------- internals
 
@@ -421,12 +422,14 @@ class FakeDecode(FakeEngine):
     async def subscribe_admits(self) -> None:
         subject = subjects.engine_decode_admit(self.engine_id)
         self._admit_sub = await self.nc.subscribe(subject, cb=self._on_admit)
+        await barrier(self.nc)
 
     async def unsubscribe_admits(self) -> None:
         """As an engine whose NATS connection has not come back yet: no responders."""
         if self._admit_sub is not None:
             await self._admit_sub.unsubscribe()
             self._admit_sub = None
+            await barrier(self.nc)  # else the server may route admits here, to be dropped
 
     async def _on_admit(self, msg: Msg) -> None:
         if self.silent:
@@ -526,7 +529,7 @@ class Mesh:
 
     async def sync(self) -> None:
         """Everything the router published so far has reached the engines."""
-        await self.router_nc.flush()
+        await barrier(self.router_nc)
         for e in self.engines:
             if e._nc is not None:
                 await e.sync()

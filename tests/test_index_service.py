@@ -23,6 +23,7 @@ import nats
 import orjson
 import pytest
 import redis.asyncio as aioredis
+from bus_helpers import barrier
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -79,7 +80,7 @@ class Mesh:
         if isinstance(msg, Heartbeat):
             subject = subjects.HEARTBEAT
         await self.nc.publish(subject, data)
-        await self.nc.flush()
+        await barrier(self.nc)
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path else ""
@@ -183,7 +184,7 @@ class SnapshotRequests:
 
     async def subscribe(self, nc: NATS, engine_id: str) -> None:
         await nc.subscribe(subjects.engine_snapshot(engine_id), cb=self._on_msg)
-        await nc.flush()
+        await barrier(nc)
 
     async def _on_msg(self, msg: Msg) -> None:
         self.received.append(SnapshotRequest.decode(msg.data))
