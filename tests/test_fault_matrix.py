@@ -395,15 +395,19 @@ async def _nats_killed(mesh: UpMesh, name: str) -> None:
 # ------------------------------------------------------------------ engine kills
 
 
-async def _engine_killed(mesh: UpMesh, victim: str | None, name: str) -> None:
-    """SIGKILL `victim` (None: the engine a held stream landed on) while it holds a stream."""
+async def _engine_killed(
+    mesh: UpMesh, victim: str | None, name: str, held_tokens: int = 3000
+) -> None:
+    """SIGKILL `victim` (None: the engine a held stream landed on) while a stream of
+    `held_tokens` is held."""
     before = await prepare(mesh)
     async with Load(mesh.url, workload(), before.expected) as load, aiohttp.ClientSession() as http:
         await load.wait_answers(8)
-        # long enough to be running when the kill lands: the loaded client reads the first
-        # event late, and in CI the tiny model's engine had sent the last of 200 and later
-        # of 1000 tokens by then; 3000 (of its 4096 tokens of pages) take seconds
-        held, on = await held_stream(http, mesh.url, LONG_PROMPT, max_tokens=3000)
+        # a stream on the killed engine must still be running when the kill lands: the
+        # loaded client reads the first event late, and in CI the tiny model's engine had
+        # sent the last of 200 and later of 1000 tokens by then; 3000 (of its 4096 tokens
+        # of pages) take seconds
+        held, on = await held_stream(http, mesh.url, LONG_PROMPT, max_tokens=held_tokens)
         victim = victim or on
         mesh.signal(victim, signal.SIGKILL)
         t0 = time.monotonic()
@@ -422,7 +426,8 @@ async def _engine_killed(mesh: UpMesh, victim: str | None, name: str) -> None:
 
 
 async def test_pd_prefill_killed(pd: UpMesh) -> None:
-    await _engine_killed(pd, "prefill-0", "prefill engine killed")
+    # the held stream is on the decode engine, a bystander: 1000 tokens overlap the kill
+    await _engine_killed(pd, "prefill-0", "prefill engine killed", held_tokens=1000)
 
 
 async def test_pd_decode_killed(pd: UpMesh) -> None:
