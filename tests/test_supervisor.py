@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.server
 import json
 import logging
@@ -40,6 +41,26 @@ from services.launch.supervisor import Child, ChildSpec, RestartPolicy, Supervis
 UP = [sys.executable, "-m", "services.cli", "up"]
 NO_REDIS = ["--redis-url", "redis://127.0.0.1:1/0"]  # both services start without Redis
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+@contextlib.contextmanager
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A live child process that does nothing (a server that never binds its port)."""
+    proc = subprocess.Popen(SLEEPER)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def listener() -> Iterator[tuple[socket.socket, int]]:
+    """A socket listening on a free loopback port that answers nothing by itself."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock, sock.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:
@@ -134,27 +155,19 @@ def test_a_server_started_on_a_taken_port_is_not_taken_for_ready(
 def test_the_readiness_probe_names_a_listener_that_is_not_ours(tmp_path: Path) -> None:
     """A live nats-server child whose port is answered by another NATS-speaking listener:
     PortTakenError, not ready (deterministic: the child never binds)."""
-    with socket.socket() as other:
-        other.bind(("127.0.0.1", 0))
-        other.listen()
-        port = other.getsockname()[1]
+    with listener() as (other, port):
 
         def greet() -> None:
             conn, _ = other.accept()
             conn.sendall(b'INFO {"server_name":"someone-else"}\r\n')
             conn.close()
 
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(1) as pool, sleeper() as proc:
             pool.submit(greet)
-            proc = subprocess.Popen(SLEEPER)
-            try:
-                with pytest.raises(servers.PortTakenError, match=f"127.0.0.1:{port}"):
-                    servers.wait_for_port(
-                        port, proc, timeout_s=5, identify=servers.identify_nats(str(tmp_path))
-                    )
-            finally:
-                proc.kill()
-                proc.wait()
+            with pytest.raises(servers.PortTakenError, match=f"127.0.0.1:{port}"):
+                servers.wait_for_port(
+                    port, proc, timeout_s=5, identify=servers.identify_nats(str(tmp_path))
+                )
 
 
 def test_up_waits_for_its_own_router_not_one_already_on_the_port() -> None:
@@ -164,7 +177,6 @@ def test_up_waits_for_its_own_router_not_one_already_on_the_port() -> None:
     parser = argparse.ArgumentParser()
     up.add_up_args(parser)
     plan = up.Mesh(parser.parse_args(["--port", "7001"]))
-    ours = subprocess.Popen(SLEEPER)
     answer: dict[str, Any] = {"ready_engines": [name for name, _ in plan._engines()]}
 
     class Health(http.server.BaseHTTPRequestHandler):
@@ -183,35 +195,29 @@ def test_up_waits_for_its_own_router_not_one_already_on_the_port() -> None:
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        plan.supervisor.children["router"] = Child(ChildSpec("router", SLEEPER, 1), ours)
-        answer["pid"] = ours.pid + 1  # another router
-        with pytest.raises(TimeoutError, match="not healthy"):
-            plan._wait_healthy(url, 1.0, lambda: False)
-        answer["pid"] = ours.pid
-        plan._wait_healthy(url, 5.0, lambda: False)
+        with sleeper() as ours:
+            plan.supervisor.children["router"] = Child(ChildSpec("router", SLEEPER, 1), ours)
+            answer["pid"] = ours.pid + 1  # another router
+            with pytest.raises(TimeoutError, match="not healthy"):
+                plan._wait_healthy(url, 1.0, lambda: False)
+            answer["pid"] = ours.pid
+            plan._wait_healthy(url, 5.0, lambda: False)
     finally:
         server.shutdown()
-        ours.kill()
-        ours.wait()
         plan.workdir.cleanup()
 
 
 def test_a_listener_slow_to_greet_is_waited_for_not_taken_for_another(tmp_path: Path) -> None:
     """A server that accepts but does not answer within the probe's 2 s (a loaded machine)
     is asked again until `timeout_s`: not ready, and not "another process" either."""
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        port = silent.getsockname()[1]
-        proc = subprocess.Popen(SLEEPER)
-        try:
-            with pytest.raises(TimeoutError, match="nothing listened"):
-                servers.wait_for_port(
-                    port, proc, timeout_s=3, identify=servers.identify_nats(str(tmp_path))
-                )
-        finally:
-            proc.kill()
-            proc.wait()
+    with (
+        listener() as (_, port),
+        sleeper() as proc,
+        pytest.raises(TimeoutError, match="nothing listened"),
+    ):
+        servers.wait_for_port(
+            port, proc, timeout_s=3, identify=servers.identify_nats(str(tmp_path))
+        )
 
 
 def test_restart_policy_doubles_to_the_cap() -> None:
