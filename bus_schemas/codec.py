@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import binascii
 import dataclasses
+import functools
 import types
 import typing
 from array import array
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import orjson
@@ -36,7 +38,11 @@ class Message:
     VERSION: ClassVar[int] = 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: _to_plain(getattr(self, name)) for name in _field_names(type(self))}
+        out = {}
+        for name, convert in _plan(type(self)).encode:
+            value = getattr(self, name)
+            out[name] = _to_plain(value) if convert else value
+        return out
 
     def encode(self) -> bytes:
         body = self.to_dict()
@@ -52,52 +58,80 @@ class Message:
             raise SchemaError(f"{cls.TYPE}: not JSON: {e}") from None
         if not isinstance(body, dict):
             raise SchemaError(f"{cls.TYPE}: expected a JSON object")
-        if body.get("type") != cls.TYPE:
-            raise SchemaError(f"expected message type {cls.TYPE!r}, got {body.get('type')!r}")
-        version = body.get("v")
+        kind = body.pop("type", None)
+        if kind != cls.TYPE:
+            raise SchemaError(f"expected message type {cls.TYPE!r}, got {kind!r}")
+        version = body.pop("v", None)
         if type(version) is not int or version != cls.VERSION:  # true and 1.0 are not 1
             raise SchemaError(
                 f"{cls.TYPE}: unsupported schema version {version!r} "
                 f"(this build speaks {cls.VERSION})"
             )
-        fields = {k: v for k, v in body.items() if k not in ("type", "v")}
-        return cls.from_dict(fields)
+        return cls.from_dict(body)
 
     @classmethod
     def from_dict(cls: type[M], body: dict[str, Any], where: str = "") -> M:
         where = where or cls.TYPE
-        hints = _hints(cls)
-        unknown = body.keys() - _field_names(cls)
-        if unknown:
-            raise SchemaError(f"{where}: unknown field(s) {sorted(unknown)}")
+        plan = _plan(cls)
+        if not body.keys() <= plan.names:
+            raise SchemaError(f"{where}: unknown field(s) {sorted(body.keys() - plan.names)}")
         kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.name in body:
-                kwargs[f.name] = _check(body[f.name], hints[f.name], f"{where}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise SchemaError(f"{where}: missing field {f.name!r}")
+        for name, exact, check, required in plan.decode:
+            if name in body:
+                value = body[name]
+                # a value of the field's own scalar type passes as it is (the common case)
+                kwargs[name] = value if type(value) is exact else check(value, f"{where}.{name}")
+            elif required:
+                raise SchemaError(f"{where}: missing field {name!r}")
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:
             raise SchemaError(f"{where}: {e}") from None
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
-_NAMES: dict[type, tuple[str, ...]] = {}
 _SCALARS = (int, float, str, bool, type(None))
+Check = Callable[[Any, str], Any]  # (value, where it is) -> the value as its type, or raise
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    names = _NAMES.get(cls)
-    if names is None:
-        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return names
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Plan:
+    """How one message class travels, worked out once from its type hints."""
+
+    names: frozenset[str]
+    encode: tuple[tuple[str, bool], ...]  # (field, its value needs `_to_plain`)
+    decode: tuple[tuple[str, type | None, Check, bool], ...]  # (field, exact, check, required)
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = get_type_hints(cls)
-    return _HINTS[cls]
+_PLANS: dict[type, _Plan] = {}
+
+
+def _plan(cls: type) -> _Plan:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        hints = get_type_hints(cls)
+        fields = dataclasses.fields(cls)
+        scalars = (int, str, bool, float)
+        plan = _PLANS[cls] = _Plan(
+            names=frozenset(f.name for f in fields),
+            encode=tuple((f.name, not _plain_hint(hints[f.name])) for f in fields),
+            decode=tuple(
+                (
+                    f.name,
+                    hints[f.name] if hints[f.name] in scalars else None,
+                    _checker(hints[f.name]),
+                    f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                )
+                for f in fields
+            ),
+        )
+    return plan
+
+
+def _plain_hint(hint: Any) -> bool:
+    """Whether a value of `hint` goes into JSON as it is (a scalar, or an optional one)."""
+    if get_origin(hint) in (Union, types.UnionType):
+        return all(_plain_hint(option) for option in get_args(hint))
+    return hint in _SCALARS
 
 
 def _to_plain(value: Any) -> Any:
@@ -114,59 +148,105 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def _check(value: Any, hint: Any, where: str) -> Any:
-    """Return `value` converted to `hint` (lists stay lists), or raise SchemaError."""
+@functools.cache
+def _checker(hint: Any) -> Check:
+    """The check of a value against `hint`: returns the value converted to `hint` (lists stay
+    lists), or raises SchemaError naming where the value is."""
     origin = get_origin(hint)
     if origin in (Union, types.UnionType):
-        errors = []
-        for option in get_args(hint):
-            try:
-                return _check(value, option, where)
-            except SchemaError as e:
-                errors.append(str(e))
-        raise SchemaError(f"{where}: {value!r} matches none of {hint}")
-    if hint is type(None):
-        if value is not None:
-            raise SchemaError(f"{where}: expected null")
-        return None
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise SchemaError(f"{where}: expected a boolean, got {type(value).__name__}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SchemaError(f"{where}: expected an integer, got {type(value).__name__}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise SchemaError(f"{where}: expected a number, got {type(value).__name__}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise SchemaError(f"{where}: expected a string, got {type(value).__name__}")
-        return value
+        nullable = type(None) in get_args(hint)
+        options = [_checker(option) for option in get_args(hint) if option is not type(None)]
+
+        def check_union(value: Any, where: str) -> Any:
+            if value is None and nullable:
+                return None
+            for check in options:
+                try:
+                    return check(value, where)
+                except SchemaError:
+                    pass
+            raise SchemaError(f"{where}: {value!r} matches none of {hint}")
+
+        return check_union
     if origin in (list, tuple):
-        if not isinstance(value, list):
-            raise SchemaError(f"{where}: expected a list, got {type(value).__name__}")
         (item,) = get_args(hint)[:1]
-        if item is int and all(type(v) is int for v in value):  # token ids: one pass in C
-            return tuple(value) if origin is tuple else value
-        checked = [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(checked) if origin is tuple else checked
+        check_item = _checker(item)
+        as_tuple = origin is tuple
+
+        def check_list(value: Any, where: str) -> Any:
+            if not isinstance(value, list):
+                raise SchemaError(f"{where}: expected a list, got {type(value).__name__}")
+            if item is int and all(type(v) is int for v in value):  # token ids: one pass in C
+                return tuple(value) if as_tuple else value
+            checked = [check_item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            return tuple(checked) if as_tuple else checked
+
+        return check_list
     if origin is dict:
-        if not isinstance(value, dict):
-            raise SchemaError(f"{where}: expected an object, got {type(value).__name__}")
         _, item = get_args(hint)
-        return {str(k): _check(v, item, f"{where}.{k}") for k, v in value.items()}
+        check_value = _checker(item)
+
+        def check_dict(value: Any, where: str) -> Any:
+            if not isinstance(value, dict):
+                raise SchemaError(f"{where}: expected an object, got {type(value).__name__}")
+            return {str(k): check_value(v, f"{where}.{k}") for k, v in value.items()}
+
+        return check_dict
     if isinstance(hint, type) and issubclass(hint, Message):
-        if not isinstance(value, dict):
-            raise SchemaError(f"{where}: expected an object, got {type(value).__name__}")
-        return hint.from_dict(value, where)
+        message = hint
+
+        def check_message(value: Any, where: str) -> Any:
+            if not isinstance(value, dict):
+                raise SchemaError(f"{where}: expected an object, got {type(value).__name__}")
+            return message.from_dict(value, where)
+
+        return check_message
     if hint is TokenIds:
-        return _token_ids(value, where)
+        return _token_ids
     if hint is typing.Any:
-        return value
-    raise SchemaError(f"{where}: unsupported schema type {hint}")
+        return lambda value, where: value
+    scalar = _SCALAR_CHECKS.get(hint)
+    if scalar is None:
+        raise TypeError(f"unsupported schema type {hint}")
+    return scalar
+
+
+def _check_none(value: Any, where: str) -> None:
+    if value is not None:
+        raise SchemaError(f"{where}: expected null")
+
+
+def _check_bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise SchemaError(f"{where}: expected a boolean, got {type(value).__name__}")
+    return value
+
+
+def _check_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SchemaError(f"{where}: expected an integer, got {type(value).__name__}")
+    return value
+
+
+def _check_float(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SchemaError(f"{where}: expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise SchemaError(f"{where}: expected a string, got {type(value).__name__}")
+    return value
+
+
+_SCALAR_CHECKS: dict[Any, Check] = {
+    type(None): _check_none,
+    bool: _check_bool,
+    int: _check_int,
+    float: _check_float,
+    str: _check_str,
+}
 
 
 def _token_ids(value: Any, where: str) -> array:
