@@ -20,9 +20,10 @@ engine's time grows with the prompt (~170 ms at 32K tokens) and varies by more t
 router costs, so next to the end-to-end difference (`added`: the median over rounds of
 router minus direct, with its bootstrap 95% interval) every router request also gives the
 router's own time exactly: its total minus the `engine` stage of the router's
-`Server-Timing` header, which times what the direct path times (encode, publish, the engine,
-the replies). `own` is HTTP both ways, parsing, routing and the response, without the
-engine's noise; `parse` and `route` are its stages from the same header.
+`Server-Timing` header, which times what the direct path times but the request's encoding
+(publish, the engine, the replies; the router encodes during its Redis lookup, in `route`).
+`own` is HTTP both ways, parsing, routing and the response, without the engine's noise;
+`parse` and `route` are its stages from the same header.
 
 Two columns say how fast the machine was, since every path slows with it: `other load`, the
 CPU (in cores) that processes outside this benchmark used during the row (on two vCPUs that

@@ -100,14 +100,16 @@ class Timings:
 
     arrived: float  # the handler started: the body has been read
     parse_s: float = 0.0  # JSON, validation, tokenization, limits
-    route_s: float = 0.0  # page hashes, the Redis lookup, the pick (every attempt)
-    dispatched: float | None = None  # the first request to an engine is about to be encoded
+    route_s: float = 0.0  # page hashes, the Redis lookup, the pick (every attempt); the
+    # request's encoding too where it overlaps the lookup (colocated)
+    dispatched: float | None = None  # the first request to an engine is about to be sent
     finished: float | None = None  # the last chunk was taken
 
     @property
     def engine_s(self) -> float | None:
         """First dispatch to the last chunk: the round trip a client that sends the request
-        to the engine subject itself waits (encode, publish, the engine, the replies)."""
+        to the engine subject itself waits (publish, the engine, the replies; the encoding of
+        a P/D request too, whose first message is a question to the decode engine)."""
         if self.dispatched is None or self.finished is None:
             return None
         return self.finished - self.dispatched
@@ -215,26 +217,18 @@ class Generation:
             preferred = [e for e in candidates if e.engine_id == self.prefer]
             if attempt == 0 and preferred:
                 candidates = preferred
-            started = time.perf_counter()
-            choice = await self.router.choose(
-                candidates, self.spec.input_ids, self.spec.cache_salt, retry=attempt > 0
-            )
-            self.timings.route_s += time.perf_counter() - started
-            engine_id = choice.engine.engine_id
-            self.outcome.engine_id, self.outcome.model = engine_id, choice.engine.model
-            self.outcome.route_reason = choice.reason
-            self.outcome.predicted_cached_tokens = choice.predicted_tokens(len(self.spec.input_ids))
+            # retries get fresh request ids, as in P/D: one may go to the same engine (a
+            # request lost on the bus), which may yet get the first copy late
+            rid = uuid.uuid4().hex if attempt else self.outcome.request_id
             try:
-                # retries get fresh request ids, as in P/D: one may go to the same engine
-                # (a request lost on the bus), which may yet get the first copy late
-                rid = uuid.uuid4().hex if attempt else self.outcome.request_id
-                async for delta in self._serve(engine_id, rid):
+                async for delta in self._serve(candidates, rid, retry=attempt > 0):
                     yield delta
                 return
             except EngineFailure as f:
                 self._count(f)
                 if not _retriable(f) or attempt + 1 == MAX_ATTEMPTS:
                     raise _client_error(f) from None
+                engine_id = f.engine_id
                 if f.kind != "bus" and (not f.epoch or f.epoch == self.table.epoch_of(engine_id)):
                     # (a restarted engine is a new process, and a request lost in a NATS
                     # reconnect says nothing about its engine: both kept)
@@ -242,18 +236,37 @@ class Generation:
                 if not self.candidates(COLOCATED, excluded):
                     raise _client_error(f) from None
 
-    async def _serve(self, engine_id: str, rid: str) -> AsyncIterator[Delta]:
-        with self.table.lease(engine_id, len(self.spec.input_ids) + self.max_new_tokens):
-            async with EngineStream(self.hub, self.table, self.config, engine_id, rid) as stream:
-                request = GenerateRequest(
+    async def _serve(
+        self, candidates: list[EngineView], rid: str, retry: bool
+    ) -> AsyncIterator[Delta]:
+        """Route among `candidates`, then serve on the engine chosen. The request is encoded
+        while Redis looks the prompt up: it names the reply subject, not the engine."""
+        async with EngineStream(self.hub, self.table, self.config, "", rid) as stream:
+            payload = b""
+
+            def encode() -> None:
+                nonlocal payload
+                payload = GenerateRequest(
                     request_id=rid,
                     input_ids=self.spec.input_ids,
                     sampling=self.spec.sampling(self.max_new_tokens, self.choice),
                     reply_to=stream.reply_to,
                     cache_salt=self.spec.cache_salt,
-                )
+                ).encode()
+
+            started = time.perf_counter()
+            choice = await self.router.choose(
+                candidates, self.spec.input_ids, self.spec.cache_salt, retry, meanwhile=encode
+            )
+            self.timings.route_s += time.perf_counter() - started
+            engine_id = choice.engine.engine_id
+            self.outcome.engine_id, self.outcome.model = engine_id, choice.engine.model
+            self.outcome.route_reason = choice.reason
+            self.outcome.predicted_cached_tokens = choice.predicted_tokens(len(self.spec.input_ids))
+            stream.bind(engine_id)
+            with self.table.lease(engine_id, len(self.spec.input_ids) + self.max_new_tokens):
                 self._dispatched()
-                await stream.send(subjects.engine_generate(engine_id), request)
+                await stream.send(subjects.engine_generate(engine_id), payload)
                 async for delta in self._consume(stream):
                     yield delta
 

@@ -27,7 +27,7 @@ import contextlib
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -189,6 +189,14 @@ class _Connection(asyncio.Protocol):
                 fut.set_exception(reason)
 
 
+def discard(reply: Awaitable[Any]) -> None:
+    """Give up a reply from `RespClient.send` that will not be awaited."""
+    if isinstance(reply, asyncio.Future):
+        reply.cancel()  # its reply is dropped when it comes
+    elif isinstance(reply, Coroutine):
+        reply.close()  # not sent yet
+
+
 class RespClient:
     """See the module docstring. `aclose()` when done."""
 
@@ -213,6 +221,15 @@ class RespClient:
         if conn is None or not conn.usable(self.reply_timeout_s):
             conn = await self._connected()
         return await conn.send(encode_command(args))
+
+    def send(self, *args: str | bytes) -> Awaitable[Any]:
+        """One command's reply, to await later: written now when a usable connection is open
+        (the caller works on while Redis answers), else sent once awaited, after connecting.
+        Await it, or `discard` it."""
+        conn = self._conn
+        if conn is not None and conn.usable(self.reply_timeout_s):
+            return conn.send(encode_command(args))
+        return self.execute(*args)
 
     async def ping(self) -> None:
         await self.execute("PING")

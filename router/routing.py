@@ -23,7 +23,7 @@ import hashlib
 import itertools
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from router.config import RouterConfig
 from router.engines import EngineView
 from router.metrics import RouterMetrics
 from router.page_chains import PageChains
-from router.resp import NoScriptError, RedisError, RespClient
+from router.resp import NoScriptError, RedisError, RespClient, discard
 
 log = logging.getLogger(__name__)
 
@@ -181,21 +181,34 @@ class PrefixIndex:
             await asyncio.sleep(self.config.redis_probe_s)
             await self.probe()
 
-    async def lookup(self, hashes: Sequence[str] | str, store_ids: Sequence[str] = ()) -> Lookup:
+    async def lookup(
+        self,
+        hashes: Sequence[str] | str,
+        store_ids: Sequence[str] = (),
+        meanwhile: Callable[[], object] = lambda: None,
+    ) -> Lookup:
         """Hits per engine holding the first page of `hashes` (hex, one per item or
         concatenated), and per store of `store_ids` holding it (keyed `STORE_MARK` + id);
-        `hits` None when Redis is unavailable (the caller routes by load)."""
-        if not hashes:
-            return Lookup({})
-        if not self.up:
-            return Lookup(None, "redis_down")
-        if self.clock() < self._skip_until:
-            return Lookup(None, "redis_timeout")
+        `hits` None when Redis is unavailable (the caller routes by load).
+
+        `meanwhile()` runs once, after the lookup is on its way to Redis and before its
+        reply is awaited: work of the caller's that does not need the answer runs during
+        the round trip, and the reply is usually there when it is done (no idle wait)."""
+        skipped = self._skipped(hashes)
+        if skipped is not None:
+            meanwhile()
+            return skipped
         argv = redis_keys.lookup_argv(hashes, store_ids)
         started = self.clock()
+        reply = self.redis.send("EVALSHA", LOOKUP_SHA, "0", *argv)
+        try:
+            meanwhile()
+        except BaseException:
+            discard(reply)
+            raise
         try:
             async with _budget(self.config.redis_timeout_s):
-                flat = await self._evalsha(argv)
+                flat = await self._evalsha(reply, argv)
         except TimeoutError:
             return self._on_timeout()
         except (RedisError, OSError) as e:
@@ -215,12 +228,23 @@ class PrefixIndex:
             return Lookup(None, "redis_down")
         return Lookup(hits)
 
-    async def _evalsha(self, argv: list[str]) -> list[Any]:
+    def _skipped(self, hashes: Sequence[str] | str) -> Lookup | None:
+        """The answer without asking Redis: nothing to look up, or Redis down or skipped."""
+        if not hashes:
+            return Lookup({})
+        if not self.up:
+            return Lookup(None, "redis_down")
+        if self.clock() < self._skip_until:
+            return Lookup(None, "redis_timeout")
+        return None
+
+    async def _evalsha(self, reply: Awaitable[Any], argv: list[str]) -> list[Any]:
         try:
-            return await self.redis.evalsha(LOOKUP_SHA, 0, *argv)
+            flat = await reply
         except NoScriptError:
             await self.redis.script_load(redis_keys.PREFIX_LOOKUP_LUA)
-            return await self.redis.evalsha(LOOKUP_SHA, 0, *argv)
+            flat = await self.redis.evalsha(LOOKUP_SHA, 0, *argv)
+        return flat if isinstance(flat, list) else [flat]
 
     def _on_timeout(self) -> Lookup:
         self.metrics.store_timeouts.inc()
@@ -276,13 +300,18 @@ class Router:
         input_ids: TokenIds,
         cache_salt: str,
         retry: bool = False,
+        meanwhile: Callable[[], object] = lambda: None,
     ) -> RouteChoice:
-        """The best of `candidates` (non-empty, one bucket) for this prompt."""
+        """The best of `candidates` (non-empty, one bucket) for this prompt. `meanwhile()`
+        runs once before the choice is made: during the Redis round trip when there is one
+        (the request's message, which does not depend on the engine, is encoded then)."""
         if not candidates:
             raise ValueError("no candidates")
         found = Lookup({}, made=False)
         if len(candidates) > 1:
-            found = await self._lookup(candidates, input_ids, cache_salt)
+            found = await self._lookup(candidates, input_ids, cache_salt, meanwhile)
+        else:
+            meanwhile()
         return self._pick(candidates, found, candidates[0].namespace, retry)
 
     async def choose_pd(
@@ -307,14 +336,18 @@ class Router:
         )
 
     async def _lookup(
-        self, candidates: Sequence[EngineView], input_ids: TokenIds, cache_salt: str
+        self,
+        candidates: Sequence[EngineView],
+        input_ids: TokenIds,
+        cache_salt: str,
+        meanwhile: Callable[[], object] = lambda: None,
     ) -> Lookup:
         """Hits per engine and per store of the candidates, for pages hashed as the first
         candidate hashes them."""
         first = candidates[0]
         hashes = self.chains.hex_hashes(input_ids, first.page_size, first.namespace, cache_salt)
         stores = sorted({e.store_id for e in candidates if e.store_id})
-        return await self.index.lookup(hashes, stores)
+        return await self.index.lookup(hashes, stores, meanwhile)
 
     def _pick(
         self,

@@ -164,11 +164,13 @@ class EngineStream:
         self.hub = hub
         self.table = table
         self.config = config
-        self.engine_id = engine_id
         self.request_id = request_id
         self.errors = errors  # error_code of an error chunk -> failure kind
         self.reply_to, self._queue = hub.open()
-        self.epochs = {engine_id: table.epoch_of(engine_id)}  # when the request was sent
+        self.engine_id = ""
+        self.epochs: dict[str, str] = {}  # engine -> its epoch when the request was sent
+        if engine_id:
+            self.bind(engine_id)
         self.num_chunks = 0  # chunks handed out so far
         self.started = False  # the engine may hold the request (abort it unless finished)
         self.finished = False  # the engine sent its last chunk (no abort needed)
@@ -178,6 +180,13 @@ class EngineStream:
         self._watched_told = False  # the watched engine got work (abort it on a failure)
         self._check_again_at: float | None = None  # after a reconnect: until the engine answers
         self._check_watched_at: float | None = None  # the same, for the watched engine
+
+    def bind(self, engine_id: str) -> None:
+        """The engine the request goes to (a stream opened with engine_id "" gets it here,
+        before `send`: the request, which names `reply_to`, can be encoded while the engine
+        is being chosen)."""
+        self.engine_id = engine_id
+        self.epochs[engine_id] = self.table.epoch_of(engine_id)
 
     async def __aenter__(self) -> EngineStream:
         return self
@@ -198,11 +207,14 @@ class EngineStream:
 
     # ------------------------------------------------------------ to the engines
 
-    async def send(self, subject: str, message: Message) -> None:
-        """Publish `message` to the engine, which may hold the request from now on."""
+    async def send(self, subject: str, message: Message | bytes) -> None:
+        """Publish `message` (or its encoding) to the engine, which may hold the request
+        from now on."""
+        assert self.engine_id, "bind() first"
         self.started = True
+        data = message if isinstance(message, bytes) else message.encode()
         try:
-            await self.nc.publish(subject, message.encode())
+            await self.nc.publish(subject, data)
         except NatsError as e:
             raise self._failure("bus", f"NATS publish failed: {e!r}") from None
 

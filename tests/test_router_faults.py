@@ -490,6 +490,47 @@ async def test_one_timeout_among_answers_keeps_cache_routing(fresh_redis: Server
         await client.aclose()
 
 
+async def test_a_lookup_runs_meanwhile_once_while_its_command_is_out(
+    fresh_redis: ServerProcess,
+) -> None:
+    """The router encodes the engine's request during the Redis round trip: `meanwhile` runs
+    once, after the lookup is written and before its reply is awaited, whatever Redis does;
+    a `meanwhile` that raises leaves the connection in step."""
+    client = RespClient(fresh_redis.url)
+    index = PrefixIndex(client, RouterConfig(), RouterMetrics(), asyncio.get_running_loop().time)
+    hashes = page_hashes(list(PROMPT.encode()), 4, "ns")
+    seen: list[int] = []
+
+    def meanwhile() -> None:
+        assert client._conn is not None
+        seen.append(len(client._conn._waiting))  # commands written, replies not yet read
+
+    try:
+        assert (await index.lookup(hashes)).hits == {}  # connects
+        assert (await index.lookup(hashes, meanwhile=meanwhile)).hits == {}
+        assert seen == [1]
+
+        def broken() -> None:
+            raise RuntimeError("encoding failed")
+
+        with pytest.raises(RuntimeError, match="encoding failed"):
+            await index.lookup(hashes, meanwhile=broken)
+        assert await client.execute("PING") == "PONG"  # after the dropped reply: in step
+        assert (await index.lookup(hashes, meanwhile=meanwhile)).hits == {}
+        assert seen == [1, 1]
+        assert (await index.lookup([], meanwhile=meanwhile)).hits == {}  # nothing to ask
+        fresh_redis.stop()
+        assert (await index.lookup(hashes, meanwhile=lambda: seen.append(-1))).failure == (
+            "redis_down"
+        )
+        assert (await index.lookup(hashes, meanwhile=lambda: seen.append(-2))).failure == (
+            "redis_down"
+        )
+        assert seen == [1, 1, 0, -1, -2]  # once each, down or not
+    finally:
+        await client.aclose()
+
+
 # ------------------------------------------------------------------ engine heartbeats
 
 

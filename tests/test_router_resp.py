@@ -16,6 +16,7 @@ from router.resp import (
     RedisAddress,
     RedisError,
     RespClient,
+    discard,
     encode_command,
     parse_reply,
     parse_url,
@@ -97,6 +98,27 @@ async def test_a_caller_that_gives_up_leaves_the_stream_in_step(
         assert await client.execute("GET", "k") == "v"
         assert await slow is None
         assert blocked.cancelled()
+    finally:
+        await client.aclose()
+
+
+async def test_send_writes_at_once_and_a_discarded_reply_leaves_the_stream_in_step(
+    fresh_redis: ServerProcess,
+) -> None:
+    client = RespClient(fresh_redis.url)
+    try:
+        first = client.send("SET", "n", "1")  # no connection yet: sent once awaited
+        assert asyncio.iscoroutine(first)
+        assert await first == "OK"
+        reply = client.send("INCR", "n")  # on its way now, before anyone awaits it
+        assert isinstance(reply, asyncio.Future)
+        await asyncio.sleep(0.1)
+        assert reply.done() and reply.result() == 2
+        discard(client.send("INCR", "n"))  # sent: it runs, its reply goes nowhere
+        assert await client.execute("GET", "n") == "3"
+        await client.aclose()
+        discard(client.send("INCR", "n"))  # not connected: never sent
+        assert await client.execute("GET", "n") == "3"
     finally:
         await client.aclose()
 
