@@ -23,7 +23,8 @@ router's own time exactly: its total minus the `engine` stage of the router's
 `Server-Timing` header, which times what the direct path times but the request's encoding
 (publish, the engine, the replies; the router encodes during its Redis lookup, in `route`).
 `own` is HTTP both ways, parsing, routing and the response, without the engine's noise;
-`parse` and `route` are its stages from the same header.
+`parse` and `route` are its stages from the same header, and `lookup` the part of `route`
+from the Redis lookup's send to its answer (the encoding runs inside it).
 
 Two columns say how fast the machine was, since every path slows with it: `other load`, the
 CPU (in cores) that processes outside this benchmark used during the row (on two vCPUs that
@@ -80,6 +81,7 @@ class Row:
     own: list[float] = field(default_factory=list)  # routed minus the router's engine stage
     parse: list[float] = field(default_factory=list)  # Server-Timing stages
     route: list[float] = field(default_factory=list)
+    lookup: list[float] = field(default_factory=list)  # of route: the Redis round trip
     foreign_cores: float | None = None  # ForeignLoad over the measured rounds
     cpu_checks: list[float] = field(default_factory=list)  # cpu_check() every 25 rounds
     rps_direct: float | None = None
@@ -339,6 +341,7 @@ async def measure_one(args: argparse.Namespace, c: Clients, hb: Heartbeat, promp
         row.own.append(elapsed * 1e3 - timing["engine"])
         row.parse.append(timing["parse"])
         row.route.append(timing["route"])
+        row.lookup.append(timing.get("lookup", 0.0))  # (a router from before the stage: 0)
         row.routed_aiohttp.append(await aiohttp_once(c.http, c.url, body) * 1e3)
         if c.baseline is not None:
             row.baseline.append((await c.baseline.post("/generate", body))[0] * 1e3)
@@ -393,7 +396,8 @@ def print_header(args: argparse.Namespace) -> None:
     )
     head = (
         f"{'prompt':>7} {'engine p50':>10} {'router p50':>10} {'added p50 [95% CI]':>22} "
-        f"{'own p50':>8} {'own p99':>8} {'parse':>6} {'route':>6} {'aiohttp added':>13} "
+        f"{'own p50':>8} {'own p99':>8} {'parse':>6} {'route':>6} {'lookup':>6} "
+        f"{'aiohttp added':>13} "
         f"{'other load':>10} {'cpu check':>9}"
     )
     if args.concurrency > 1:
@@ -409,7 +413,8 @@ def print_row(r: Row) -> None:
     line = (
         f"{r.prompt_len:>7} {pct(r.direct, 0.5):>10.3f} {pct(r.routed, 0.5):>10.3f} "
         f"{interval:>22} {pct(r.own, 0.5):>8.3f} {pct(r.own, 0.99):>8.3f} "
-        f"{pct(r.parse, 0.5):>6.3f} {pct(r.route, 0.5):>6.3f} {aio_added:>13.3f} {foreign:>10} "
+        f"{pct(r.parse, 0.5):>6.3f} {pct(r.route, 0.5):>6.3f} {pct(r.lookup, 0.5):>6.3f} "
+        f"{aio_added:>13.3f} {foreign:>10} "
         f"{statistics.median(r.cpu_checks):>9.2f}"
     )
     if r.rps_direct and r.rps_router:

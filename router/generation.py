@@ -102,6 +102,7 @@ class Timings:
     parse_s: float = 0.0  # JSON, validation, tokenization, limits
     route_s: float = 0.0  # page hashes, the Redis lookup, the pick (every attempt); the
     # request's encoding too where it overlaps the lookup (colocated)
+    lookup_s: float = 0.0  # of `route_s`: from each Redis lookup's send to its answer
     dispatched: float | None = None  # the first request to an engine is about to be sent
     finished: float | None = None  # the last chunk was taken
 
@@ -116,7 +117,11 @@ class Timings:
 
     def server_timing(self, now: float) -> str:
         """The `Server-Timing` header value (milliseconds); `total` is arrival to `now`."""
-        parts = [f"parse;dur={1e3 * self.parse_s:.3f}", f"route;dur={1e3 * self.route_s:.3f}"]
+        parts = [
+            f"parse;dur={1e3 * self.parse_s:.3f}",
+            f"route;dur={1e3 * self.route_s:.3f}",
+            f"lookup;dur={1e3 * self.lookup_s:.3f}",
+        ]
         engine_s = self.engine_s
         if engine_s is not None:
             parts.append(f"engine;dur={1e3 * engine_s:.3f}")
@@ -259,6 +264,7 @@ class Generation:
                 candidates, self.spec.input_ids, self.spec.cache_salt, retry, meanwhile=encode
             )
             self.timings.route_s += time.perf_counter() - started
+            self.timings.lookup_s += choice.lookup_s
             engine_id = choice.engine.engine_id
             self.outcome.engine_id, self.outcome.model = engine_id, choice.engine.model
             self.outcome.route_reason = choice.reason
@@ -336,6 +342,7 @@ class Generation:
             decodes, prefills, self.spec.input_ids, self.spec.cache_salt, retry=retry
         )
         self.timings.route_s += time.perf_counter() - started
+        self.timings.lookup_s += route[0].lookup_s  # one lookup for both choices
         return route
 
     async def _serve_pd(

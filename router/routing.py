@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ class RouteChoice:
     reason: str  # "cache" | "load" | "redis_down" | "redis_timeout" | "retry"
     hit: PrefixHit  # what Redis said the engine holds (zero when unknown)
     known: bool = True  # whether `hit` is the index's answer (False: no lookup was made)
+    lookup_s: float = 0.0  # the Redis round trip the choice waited for (`Lookup.wait_s`)
 
     def predicted_tokens(self, num_prompt_tokens: int) -> int | None:
         """The prompt tokens the index says the engine can reuse (whole pages, never the
@@ -74,6 +77,7 @@ class Lookup:
     hits: dict[str, PrefixHit] | None  # None: Redis could not answer in time
     failure: str = ""  # "redis_down" | "redis_timeout" when `hits` is None
     made: bool = True  # False: one candidate, so the index was not asked
+    wait_s: float = 0.0  # from the lookup's send to its answer (the caller's `meanwhile` in it)
 
 
 BUDGET_STRETCH = 10  # a lookup waits at most this many budgets, however busy the loop
@@ -199,13 +203,22 @@ class PrefixIndex:
             meanwhile()
             return skipped
         argv = redis_keys.lookup_argv(hashes, store_ids)
-        started = self.clock()
+        started = time.perf_counter()
         reply = self.redis.send("EVALSHA", LOOKUP_SHA, "0", *argv)
         try:
             meanwhile()
         except BaseException:
             discard(reply)
             raise
+        try:
+            found = await self._answer(reply, argv)
+        finally:
+            wait_s = time.perf_counter() - started
+            self.metrics.prefix_lookup.observe(wait_s)
+        return dataclasses.replace(found, wait_s=wait_s)
+
+    async def _answer(self, reply: Awaitable[Any], argv: list[str]) -> Lookup:
+        """The lookup from Redis' reply, within the budget."""
         try:
             async with _budget(self.config.redis_timeout_s):
                 flat = await self._evalsha(reply, argv)
@@ -214,8 +227,6 @@ class PrefixIndex:
         except (RedisError, OSError) as e:
             self._set_down(e)
             return Lookup(None, "redis_down")
-        finally:
-            self.metrics.prefix_lookup.observe(self.clock() - started)
         self._outcomes.append(False)
         try:
             hits = {
@@ -374,7 +385,7 @@ class Router:
         else:
             reason = "cache" if hit.pages > 0 else "load"
         self.metrics.child(self.metrics.routing, reason).inc()
-        return RouteChoice(best, reason, hit, found.made and hits is not None)
+        return RouteChoice(best, reason, hit, found.made and hits is not None, found.wait_s)
 
     def _score(self, engine: EngineView, hit: PrefixHit | None) -> float:
         cached = 0.0

@@ -72,6 +72,15 @@ async def metric(mesh: Mesh, name: str, labels: str = "") -> float:
 # ------------------------------------------------------------------ pure pieces
 
 
+def stages(header: str) -> dict[str, float]:
+    """A `Server-Timing` header's stages, in order: name -> milliseconds."""
+    out = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        out[name] = float(dur)
+    return out
+
+
 def test_chat_template_is_documented_format() -> None:
     msgs = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi")]
     plain = ChatTemplate(None)  # a model card without a template (the random presets)
@@ -193,6 +202,10 @@ async def test_generate_native_api(nats_server: ServerProcess, redis_server: Ser
         assert (meta["cached_tokens"], meta["cached_tokens_device"]) == (16, 0)
         assert meta["cached_tokens_host"] == 16 and meta["finish_reason"] == "length"
         assert meta["engine_id"] == mesh.engines[0].engine_id
+        timing = stages(r.headers["Server-Timing"])
+        assert list(timing) == ["parse", "route", "lookup", "engine", "total"]
+        assert timing["lookup"] == 0  # one engine: Redis is not asked
+        assert timing["parse"] + timing["route"] + timing["engine"] <= timing["total"]
         req = mesh.engines[0].received[0]
         assert req.cache_salt == "u1"
         assert (req.sampling.temperature, req.sampling.top_p, req.sampling.seed) == (0.5, 0.9, 1)
@@ -307,6 +320,9 @@ async def test_routing_prefers_the_engine_holding_the_prefix(
             for _ in range(3):
                 resp = await mesh.client.post("/generate", json={"text": PROMPT})
                 assert (await resp.json())["meta_info"]["engine_id"] == b.engine_id
+                timing = stages(resp.headers["Server-Timing"])
+                assert 0 < timing["lookup"] <= timing["route"]  # the Redis round trip
+                assert timing["parse"] + timing["route"] + timing["engine"] <= timing["total"]
             assert len(a.received) == 0 and len(b.received) == 3
             assert (
                 await metric(mesh, "hicache_router_routing_decisions_total", 'reason="cache"') == 3
@@ -348,6 +364,9 @@ async def test_routing_counts_an_engines_store_below_its_host(
             for _ in range(3):
                 resp = await mesh.client.post("/generate", json={"text": PROMPT})
                 assert (await resp.json())["meta_info"]["engine_id"] == b.engine_id
+                timing = stages(resp.headers["Server-Timing"])
+                assert 0 < timing["lookup"] <= timing["route"]  # the Redis round trip
+                assert timing["parse"] + timing["route"] + timing["engine"] <= timing["total"]
             for h in hashes[:4]:  # a holds 4 pages on its host: 4 x 0.5 > 6 x 0.25
                 await r.hset(redis_keys.page(h), a.engine_id, 2)
             resp = await mesh.client.post("/generate", json={"text": PROMPT})

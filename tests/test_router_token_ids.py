@@ -150,7 +150,8 @@ def test_bench_router_runs_at_1024_tokens() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith("1024 ")]
     # prompt, engine p50, router p50, added p50, [lo, hi], own p50, own p99, parse, route,
-    # aiohttp added, other load, cpu check
-    assert len(rows) == 1 and len(rows[0]) == 13, out.stdout
-    engine, router, own, parse = (float(rows[0][i]) for i in (1, 2, 6, 8))
+    # lookup, aiohttp added, other load, cpu check
+    assert len(rows) == 1 and len(rows[0]) == 14, out.stdout
+    engine, router, own, parse, lookup = (float(rows[0][i]) for i in (1, 2, 6, 8, 10))
     assert engine > 0 and router > 0 and 0 < parse < own < router  # ms
+    assert lookup == 0  # one engine: Redis is not asked
