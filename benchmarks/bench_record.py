@@ -35,6 +35,7 @@ import aiohttp
 import orjson
 from tqdm import tqdm
 
+from router.generation import parse_server_timing
 from services.launch.servers import free_port
 
 
@@ -86,10 +87,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def own_s(header: str) -> float:
     """The router's own seconds from its Server-Timing header: total minus engine."""
-    durs = {}
-    for part in header.split(","):
-        name, _, dur = part.strip().partition(";dur=")
-        durs[name] = float(dur)
+    durs = parse_server_timing(header)
     return (durs["total"] - durs.get("engine", 0.0)) / 1e3
 
 

@@ -61,6 +61,7 @@ from nats.aio.msg import Msg
 from bus_schemas import GenerateRequest, Heartbeat, Sampling, TokenChunk
 from bus_schemas import subjects as subj
 from bus_schemas.token_ids import TokenIds, as_token_ids
+from router.generation import parse_server_timing
 from services.launch.servers import free_port, start_nats, start_redis
 
 PROMPT_LENS = (64, 1024, 8192, 32768)
@@ -208,15 +209,6 @@ class HttpConnection:
         self.writer.close()
 
 
-def server_timing(header: str) -> dict[str, float]:
-    """`name;dur=ms, ...` -> {name: ms}."""
-    out = {}
-    for part in header.split(","):
-        name, _, dur = part.strip().partition(";dur=")
-        out[name] = float(dur)
-    return out
-
-
 class DirectClient:
     """Requests straight to an engine's subject, as lean as the router's own bus client: one
     wildcard reply subscription for all of them (no SUB/UNSUB per request)."""
@@ -336,7 +328,7 @@ async def measure_one(args: argparse.Namespace, c: Clients, hb: Heartbeat, promp
             row.cpu_checks.append(cpu_check())
         row.direct.append(await c.direct.once(hb.engine_id, ids) * 1e3)
         elapsed, headers = await c.conn.post("/generate", body)
-        timing = server_timing(headers["server-timing"])
+        timing = parse_server_timing(headers["server-timing"])
         row.routed.append(elapsed * 1e3)
         row.own.append(elapsed * 1e3 - timing["engine"])
         row.parse.append(timing["parse"])

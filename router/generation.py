@@ -129,6 +129,16 @@ class Timings:
         return ", ".join(parts)
 
 
+def parse_server_timing(header: str) -> dict[str, float]:
+    """The stages of a `Server-Timing` value written by `Timings.server_timing`, in order:
+    name -> milliseconds (for clients and benchmarks that read the header)."""
+    out = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        out[name] = float(dur)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class _PDAttempt:
     """The prefill side of the P/D attempt in progress, for its first chunk."""

@@ -2,7 +2,7 @@
 abort it on the way out unless the engine finished it.
 
     async with EngineStream(hub, table, config, engine_id, request_id) as stream:
-        await stream.send(subjects.engine_generate(engine_id), request)  # reply_to=stream.reply_to
+        await stream.send(subjects.engine_generate(engine_id), request.encode())  # reply_to=stream.reply_to
         async for chunk in stream:
             ...
 
@@ -207,12 +207,10 @@ class EngineStream:
 
     # ------------------------------------------------------------ to the engines
 
-    async def send(self, subject: str, message: Message | bytes) -> None:
-        """Publish `message` (or its encoding) to the engine, which may hold the request
-        from now on."""
+    async def send(self, subject: str, data: bytes) -> None:
+        """Publish an encoded request to the engine, which may hold it from now on."""
         assert self.engine_id, "bind() first"
         self.started = True
-        data = message if isinstance(message, bytes) else message.encode()
         try:
             await self.nc.publish(subject, data)
         except NatsError as e:

@@ -28,6 +28,7 @@ from router.app import init
 from router.chat import ChatMessage, ChatTemplate
 from router.config import RouterConfig
 from router.detokenize import TextAssembler
+from router.generation import parse_server_timing
 from router.keys import TABLE
 from router.tokenizer import ByteTokenizer, HFTokenizer
 from services.launch.servers import ServerProcess, free_port
@@ -70,15 +71,6 @@ async def metric(mesh: Mesh, name: str, labels: str = "") -> float:
 
 
 # ------------------------------------------------------------------ pure pieces
-
-
-def stages(header: str) -> dict[str, float]:
-    """A `Server-Timing` header's stages, in order: name -> milliseconds."""
-    out = {}
-    for part in header.split(","):
-        name, _, dur = part.strip().partition(";dur=")
-        out[name] = float(dur)
-    return out
 
 
 def test_chat_template_is_documented_format() -> None:
@@ -202,7 +194,7 @@ async def test_generate_native_api(nats_server: ServerProcess, redis_server: Ser
         assert (meta["cached_tokens"], meta["cached_tokens_device"]) == (16, 0)
         assert meta["cached_tokens_host"] == 16 and meta["finish_reason"] == "length"
         assert meta["engine_id"] == mesh.engines[0].engine_id
-        timing = stages(r.headers["Server-Timing"])
+        timing = parse_server_timing(r.headers["Server-Timing"])
         assert list(timing) == ["parse", "route", "lookup", "engine", "total"]
         assert timing["lookup"] == 0  # one engine: Redis is not asked
         assert timing["parse"] + timing["route"] + timing["engine"] <= timing["total"]
@@ -320,7 +312,7 @@ async def test_routing_prefers_the_engine_holding_the_prefix(
             for _ in range(3):
                 resp = await mesh.client.post("/generate", json={"text": PROMPT})
                 assert (await resp.json())["meta_info"]["engine_id"] == b.engine_id
-                timing = stages(resp.headers["Server-Timing"])
+                timing = parse_server_timing(resp.headers["Server-Timing"])
                 assert 0 < timing["lookup"] <= timing["route"]  # the Redis round trip
                 assert timing["parse"] + timing["route"] + timing["engine"] <= timing["total"]
             assert len(a.received) == 0 and len(b.received) == 3
@@ -364,7 +356,7 @@ async def test_routing_counts_an_engines_store_below_its_host(
             for _ in range(3):
                 resp = await mesh.client.post("/generate", json={"text": PROMPT})
                 assert (await resp.json())["meta_info"]["engine_id"] == b.engine_id
-                timing = stages(resp.headers["Server-Timing"])
+                timing = parse_server_timing(resp.headers["Server-Timing"])
                 assert 0 < timing["lookup"] <= timing["route"]  # the Redis round trip
                 assert timing["parse"] + timing["route"] + timing["engine"] <= timing["total"]
             for h in hashes[:4]:  # a holds 4 pages on its host: 4 x 0.5 > 6 x 0.25
