@@ -5,6 +5,7 @@ against a server whose answers follow a fixed rule (and can be made to differ)."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from aiohttp import web
 
 from services.cli import main
 from services.launch.servers import free_port
-from services.replay.client import ClientConfig, ReplayClient, StreamReader
+from services.replay.client import ClientConfig, ReplayClient, Replayed, StreamReader
 from services.replay.compare import Mismatch, check, first_difference, replays_exactly
 from services.replay.observation import CachedTokens, ChoiceOutput, Observation
 from services.replay.plan import Pace, plan, request_to_send
@@ -26,15 +27,18 @@ from services.replay.recording import (
     RecordFormatError,
     read_recording,
 )
-from services.replay.report import histogram
+from services.replay.report import histogram, render
 from services.replay.summary import (
+    ArmTarget,
     LatencyRow,
     Percentiles,
     Thresholds,
     parse_percent,
     regressions,
     staleness,
+    summarize,
 )
+from services.replay.target import recorded_flags
 
 T0 = 1_764_650_000.0
 HEADER = {
@@ -188,10 +192,11 @@ def test_the_command_exits_2_on_a_bad_file_before_anything_starts(
     assert f"{path}:1: format version 2 is not supported" in err
     assert main(["replay", str(tmp_path / "missing.jsonl"), "--url", "http://x"]) == 2
     assert "cannot read" in capsys.readouterr().err
-    good = write_records(tmp_path / "v1.jsonl", sample_lines())
-    assert main(["replay", str(good)]) == 2  # neither --url nor --mesh-args
+    alone = write_records(tmp_path / "alone.jsonl", [HEADER | {"mesh_flags": None}])
+    assert main(["replay", str(alone)]) == 2  # no --url, no --mesh-args, no recorded flags
     err = capsys.readouterr().err
-    assert "give --url URL" in err and "recorded with `hicache-mesh up --engines 1`" in err
+    assert "names no mesh flags" in err and "give --url URL" in err
+    good = write_records(tmp_path / "v1.jsonl", sample_lines())
     assert main(["replay", str(good), "--url", "http://x", "--arms", "cold"]) == 2
     assert "drop --arms and --mesh-args" in capsys.readouterr().err
     assert main(["replay", str(good), "--mesh-args", "", "--arms", "cache,nope"]) == 2
@@ -204,6 +209,102 @@ def test_the_command_exits_2_on_a_bad_file_before_anything_starts(
     assert "resolve to the same mesh" in capsys.readouterr().err
     assert main(["replay", str(good), "--url", "http://x", "--speed", "-1"]) == 2
     assert "--speed must be a finite number >= 0" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the mesh to replay on
+
+
+RECORDED_FLAGS = [
+    "--port", "8000", "--engines", "2", "--record", "traffic.jsonl", "--record-redact",
+    "--status-file=up.json", "--api-key=***", "--nats-url", "nats://127.0.0.1:4222",
+    "--hicache-storage-backend", "file", "--hicache-storage-dir", "/srv/l3", "--page-size=4",
+]  # fmt: skip
+
+
+def test_the_recorded_flags_lose_what_binds_or_writes_where_the_original_did(
+    tmp_path: Path,
+) -> None:
+    header = HEADER | {"mesh_flags": ["up", *RECORDED_FLAGS], "model": "tiny-tp"}
+    rec = read_recording(write_records(tmp_path / "r.jsonl", [header]))
+    flags = recorded_flags(rec)
+    assert flags.kept == (
+        "--engines", "2", "--hicache-storage-backend", "file", "--page-size=4",
+        "--model", "tiny-tp",  # the header's model: up's default may have changed since
+    )  # fmt: skip
+    assert flags.dropped == (
+        "--port", "8000", "--record", "traffic.jsonl", "--record-redact",
+        "--status-file=up.json", "--api-key=***", "--nats-url", "nats://127.0.0.1:4222",
+        "--hicache-storage-dir", "/srv/l3",
+    )  # fmt: skip
+    assert flags.storage  # so every arm gets a storage directory of its own
+    named = HEADER | {"mesh_flags": ["--model-path", "m", "--rec", "x"]}  # an abbreviation
+    with pytest.raises(ValueError, match="not valid"):  # --rec is ambiguous, as in `up`
+        recorded_flags(read_recording(write_records(tmp_path / "n.jsonl", [named])))
+    named = HEADER | {"mesh_flags": ["--model-path", "m", "--record=x"]}
+    flags = recorded_flags(read_recording(write_records(tmp_path / "n.jsonl", [named])))
+    assert flags.kept == ("--model-path", "m") and flags.dropped == ("--record=x",)
+    assert not flags.storage
+
+
+def test_a_replay_never_writes_to_its_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_records(tmp_path / "r.jsonl", sample_lines())
+    before = path.read_bytes()
+    same = ["--mesh-args", f"--engines 1 --record {tmp_path}/./r.jsonl"]
+    assert main(["replay", str(path), *same]) == 2  # before any mesh starts
+    err = capsys.readouterr().err
+    assert f"arm replay's --record {tmp_path}/./r.jsonl is the replay's input" in err
+    status = ["--mesh-args", f"--status-file {path}", "--arms", "cache,cold"]
+    assert main(["replay", str(path), *status]) == 2
+    assert "arm cache's --status-file" in capsys.readouterr().err
+    assert main(["replay", str(path), "--url", "http://x", "--report", str(path)]) == 2
+    assert "--report" in capsys.readouterr().err
+    assert main(["replay", str(path), "--url", "http://x", "--plot", str(path)]) == 2
+    assert path.read_bytes() == before
+
+
+def test_warmup_requests_go_first_and_are_not_measured(
+    server: RuleServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_records(tmp_path / "r.jsonl", sample_lines())
+    assert _replay(path, server.url, tmp_path, "--warmup", "7", plot=False) == 0
+    out, err = capsys.readouterr()
+    assert "arm replay: 7 warmup requests sent, unmeasured (1 failed)" in err  # the 400 one
+    assert "arm replay: 5 requests, 4 outputs compared, 0 mismatches" in out
+    prompts = [b["prompt"] for _, b in server.arrivals]
+    order = [[4, 5, 6, 7], [1, 2, 3], [1, 2, 3, 9], [9], [1, 2, 3, 9, 10]]  # arrival order
+    assert prompts == [*order, *order[:2], *order]  # the plan's first 7, cycled, then the run
+    assert main(["replay", str(path), "--url", server.url, "--warmup", "-1"]) == 2
+
+
+def _slower(rec: RecordedRequest, ttft_s: float) -> Observation:
+    """The recorded answer, with another TTFT and E2E."""
+    assert rec.reference is not None
+    return dataclasses.replace(rec.reference, ttft_s=ttft_s, e2e_s=2 * ttft_s)
+
+
+@pytest.mark.parametrize(("fresh", "warmup", "cold"), [(True, 0, True), (True, 3, False),
+                                                      (False, 0, False)])  # fmt: skip
+def test_a_gate_on_a_cold_mesh_says_so(
+    tmp_path: Path, fresh: bool, warmup: int, cold: bool
+) -> None:
+    lines = [HEADER, request_line(0.0, [1, 2], stream=True), request_line(0.1, [3], stream=True)]
+    rec = read_recording(write_records(tmp_path / "r.jsonl", lines))
+    requests = plan(rec.requests, Pace())
+    by_line = {r.line: r for r in rec.requests}
+    replayed = [Replayed(r.line, r.send_at_s, _slower(by_line[r.line], 0.050)) for r in requests]
+    target = ArmTarget("hicache-mesh up --engines 1", fresh, warmup)
+    gate = Thresholds(ttft_pct=10.0)
+    result = summarize(rec, rec.requests, requests, {"a": (target, replayed)}, Pace(), False, gate)
+    (failure,) = result.failures()  # 50 ms replayed against 10 ms recorded
+    assert failure.startswith("arm a: regression: TTFT p50 50.00 ms replayed")
+    assert ("freshly started mesh measured without a warmup" in failure) == cold
+    assert bool(result.notes()) == cold
+    assert ("Notes:\n- arm a: the p50 regression limits compare" in render(result)) == cold
+    ungated = summarize(rec, rec.requests, requests, {"a": (target, replayed)}, Pace(), False,
+                        Thresholds())  # fmt: skip
+    assert ungated.notes() == [] and ungated.failures() == []
 
 
 # ---------------------------------------------------------------- the plan

@@ -6,8 +6,10 @@ n=2, rejected ones). Then `hicache-mesh replay FILE`:
 - on a fresh mesh of the same flags: every status and every output the same, exit 0;
 - on a mesh whose engines change every request's 3rd token (`--debug-perturb-sampler`):
   exit 1, naming the first request (in arrival order) and its token 2, both values;
-- with `--arms cache,cold`: both arms give the recording's outputs and each other's, and
-  the report counts the cached tokens the cold arm (`--disable-radix-cache`) did not have.
+- with `--arms cache,cold` and no `--mesh-args` (the recording's own flags, less its port
+  and `--record`), after a warmup: both arms give the recording's outputs and each other's,
+  the report counts the cached tokens the cold arm (`--disable-radix-cache`) did not have,
+  and the input file is left as it was (the recorded `--record` names it).
 
 `--enable-deterministic-inference` makes every row independent of its batch, so outputs do
 not depend on which requests happen to be batched together in the recording and the replay.
@@ -30,7 +32,7 @@ from services.replay.compare import replays_exactly
 from services.replay.recording import Recording, read_recording
 
 NUM_REQUESTS = 200
-SPEC = MeshSpec(engines=2, extra=("--enable-deterministic-inference",))
+SPEC = MeshSpec(engines=2, extra=("--model", "tiny", "--enable-deterministic-inference"))
 # the recording mesh's flags, without its port and --record
 MESH_ARGS = shlex.join(SPEC.argv(0)[SPEC.argv(0).index("--port") + 2 :])
 
@@ -122,11 +124,15 @@ def test_cache_and_cold_arms_agree_and_the_report_shows_what_cold_missed(
     recorded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     report = tmp_path / "arms.md"
-    argv = ["replay", str(recorded), "--arms", "cache,cold", "--mesh-args", MESH_ARGS]
+    before = recorded.read_bytes()
+    argv = ["replay", str(recorded), "--arms", "cache,cold", "--warmup", "4"]  # the flags: its own
     argv += ["--speed", "0", "--max-concurrency", "8", "--disable-tqdm", "--no-plot"]
     code = main([*argv, "--report", str(report)])
     out, err = capsys.readouterr()
     assert code == 0, err[-3000:]
+    assert recorded.read_bytes() == before  # its --record named this very file
+    assert f"(left out: --port {_recorded_port(recorded)} --record {recorded})" in err
+    assert "arm cache: 4 warmup requests sent, unmeasured" in err
     num_ok = _ok(read_recording(recorded))
     for arm in ("cache", "cold"):
         assert f"arm {arm}: {NUM_REQUESTS} requests, {num_ok} outputs compared, 0 mismatch" in out
@@ -141,3 +147,9 @@ def test_cache_and_cold_arms_agree_and_the_report_shows_what_cold_missed(
     text = report.read_text()
     assert f"| cold | arm cache | {device} | {host} | {storage} | {missed} |" in text
     assert "| cold | device | " in text and "| 0 | 0.000 |" in text  # cold cached nothing
+    assert "(started for the replay, 4 warmup requests)" in text
+
+
+def _recorded_port(path: Path) -> str:
+    flags = orjson.loads(path.read_bytes().splitlines()[0])["mesh_flags"]
+    return str(flags[flags.index("--port") + 1])

@@ -1,10 +1,13 @@
 """`hicache-mesh replay FILE`: replay recorded traffic against a mesh and compare.
 
 Against a running mesh (`--url`), or on meshes it starts: `--mesh-args "UP FLAGS"` gives one
-mesh (arm `replay`); `--arms cache,cold` gives one per named arm, each `--mesh-args` plus
-the arm's flags from `ARM_FLAGS` (`cold` adds `--disable-radix-cache`), started, replayed
-and stopped in turn, as `hicache-mesh bench` does. Every arm is compared with the recording,
-every later arm with the first.
+mesh (arm `replay`); without `--mesh-args` the recording's own mesh flags, less those that
+would bind or write where the recording mesh did (`services.replay.target`). `--arms
+cache,cold` gives one mesh per named arm, each those flags plus the arm's flags from
+`ARM_FLAGS` (`cold` adds `--disable-radix-cache`), started, replayed and stopped in turn, as
+`hicache-mesh bench` does. Every arm is compared with the recording, every later arm with
+the first. `--warmup N` sends N requests unmeasured first (then flushes the cache), so a
+freshly started mesh is not measured cold against a recording of a mesh that was serving.
 
 Exit status: 0 when every status and every compared output matches (and, with
 `--strict-cache`, every cached-token count) and no p50 rose beyond its `--max-*-regression`
@@ -15,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import shlex
 import sys
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.bench.cli import Arm, check_arms_differ, flush_cache, mesh_up_args
@@ -26,9 +31,21 @@ from services.replay.client import ClientConfig, ReplayClient, Replayed
 from services.replay.plan import Pace, ReplayRequest, plan
 from services.replay.plot import plot
 from services.replay.recording import Recording
-from services.replay.report import mesh_command, render
+from services.replay.report import render
 from services.replay.sources import DEFAULT_SOURCE, SOURCES, read_mooncake_trace, read_source
-from services.replay.summary import ReplayResult, Thresholds, parse_percent, summarize
+from services.replay.summary import (
+    ArmTarget,
+    ReplayResult,
+    Thresholds,
+    parse_percent,
+    summarize,
+)
+from services.replay.target import (
+    RecordedFlags,
+    check_writes,
+    other_segments_differ,
+    recorded_flags,
+)
 
 # `--arms` names -> flags added to `--mesh-args` for that arm's mesh
 ARM_FLAGS: dict[str, list[str]] = {"cache": [], "cold": ["--disable-radix-cache"]}
@@ -65,16 +82,27 @@ def add_replay_args(parser: argparse.ArgumentParser) -> None:
         "--mesh-args",
         default=None,
         metavar='"UP FLAGS"',
-        help="without --url: start a mesh with these `hicache-mesh up` flags for the replay",
+        help="without --url: start a mesh with these `hicache-mesh up` flags for the replay "
+        "(default: the recording's own, less its port, --record and what else would bind or "
+        "write where the recording mesh did)",
     )
     t.add_argument(
         "--arms",
         default=None,
-        help=f"with --mesh-args: one mesh per named arm, in order; arms: {', '.join(ARM_FLAGS)}"
+        help=f"one mesh per named arm, in order; arms: {', '.join(ARM_FLAGS)}"
         " (cold adds --disable-radix-cache); outputs are compared between arms too",
     )
     t.add_argument("--api-key", default=None)
     t.add_argument("--flush-cache", action="store_true", help="POST /flush_cache before replaying")
+    t.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="send the first N requests unmeasured before the measured run, then flush the "
+        "cache (on a running mesh: only with --flush-cache), so a fresh mesh is not measured "
+        "cold against a recording of a warm one",
+    )
     p = parser.add_argument_group("pace")
     p.add_argument(
         "--speed",
@@ -109,26 +137,28 @@ def add_replay_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--no-plot", action="store_true", help="write no figure")
 
 
-def arms_from_args(args: argparse.Namespace, recording: Recording) -> list[Arm]:
-    """The meshes to start (none with --url); ValueError when the flags do not say which."""
+def arms_from_args(
+    args: argparse.Namespace, recording: Recording
+) -> tuple[list[Arm], RecordedFlags | None]:
+    """The meshes to start (none with --url), and the recorded flags they came from (None:
+    from --mesh-args); ValueError when the flags do not say which."""
     if args.url is not None:
         if args.arms is not None or args.mesh_args is not None:
             raise ValueError("--url replays against a running mesh: drop --arms and --mesh-args")
-        return []
+        return [], None
+    recorded = None
     if args.mesh_args is None:
-        flags = recording.headers[0].mesh_flags
-        hint = "" if flags is None else f"; it was recorded with `{mesh_command(flags)}`"
-        raise ValueError(
-            f'give --url URL (a running mesh) or --mesh-args "UP FLAGS" (a mesh to start){hint}'
-        )
-    common = shlex.split(args.mesh_args)
+        recorded = recorded_flags(recording)
+        common = list(recorded.kept)
+    else:
+        common = shlex.split(args.mesh_args)
     if args.arms is None:
-        return [Arm(SINGLE_ARM, tuple(common))]
+        return [Arm(SINGLE_ARM, tuple(common))], recorded
     names = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [n for n in names if n not in ARM_FLAGS]
     if unknown or not names or len(set(names)) != len(names):
         raise ValueError(f"--arms {args.arms!r}: distinct names among {', '.join(ARM_FLAGS)}")
-    return [Arm(n, (*common, *ARM_FLAGS[n])) for n in names]
+    return [Arm(n, (*common, *ARM_FLAGS[n])) for n in names], recorded
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +174,13 @@ class ReplayConfig:
     api_key: str | None = None
     flush_cache: bool = False
     show_progress: bool = True
+    num_warmup: int = 0  # requests sent unmeasured before the measured run
 
     def __post_init__(self) -> None:
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError("--num-requests must be positive")
+        if self.num_warmup < 0:
+            raise ValueError("--warmup must be >= 0")
         if not self.request_timeout_s > 0:
             raise ValueError("--request-timeout must be positive")
 
@@ -164,16 +197,27 @@ class ReplayConfig:
             api_key=args.api_key,
             flush_cache=args.flush_cache,
             show_progress=not args.disable_tqdm,
+            num_warmup=args.warmup,
         )
 
 
+def warmup_plan(requests: list[ReplayRequest], n: int) -> list[ReplayRequest]:
+    """The first `n` requests of the plan (cycled when it holds fewer), all sent at once (as
+    the concurrency cap allows)."""
+    return [replace(requests[i % len(requests)], send_at_s=0.0) for i in range(n)]
+
+
 def replay_at(
-    config: ReplayConfig, arm: str, url: str, requests: list[ReplayRequest], api_key: str | None
+    config: ReplayConfig,
+    arm: str,
+    url: str,
+    requests: list[ReplayRequest],
+    api_key: str | None,
+    fresh: bool = False,
 ) -> list[Replayed]:
-    """The plan sent to the mesh at `url`, one result per request in plan order."""
+    """The plan sent to the mesh at `url`, one result per request in plan order; `fresh`:
+    the replay started that mesh (its cache is flushed after a warmup)."""
     url = url.rstrip("/")
-    if config.flush_cache:
-        flush_cache(url, api_key)
     client = ClientConfig(
         base_url=url,
         pace=config.pace,
@@ -181,6 +225,18 @@ def replay_at(
         api_key=api_key,
         show_progress=config.show_progress,
     )
+    if config.num_warmup:
+        warm = asyncio.run(
+            ReplayClient(client).run(f"{arm} warmup", warmup_plan(requests, config.num_warmup))
+        )
+        failed = sum(not r.observation.ok for r in warm)
+        print(
+            f"arm {arm}: {config.num_warmup} warmup requests sent, unmeasured ({failed} failed)",
+            file=sys.stderr,
+            flush=True,
+        )
+    if config.flush_cache or (fresh and config.num_warmup):
+        flush_cache(url, api_key)
     return asyncio.run(ReplayClient(client).run(arm, requests))
 
 
@@ -194,7 +250,8 @@ def replay_on_mesh(
     try:
         url = mesh.start()
         print(f"arm {arm}: mesh up at {url}", file=sys.stderr, flush=True)
-        return replay_at(config, arm, url, requests, config.api_key or up_args.api_key)
+        api_key = config.api_key or up_args.api_key
+        return replay_at(config, arm, url, requests, api_key, fresh=True)
     finally:
         mesh.stop()
 
@@ -215,31 +272,67 @@ def run_replay(args: argparse.Namespace) -> int:
             recording = read_source(args.file, args.format)
     except OSError as e:
         raise ValueError(f"cannot read {args.file}: {e.strerror or e}") from None
-    resolved = [(arm, mesh_up_args(arm)) for arm in arms_from_args(args, recording)]
-    check_arms_differ(resolved)
-    records = recording.requests[: config.num_requests]
-    if not records:
-        raise ValueError(f"{args.file}: no request lines to replay")
-    requests = plan(records, config.pace)
-    by_arm: dict[str, tuple[str, list[Replayed]]] = {}
-    try:
-        if args.url is not None:
-            replayed = replay_at(config, SINGLE_ARM, args.url, requests, config.api_key)
-            by_arm[SINGLE_ARM] = (args.url, replayed)
+    arms, recorded = arms_from_args(args, recording)
+    with contextlib.ExitStack() as stack:
+        if recorded is not None:
+            _announce(args.file, recording, recorded)
+            if recorded.storage:  # never the recording mesh's store: a fresh one per arm
+                arms = [_with_storage_dir(arm, stack) for arm in arms]
+        resolved = [(arm, mesh_up_args(arm)) for arm in arms]
+        check_arms_differ(resolved)
+        report_path, plot_path = _outputs(args)
+        writes: list[tuple[str, str | Path | None]] = [
+            ("--report", report_path),
+            ("--plot", plot_path),
+        ]
         for arm, up_args in resolved:
-            target = f"hicache-mesh up {shlex.join(arm.up_flags)}"
-            by_arm[arm.name] = (target, replay_on_mesh(config, arm.name, up_args, requests))
-    except (RuntimeError, TimeoutError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+            writes += [
+                (f"arm {arm.name}'s --record", up_args.record),
+                (f"arm {arm.name}'s --status-file", up_args.status_file),
+            ]
+        check_writes(args.file, writes)
+        records = recording.requests[: config.num_requests]
+        if not records:
+            raise ValueError(f"{args.file}: no request lines to replay")
+        requests = plan(records, config.pace)
+        by_arm: dict[str, tuple[ArmTarget, list[Replayed]]] = {}
+        try:
+            if args.url is not None:
+                replayed = replay_at(config, SINGLE_ARM, args.url, requests, config.api_key)
+                by_arm[SINGLE_ARM] = (ArmTarget(args.url, False, config.num_warmup), replayed)
+            for arm, up_args in resolved:
+                target = ArmTarget(
+                    f"hicache-mesh up {shlex.join(arm.up_flags)}", True, config.num_warmup
+                )
+                by_arm[arm.name] = (target, replay_on_mesh(config, arm.name, up_args, requests))
+        except (RuntimeError, TimeoutError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     result = summarize(
         recording, records, requests, by_arm, config.pace, config.strict_cache, config.thresholds
     )
     return _finish(args, result)
 
 
+def _announce(path: Path, recording: Recording, recorded: RecordedFlags) -> None:
+    print(f"replaying on the mesh {path} was recorded with: {recorded.describe()}", file=sys.stderr)
+    if other_segments_differ(recording):
+        print(
+            f"note: later segments of {path} name other mesh flags; the first segment's are "
+            'used (--mesh-args "UP FLAGS" chooses)',
+            file=sys.stderr,
+        )
+
+
+def _with_storage_dir(arm: Arm, stack: contextlib.ExitStack) -> Arm:
+    directory = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"replay-{arm.name}-"))
+    return Arm(arm.name, (*arm.up_flags, "--hicache-storage-dir", directory))
+
+
 def _finish(args: argparse.Namespace, result: ReplayResult) -> int:
     report_path, plot_path = _outputs(args)
+    for note in result.notes():
+        print(f"note: {note}", file=sys.stderr)
     if plot_path is not None:
         plot(result, plot_path)
     report_path.write_text(render(result, plot_path))

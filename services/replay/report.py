@@ -48,6 +48,9 @@ def render(result: ReplayResult, plot_path: Path | None = None) -> str:
     lines = [f"# Replay of `{rec.path}`", ""]
     lines.append(f"**{'FAIL' if failures else 'PASS'}**" + (":" if failures else ""))
     lines += [f"- {f}" for f in failures]
+    notes = result.notes()
+    if notes:
+        lines += ["", "Notes:", *(f"- {n}" for n in notes)]
     lines += ["", *_setup(result), *_arms(result), *_outputs(result), *_latency(result)]
     lines += [*_cache(result), *_staleness(result.staleness)]
     if plot_path is not None:
@@ -92,7 +95,7 @@ def _arms(result: ReplayResult) -> list[str]:
         rows.append(
             [
                 a.arm,
-                f"`{a.target}`",
+                a.target.describe(),
                 len(a.verdicts),
                 a.num_compared,
                 len(a.mismatches(result.strict_cache)),

@@ -10,6 +10,11 @@ recorded p50 by more than the metric's threshold, in percent.
 
 Hit rates per tier are cached tokens over prompt tokens, over the requests both sides
 answered 200 with usage (a stream that did not ask for usage reports none).
+
+A mesh the replay started and measured with no warmup is cold: its first requests pay for
+what a serving mesh paid long ago (lazy initialisation, allocator growth, first kernels),
+while a recording is usually made on a mesh that had been serving. A regression gate on
+such an arm says so, in its failure and in the report's notes.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ class Thresholds:
 
     def of(self, metric: str) -> float | None:
         return {"TTFT": self.ttft_pct, "ITL": self.itl_pct, "E2E": self.e2e_pct}[metric]
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in (self.ttft_pct, self.itl_pct, self.e2e_pct))
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,11 +153,36 @@ def _has_usage(obs: Observation) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class ArmTarget:
+    """Where an arm was replayed."""
+
+    description: str  # the URL, or the `hicache-mesh up` command of the mesh it started
+    fresh: bool  # a mesh started for this replay (it served nothing before)
+    num_warmup: int = 0  # requests sent unmeasured before the measured run
+
+    @property
+    def cold(self) -> bool:
+        """Measured from its very first request: a fresh mesh without a warmup."""
+        return self.fresh and self.num_warmup == 0
+
+    def describe(self) -> str:
+        warm = f", {self.num_warmup} warmup requests" if self.num_warmup else ""
+        kind = "started for the replay" if self.fresh else "running"
+        return f"`{self.description}` ({kind}{warm})"
+
+
+COLD_GATE = (
+    "a freshly started mesh measured without a warmup, against a recording of a mesh that "
+    "had been serving: its first requests pay start-up costs (--warmup N sends N unmeasured)"
+)
+
+
+@dataclass(frozen=True, slots=True)
 class ArmReport:
     """One arm's replay against the recording."""
 
     arm: str
-    target: str  # the URL, or the `hicache-mesh up` flags of the mesh it started
+    target: ArmTarget
     replayed: tuple[Replayed, ...]  # in plan order
     verdicts: tuple[Verdict, ...]  # against the recording, in plan order
     latency: tuple[LatencyRow, ...]
@@ -175,7 +209,7 @@ class ArmReport:
 
 def arm_report(
     arm: str,
-    target: str,
+    target: ArmTarget,
     requests: Sequence[ReplayRequest],
     replayed: Sequence[Replayed],
     by_line: dict[int, RecordedRequest],
@@ -204,7 +238,9 @@ def arm_report(
         recorded_cache=recorded_cache,
         replayed_cache=replayed_cache,
         missing_vs_recording=missing,
-        regressions=regressions(rows, thresholds),
+        regressions=tuple(
+            f"{r} ({COLD_GATE})" if target.cold else r for r in regressions(rows, thresholds)
+        ),
     )
 
 
@@ -320,12 +356,22 @@ class ReplayResult:
                 )
         return out
 
+    def notes(self) -> list[str]:
+        """What the reader must know to weigh the verdict: a latency gate on a cold arm."""
+        if not self.thresholds.any:
+            return []
+        return [
+            f"arm {a.arm}: the p50 regression limits compare {COLD_GATE}"
+            for a in self.arms
+            if a.target.cold
+        ]
+
 
 def summarize(
     recording: Recording,
     records: Sequence[RecordedRequest],
     requests: Sequence[ReplayRequest],
-    by_arm: Mapping[str, tuple[str, Sequence[Replayed]]],
+    by_arm: Mapping[str, tuple[ArmTarget, Sequence[Replayed]]],
     pace: Pace,
     strict_cache: bool,
     thresholds: Thresholds,
