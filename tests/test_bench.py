@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from services.bench.cli import ARM_FLAGS, Arm, arms_from_args, mesh_up_args
-from services.bench.client import StreamState
+from services.bench.cli import ARM_FLAGS, Arm, arms_from_args, mesh_up_args, round_order
+from services.bench.client import StreamState, http_error
 from services.bench.dataset import GspConfig, generate_shared_prefix
 from services.bench.records import CacheUsage, Disaggregation, RequestResult
-from services.bench.report import compare, format_comparison, format_summary, summarize
+from services.bench.report import (
+    Spread,
+    compare,
+    compare_rounds,
+    format_comparison,
+    format_summary,
+    summarize,
+    summarize_rounds,
+)
 from services.cli import build_parser, main
 from services.launch.servers import free_port
 from services.launch.up import Mesh
@@ -234,6 +243,88 @@ def test_comparison_percent_changes_are_exact() -> None:
     assert "-60.0%" in text and "75.0%" in text and "+25.0%" in text
 
 
+# ---------------------------------------------------------------- rounds and failures
+
+
+def test_rounds_rotate_which_arm_goes_first() -> None:
+    assert [round_order(["a", "b"], k) for k in range(4)] == [["a", "b"], ["b", "a"]] * 2
+    assert [round_order("abc", k) for k in range(3)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+    ]
+
+
+def _rounds(arm: str, ttft_ms_by_round: list[list[float]], **kw: object) -> list[RequestResult]:
+    return [
+        _result(arm, 1, t, round=k, start=0.1 * i, **kw)
+        for k, ttfts in enumerate(ttft_ms_by_round)
+        for i, t in enumerate(ttfts)
+    ]
+
+
+def test_each_figure_is_over_all_rounds_with_its_spread_over_rounds() -> None:
+    # three rounds whose load drifts up: every request of round k is slower
+    a = summarize_rounds("a", _rounds("a", [[10.0, 20.0], [20.0, 40.0], [40.0, 80.0]]))
+    assert len(a.rounds) == 3 and a.pooled.num_requests == 6
+    assert a.pooled.ttft_ms is not None and a.pooled.ttft_ms.median == pytest.approx(30.0)
+    median = a.spread(lambda r: None if r.ttft_ms is None else r.ttft_ms.median)
+    assert median == Spread(15.0, 60.0, 3)
+    # each round lasts 0.1 s + 1 s; throughput is all tokens over the summed durations
+    assert a.pooled.duration_s == pytest.approx(3 * 1.1)
+    assert a.pooled.output_throughput == pytest.approx(24 / 3.3)
+    text = format_summary(a)
+    assert "3 interleaved rounds; [min..max] of the per-round values" in text
+    assert "TTFT mean/median/p99 (ms)     35.00 [15.00..60.00] / 30.00 [15.00..60.00]" in text
+    assert "output tokens                 24 [8..8]" in text
+    # arm b is 20% faster than a in every round: paired, the change has no spread to speak of
+    b = summarize_rounds("b", _rounds("b", [[8.0, 16.0], [16.0, 32.0], [32.0, 64.0]]))
+    c = compare_rounds(a, b)
+    assert [x.median_ttft_change for x in c.rounds] == pytest.approx([-20.0] * 3)
+    assert "median TTFT change            -20.0% [-20.0%..-20.0%]" in format_comparison(c)
+    assert "over 3 rounds; [min..max] of the changes round by round" in format_comparison(c)
+    single = summarize_rounds("a", _rounds("a", [[10.0, 20.0]]))
+    assert "[" not in format_summary(single) and "rounds" not in format_summary(single)
+
+
+def test_a_trace_bound_counts_once_per_round() -> None:
+    results = _rounds(
+        "a", [[1.0], [1.0]], cache=CacheUsage.from_usage(
+            {"prompt_tokens_details": {"cached_tokens_by_tier": {"device": 30, "host": 0}}}
+        ),
+    )  # fmt: skip
+    a = summarize_rounds("a", results, upper_bound=40)
+    assert a.pooled.upper_bound == 80 and a.pooled.bound_ratio == pytest.approx(0.75)
+    assert [r.bound_ratio for r in a.rounds] == pytest.approx([0.75, 0.75])
+    assert "cached / upper bound          0.750 [0.750..0.750]" in format_summary(a)
+
+
+def test_failures_are_counted_by_their_code_and_message() -> None:
+    body = '{"error": {"message": "KV transfer timed out", "type": "x", "code": "kv_timeout"}}'
+    assert http_error(504, body) == ("HTTP 504 kv_timeout", "KV transfer timed out")
+    assert http_error(502, "<html>bad gateway</html>") == ("HTTP 502", "<html>bad gateway</html>")
+    s = StreamState(sent_at=0.0)
+    s.consume(json.dumps({"error": {"message": "lost", "code": "engine_crashed"}}).encode(), 1.0)
+    assert (s.error_code, s.error) == ("stream error engine_crashed", "lost")
+    timeout = {"error": "KV transfer timed out", "error_code": "HTTP 504 kv_timeout"}
+    crashed = {"error": "lost", "error_code": "stream error engine_crashed"}
+    results = [
+        _result("a", 1, 5.0),
+        *(_result("a", 1, 0.0, output_len=0, round=k, **timeout) for k in (0, 0, 1)),  # type: ignore[arg-type]
+        _result("a", 1, 0.0, output_len=0, **crashed),  # type: ignore[arg-type]
+    ]
+    a = summarize_rounds("a", results)
+    assert a.pooled.failures == (
+        ("HTTP 504 kv_timeout: KV transfer timed out", 3),
+        ("stream error engine_crashed: lost", 1),
+    )
+    text = format_summary(a)
+    assert "requests                      1 (4 failed)" in text
+    assert "      3 x HTTP 504 kv_timeout: KV transfer timed out\n" in text
+    assert text.endswith("      1 x stream error engine_crashed: lost")
+    assert _result("a", 1, 1.0).to_record()["round"] == 0
+
+
 def bench_args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["bench", *argv])
 
@@ -372,13 +463,59 @@ def test_bench_against_a_running_mesh(
     out = capsys.readouterr().out
     assert code == 0, out
     records = [json.loads(line) for line in records_path.read_text().splitlines()]
-    assert len(records) == 12
+    assert len(records) == 3 * 12  # the default 3 rounds of the 12 requests
+    assert [r["round"] for r in records] == [0] * 12 + [1] * 12 + [2] * 12
     assert all(r["error"] is None and r["arm"] == "colocated" for r in records)
     assert all(r["output_len"] == 4 and r["ttft"] > 0 and len(r["itl"]) == 3 for r in records)
     assert all(r["cached_tokens"] > 0 for r in records if r["turn"] > 1)
-    by_key = {(r["conversation"], r["turn"]): r for r in records}
-    for (conv, turn), r in by_key.items():
+    by_key = {(r["round"], r["conversation"], r["turn"]): r for r in records}
+    for (k, conv, turn), r in by_key.items():
         if turn > 1:  # question 8 + answer 4 more than the turn before
-            assert r["prompt_len"] == by_key[(conv, turn - 1)]["prompt_len"] + 12
-    assert "arm: colocated" in out and "requests                      12 (0 failed)" in out
+            assert r["prompt_len"] == by_key[(k, conv, turn - 1)]["prompt_len"] + 12
+    # each round starts from a flushed cache: its first request hits nothing
+    assert [by_key[(k, 0, 1)]["cached_tokens"] for k in range(3)] == [0, 0, 0]
+    assert "arm: colocated" in out and "requests                      36 (0 failed)" in out
+    assert "3 interleaved rounds; [min..max] of the per-round values" in out
+    assert re.search(r"^output tokens\s+144 \[48\.\.48\]$", out, re.MULTILINE), out
+    assert plot_path.stat().st_size > 0
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_two_mesh_arms_run_in_interleaved_rounds_and_a_failing_one_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], one_at_a_time: bool
+) -> None:
+    """Rounds A B then B A, the arms' meshes up at once (or each only for its turn); arm
+    `short` serves a context of 40 tokens, so every first turn (system 32 + question 8, plus
+    4 to generate) is refused."""
+    records_path, plot_path = tmp_path / "runs.jsonl", tmp_path / "rounds.png"
+    common = "--model tiny --page-size 4 --max-total-tokens 2048 --heartbeat-interval 0.2"
+    code = main(
+        [
+            "bench",
+            "--arm",
+            f"full={common}",
+            "--arm",
+            f"short={common} --context-length 40",
+            *("--gsp-num-groups", "2", "--gsp-prompts-per-group", "1"),
+            *("--gsp-system-prompt-len", "32", "--gsp-question-len", "8"),
+            *("--gsp-output-len", "4", "--gsp-num-turns", "2", "--num-rounds", "2"),
+            *("--disable-tqdm", "--output-file", str(records_path), "--plot", str(plot_path)),
+            *(["--one-mesh-at-a-time"] if one_at_a_time else []),
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 1, out  # an arm had failed requests
+    if one_at_a_time:  # started per turn: 4 starts, the memory of one mesh (shown once each)
+        assert err.count("mesh up at") == 4 and err.count("meshes up: 1, RSS") == 2
+    else:  # both up at once, started once, and what they hold together
+        assert err.count("mesh up at") == 2 and "meshes up: 2, RSS" in err
+    ran = [(r["arm"], r["round"]) for r in map(json.loads, records_path.read_text().splitlines())]
+    order = [key for i, key in enumerate(ran) if i == 0 or ran[i - 1] != key]
+    assert order == [("full", 0), ("short", 0), ("short", 1), ("full", 1)]
+    assert ran.count(("full", 0)) == ran.count(("full", 1)) == 4  # 2 conversations x 2 turns
+    assert ran.count(("short", 0)) == ran.count(("short", 1)) == 2  # turn 1 fails: no turn 2
+    full, short = out.split(" arm: short ")
+    assert "requests                      8 (0 failed)" in full
+    assert "requests                      0 (4 failed)" in short
+    assert re.search(r"^\s+4 x HTTP 400 context_length_exceeded: ", short, re.MULTILINE), short
     assert plot_path.stat().st_size > 0

@@ -278,6 +278,8 @@ def test_bench_reaches_the_upper_bound_with_room_for_the_working_set(
             "--use-trace-timestamps",
             "--max-concurrency",
             "1",
+            "--num-rounds",
+            "1",  # the bound is the question here, not the spread (tests/test_bench.py)
             "--disable-tqdm",
             "--output-file",
             str(records),

@@ -1,13 +1,19 @@
 """`hicache-mesh bench`: the multi-turn benchmark, against a running server or per arm.
 
 With `--base-url` it measures that server as one arm (`--arm-name`). Otherwise each arm gets
-a mesh of its own, started, flushed, measured and stopped before the next arm starts. An arm
-is explicit, `--arm NAME="UP ARGS"` (repeated; the full `hicache-mesh up` flags of that arm),
-or a name of the `--arms` shorthand, which expands to `--mesh-args` plus that arm's flags
-from `ARM_FLAGS`. Two arms whose flags resolve to the same mesh are refused (exit 2): the
-comparison would measure one setup against itself. Every arm runs the same conversations
-(same `--seed`). Records go to `--output-file` as JSON
-lines, a summary per arm (and each arm against the first) to stdout, a figure to `--plot`.
+a mesh of its own (`services.bench.meshes`: all up at once by default, or one at a time). An
+arm is explicit, `--arm NAME="UP ARGS"` (repeated; the full `hicache-mesh up` flags of that
+arm), or a name of the `--arms` shorthand, which expands to `--mesh-args` plus that arm's
+flags from `ARM_FLAGS`. Two arms whose flags resolve to the same mesh are refused (exit 2):
+the comparison would measure one setup against itself.
+
+The arms run in `--num-rounds` interleaved rounds: in round k every arm runs the whole
+workload once, one arm after the other, starting with arm k mod (number of arms) (A B, B A,
+A B, ...), each after a flush of its cache. Load that drifts during the run then lands on
+every arm alike, and each figure comes with its spread over the rounds
+(`services.bench.report`). Every arm runs the same conversations (same `--seed`) in every
+round. Records go to `--output-file` as JSON lines (with their round), a summary per arm
+(and each arm against the first, round by round) to stdout, a figure to `--plot`.
 
 The dataset is `generated-shared-prefix` (multi-turn conversations) or `mooncake`, a trace
 file (`--dataset-path`, `services.bench.mooncake`): its requests start at `--request-rate`
@@ -25,14 +31,15 @@ import json
 import math
 import shlex
 import sys
-import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, TypeVar
 
 from services.bench.client import BenchClient, ClientConfig
 from services.bench.dataset import Conversation, GspConfig, generate_shared_prefix
+from services.bench.meshes import ArmMesh, report_memory, room_for_another
 from services.bench.mooncake import (
     TRACE_BLOCK_SIZE,
     MooncakeConfig,
@@ -42,7 +49,13 @@ from services.bench.mooncake import (
     upper_bound,
 )
 from services.bench.records import RequestResult
-from services.bench.report import compare, format_comparison, format_summary, plot, summarize
+from services.bench.report import (
+    compare_rounds,
+    format_comparison,
+    format_summary,
+    plot,
+    summarize_rounds,
+)
 
 # `--arms` shorthand: arm name -> flags added to `--mesh-args` for that arm's mesh.
 ARM_FLAGS: dict[str, list[str]] = {
@@ -51,6 +64,8 @@ ARM_FLAGS: dict[str, list[str]] = {
     "colocated": [],
 }
 DEFAULT_ARMS = "baseline,tree"
+DEFAULT_ROUNDS = 3
+T = TypeVar("T")
 # `hicache-mesh up` options that do not change what is measured (ignored when comparing arms)
 _NOT_COMPARED = ("port", "func", "command_line")
 
@@ -141,7 +156,15 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--warmup-requests",
         type=int,
         default=1,
-        help="unmeasured first-turn requests sent before the cache flush of each arm",
+        help="unmeasured first-turn requests sent to each mesh when it is up, before its "
+        "first round",
+    )
+    c.add_argument(
+        "--num-rounds",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        help="interleaved rounds: each runs the whole workload on every arm, one arm after "
+        "the other (A B, B A, ...); figures show their spread over the rounds",
     )
     c.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     c.add_argument("--api-key", default=None)
@@ -166,6 +189,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--mesh-args", default="", help="with --arms: `hicache-mesh up` flags common to every arm"
+    )
+    t.add_argument(
+        "--one-mesh-at-a-time",
+        action="store_true",
+        help="start each arm's mesh for its turn in every round and stop it after (the "
+        "memory of one mesh; a start per arm per round) instead of keeping every arm's "
+        "mesh up for the whole run",
     )
     o = parser.add_argument_group("output")
     o.add_argument("--output-file", default=None, help="per-request records, JSON lines")
@@ -326,19 +356,33 @@ def flush_cache(base_url: str, api_key: str | None) -> None:
         print(f"warning: POST {base_url}/flush_cache answered {status}", file=sys.stderr)
 
 
-def wait_for_engines(base_url: str, num_engines: int, timeout_s: float) -> None:
-    """Wait until the router's `/health` lists `num_engines` live engines: a mesh is healthy
-    with one, and a benchmark that starts then would load that one alone."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as resp:
-                if len(json.load(resp).get("live_engines", [])) >= num_engines:
-                    return
-        except (urllib.error.URLError, OSError, ValueError):
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{base_url} did not list {num_engines} live engines in {timeout_s}s")
+def round_order(items: Sequence[T], round_index: int) -> list[T]:
+    """The arms in the order round `round_index` runs them: rotated by one each round."""
+    k = round_index % len(items) if items else 0
+    return [*items[k:], *items[:k]]
+
+
+def _warmup(
+    args: argparse.Namespace, base_url: str, api_key: str | None, workload: Workload
+) -> None:
+    client = BenchClient(_client_config(args, base_url, api_key))
+    failed = asyncio.run(client.warmup(workload.conversations, args.warmup_requests))
+    if failed:
+        print(
+            f"warning: {failed} of {args.warmup_requests} warmup requests failed", file=sys.stderr
+        )
+
+
+def _client_config(args: argparse.Namespace, base_url: str, api_key: str | None) -> ClientConfig:
+    return ClientConfig(
+        base_url=base_url.rstrip("/"),
+        max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate,
+        seed=args.seed,
+        request_timeout_s=args.request_timeout,
+        api_key=api_key,
+        show_progress=not args.disable_tqdm,
+    )
 
 
 def _measure(
@@ -348,8 +392,9 @@ def _measure(
     api_key: str | None,
     workload: Workload,
     out: IO[str] | None,
+    round_index: int,
 ) -> list[RequestResult]:
-    base_url = base_url.rstrip("/")
+    """One round of `arm`: flush its cache, then every conversation once."""
     results: list[RequestResult] = []
 
     def on_result(r: RequestResult) -> None:
@@ -357,50 +402,75 @@ def _measure(
         if out is not None:
             out.write(json.dumps(r.to_record()) + "\n")
 
-    config = ClientConfig(
-        base_url=base_url,
-        max_concurrency=args.max_concurrency,
-        request_rate=args.request_rate,
-        seed=args.seed,
-        request_timeout_s=args.request_timeout,
-        api_key=api_key,
-        show_progress=not args.disable_tqdm,
+    flush_cache(base_url.rstrip("/"), api_key)
+    client = BenchClient(_client_config(args, base_url, api_key))
+    asyncio.run(
+        client.run(arm, workload.conversations, on_result, workload.start_times, round_index)
     )
-    client = BenchClient(config)
-    conversations = workload.conversations
-    failed = asyncio.run(client.warmup(conversations, args.warmup_requests))
-    if failed:
-        print(
-            f"warning: {failed} of {args.warmup_requests} warmup requests failed", file=sys.stderr
-        )
-    flush_cache(base_url, api_key)
-    asyncio.run(client.run(arm, conversations, on_result, workload.start_times))
     return results
 
 
-def _measure_on_mesh(
-    args: argparse.Namespace,
-    arm: str,
-    up_args: argparse.Namespace,
-    workload: Workload,
-    out: IO[str] | None,
-) -> list[RequestResult]:
-    from services.launch.up import Mesh
+def _bring_up(args: argparse.Namespace, mesh: ArmMesh, workload: Workload) -> str:
+    url = mesh.start()
+    print(f"arm {mesh.arm}: mesh up at {url}", file=sys.stderr, flush=True)
+    _warmup(args, url, args.api_key or mesh.up_args.api_key, workload)
+    return url
 
-    mesh = Mesh(up_args)
+
+def _run_rounds(
+    args: argparse.Namespace,
+    workload: Workload,
+    targets: list[tuple[str, argparse.Namespace | None]],
+    out: IO[str] | None,
+) -> dict[str, list[RequestResult]]:
+    """Every arm's results over the interleaved rounds (see the module doc)."""
+    by_arm: dict[str, list[RequestResult]] = {arm: [] for arm, _ in targets}
+    meshes = {arm: ArmMesh(arm, up) for arm, up in targets if up is not None}
+    at_once = not args.one_mesh_at_a_time
     try:
-        url = mesh.start()
-        expected = up_args.num_prefill + up_args.num_decode if up_args.pd else up_args.engines
-        wait_for_engines(url, expected, up_args.startup_timeout)
-        print(f"arm {arm}: mesh up at {url}", file=sys.stderr, flush=True)
-        api_key = args.api_key or up_args.api_key
-        return _measure(args, arm, url, api_key, workload, out)
+        if args.base_url is not None:
+            _warmup(args, args.base_url, args.api_key, workload)
+        elif at_once:
+            up: list[ArmMesh] = []
+            for each in meshes.values():
+                if not room_for_another(up):
+                    print(
+                        f"note: too little memory left for arm {each.arm}'s mesh beside "
+                        f"{len(up)} up (services/bench/meshes.py): one mesh at a time instead",
+                        file=sys.stderr,
+                    )
+                    for m in up:
+                        m.stop()
+                    at_once = False
+                    break
+                _bring_up(args, each, workload)
+                up.append(each)
+            if at_once:
+                report_memory(up)
+        for k in range(args.num_rounds):
+            for arm, _ in round_order(targets, k):
+                mesh = meshes.get(arm)
+                if mesh is None:
+                    url, api_key = args.base_url, args.api_key
+                else:
+                    url = mesh.url or _bring_up(args, mesh, workload)
+                    if k == 0 and not at_once:
+                        report_memory([mesh])
+                    api_key = args.api_key or mesh.up_args.api_key
+                print(f"round {k + 1}/{args.num_rounds}: arm {arm}", file=sys.stderr, flush=True)
+                by_arm[arm] += _measure(args, arm, url, api_key, workload, out, k)
+                if mesh is not None and not at_once:
+                    mesh.stop()
     finally:
-        mesh.stop()
+        for each in meshes.values():
+            each.stop()
+    return by_arm
 
 
 def run_bench(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
+    if args.num_rounds < 1:
+        raise ValueError("--num-rounds must be positive")
     if args.base_url is not None:
         targets: list[tuple[str, argparse.Namespace | None]] = [(args.arm_name, None)]
     else:
@@ -408,14 +478,9 @@ def run_bench(args: argparse.Namespace) -> int:
         check_arms_differ(resolved)
         targets = [(arm.name, up_args) for arm, up_args in resolved]
     bounds = upper_bounds(args, workload, targets)
-    by_arm: dict[str, list[RequestResult]] = {}
     out = open(args.output_file, "w") if args.output_file else None  # noqa: SIM115
     try:
-        for arm, up_args in targets:
-            if up_args is None:
-                by_arm[arm] = _measure(args, arm, args.base_url, args.api_key, workload, out)
-            else:
-                by_arm[arm] = _measure_on_mesh(args, arm, up_args, workload, out)
+        by_arm = _run_rounds(args, workload, targets, out)
     except (RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -423,12 +488,12 @@ def run_bench(args: argparse.Namespace) -> int:
         if out is not None:
             out.close()
     print(workload.description)
-    summaries = [summarize(arm, results, bounds[arm]) for arm, results in by_arm.items()]
+    summaries = [summarize_rounds(arm, results, bounds[arm]) for arm, results in by_arm.items()]
     for s in summaries:
         print(format_summary(s))
     for s in summaries[1:]:
-        print(format_comparison(compare(summaries[0], s)))
+        print(format_comparison(compare_rounds(summaries[0], s)))
     if args.plot:
         plot(by_arm, args.plot, workload.description)
         print(f"plot: {args.plot}")
-    return 0 if all(s.num_failed == 0 for s in summaries) else 1
+    return 0 if all(s.pooled.num_failed == 0 for s in summaries) else 1

@@ -10,6 +10,7 @@ fails ends its conversation (its later turns cannot be built).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -55,6 +56,7 @@ class StreamState:
     last_token_at: float = 0.0
     usage: dict[str, Any] | None = None
     error: str | None = None
+    error_code: str | None = None  # the error's kind: "HTTP 503 no_live_engine", ...
     done: bool = False
 
     def consume(self, payload: bytes, now: float) -> None:
@@ -67,6 +69,8 @@ class StreamState:
         if "error" in event:
             err = event["error"]
             self.error = str(err.get("message", err) if isinstance(err, dict) else err)
+            code = err.get("code") or err.get("type") if isinstance(err, dict) else None
+            self.error_code = "stream error" + (f" {code}" if code else "")
             return
         choices = event.get("choices") or [{}]
         ids = [int(t) for t in choices[0].get("token_ids") or []]
@@ -80,6 +84,20 @@ class StreamState:
             self.token_ids += ids
         if event.get("usage"):
             self.usage = event["usage"]
+
+
+def http_error(status: int, text: str) -> tuple[str, str]:
+    """(kind, message) of a non-200 answer: the status and the OpenAI-style error's code, and
+    its message (else the start of the body)."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        return f"HTTP {status}", text[:200]
+    code = err.get("code") or err.get("type")
+    return f"HTTP {status}" + (f" {code}" if code else ""), str(err.get("message", ""))[:300]
 
 
 async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, bytes]]:
@@ -108,9 +126,11 @@ class BenchClient:
         conversations: Sequence[Conversation],
         on_result: Callable[[RequestResult], None],
         start_times: Sequence[float] | None = None,
+        round: int = 0,
     ) -> None:
-        """Every conversation once. `start_times`: seconds after the arm's start at which each
-        conversation starts (a trace's timestamps, in order); None: `request_rate` arrivals."""
+        """Every conversation once, as round `round` of `arm`. `start_times`: seconds after the
+        arm's start at which each conversation starts (a trace's timestamps, in order); None:
+        `request_rate` arrivals."""
         cfg = self.config
         if start_times is not None and len(start_times) != len(conversations):
             raise ValueError(
@@ -121,11 +141,12 @@ class BenchClient:
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
         total = sum(c.num_turns for c in conversations)
         t0 = time.perf_counter()
-        with tqdm(total=total, desc=arm, unit="req", disable=not cfg.show_progress) as bar:
+        desc = f"{arm} #{round + 1}"
+        with tqdm(total=total, desc=desc, unit="req", disable=not cfg.show_progress) as bar:
 
             def report(result: RequestResult) -> None:
                 bar.update(1)
-                on_result(result)
+                on_result(dataclasses.replace(result, round=round))
 
             async with aiohttp.ClientSession(timeout=timeout) as session, asyncio.TaskGroup() as tg:
                 for i, conv in enumerate(conversations):
@@ -197,14 +218,15 @@ class BenchClient:
             ) as resp:
                 engine = resp.headers.get(ENGINE_HEADER)
                 if resp.status != 200:
-                    stream.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    stream.error_code, stream.error = http_error(resp.status, await resp.text())
                 else:
                     async for now, payload in sse_events(resp):
                         stream.consume(payload, now)
                     if stream.error is None and not stream.done:
+                        stream.error_code = "truncated stream"
                         stream.error = "the stream ended without [DONE]"
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            stream.error = f"{type(e).__name__}: {e}"
+            stream.error_code, stream.error = type(e).__name__, str(e) or repr(e)
         ended_at = time.perf_counter()
         result = RequestResult(
             arm=arm,
@@ -220,5 +242,6 @@ class BenchClient:
             cache=CacheUsage.from_usage(stream.usage),
             engine=engine,
             error=stream.error,
+            error_code=stream.error_code,
         )
         return result, stream.token_ids

@@ -97,7 +97,9 @@ class RequestResult:
     itl: tuple[float, ...] = ()  # one gap per token after the first
     cache: CacheUsage = field(default_factory=CacheUsage)
     engine: str | None = None  # X-Hicache-Engine
-    error: str | None = None
+    error: str | None = None  # why it failed: the server's message, or the client's exception
+    error_code: str | None = None  # "HTTP 504 kv_transfer_timeout", "stream error ...", ...
+    round: int = 0  # the interleaved round it ran in (0-based)
 
     @property
     def ok(self) -> bool:
@@ -107,6 +109,7 @@ class RequestResult:
         """The JSON line written to `--output-file`."""
         return {
             "arm": self.arm,
+            "round": self.round,
             "conversation": self.conversation,
             "group": self.group,
             "turn": self.turn,
@@ -128,4 +131,12 @@ class RequestResult:
             ),
             "engine": self.engine,
             "error": self.error,
+            "error_code": self.error_code,
         }
+
+    @property
+    def failure(self) -> str | None:
+        """Why it failed, as the summary counts it ("CODE: message"); None if it did not."""
+        if self.error is None:
+            return None
+        return self.error if self.error_code is None else f"{self.error_code}: {self.error}"
