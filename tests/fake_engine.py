@@ -8,8 +8,9 @@ deterministic tokens (`output[i] = (input_ids[i % len] + 1) % vocab_size`, see
 chat template, or `chat_template`). It answers `StreamCheck`s from what it sent. Knobs make
 it misbehave: go silent (no heartbeats, no chunks: a killed engine), stop answering while
 still heartbeating (a hung engine), answer with an error chunk, or lose chunks on the bus
-(`lose_chunks_from`: counted as sent, never published) and report a NATS reconnect in its
-heartbeats (`bus_reconnects`).
+(`lose_chunks_from`: counted as sent, never published), report a NATS reconnect in its
+heartbeats (`bus_reconnects`), or answer a card request with another card than the one its
+heartbeats name (`served_card`).
 
 `FakePrefill` and `FakeDecode` play the two P/D roles (DESIGN.md section 6) with the same
 tokens: decode answers `DecodeAdmit` with a page-aligned `decode_prefix_len` (its
@@ -107,6 +108,8 @@ class FakeEngine:
     chat_template: str | None = None  # its model card's
     tokenizer_json: str = ""  # its model card's tokenizer (a `tokenizers` JSON), else bytes
     bos_token_id: int | None = None  # its model card's
+    eos_token_ids: list[int] = field(default_factory=lambda: [EOS_ID])  # card and heartbeats
+    served_card: ModelCard | None = None  # answered to card requests instead of its own
     store_id: str = ""  # its external store (heartbeats)
     mute_card: bool = False  # model card requests go unanswered
     lose_chunks_from: int | None = None  # chunks of this seq on are "sent" but never arrive
@@ -164,7 +167,7 @@ class FakeEngine:
             page_size=self.page_size,
             context_len=self.context_len,
             vocab_size=self.vocab_size,
-            eos_token_ids=[EOS_ID],
+            eos_token_ids=self.eos_token_ids,
             running=self._running,
             waiting=self.waiting,
             inflight_tokens=self.inflight_tokens,
@@ -186,7 +189,7 @@ class FakeEngine:
             "json" if self.tokenizer_json else "bytes",
             self.tokenizer_json,
             self.chat_template,
-            [EOS_ID],
+            self.eos_token_ids,
             self.bos_token_id,
             self.context_len,
             self.vocab_size,
@@ -245,7 +248,8 @@ class FakeEngine:
             )
             return
         tokens = expected_tokens(input_ids, sampling.max_new_tokens, self.vocab_size)
-        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else {EOS_ID})
+        eos = set() if sampling.ignore_eos else set(self.eos_token_ids)
+        stops = set(sampling.stop_token_ids) | eos
         for i, t in enumerate(tokens):
             if t in stops:
                 tokens, reason = tokens[: i + 1], "stop"
@@ -325,7 +329,7 @@ class FakeEngine:
         if self.silent or self.mute_card:
             return
         self.card_requests += 1
-        await msg.respond(self.card.encode())
+        await msg.respond((self.served_card or self.card).encode())
 
     async def _on_stats(self, msg: Msg) -> None:
         if self.silent:

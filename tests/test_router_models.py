@@ -17,6 +17,8 @@ Against scripted engines (`fake_engine`) on a real nats-server and real HTTP:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
 from typing import Any
 
 import pytest
@@ -87,6 +89,65 @@ async def test_the_cards_tokenizer_and_chat_template_are_used(
         assert status == 400 and body["error"]["code"] == "chat_template_error"
         assert "no system role here" in body["error"]["message"]
         assert len(engine.received) == sent
+
+
+async def test_the_cards_eos_token_reaches_the_chat_template(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """A template that closes each turn with `{{ eos_token }}` (as many real ones do) gets the
+    card's first eos id as text, so the prompt holds that token."""
+    template = (
+        "{% for m in messages %}<|{{ 'user' if m.role == 'user' else 'bot' }}|> "
+        "{{ m.content }} {{ eos_token }} {% endfor %}{% if add_generation_prompt %}<|bot|>"
+        "{% endif %}"
+    )
+    kw = WORD_ENGINE | {"chat_template": template, "eos_token_ids": [4]}  # "</s>"
+    async with running_mesh(nats_server.url, redis_server.url, 1, engine_kw=kw) as mesh:
+        chat = {
+            "messages": [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "again"},
+            ],
+            "max_tokens": 1,
+        }
+        status, body = await post(mesh, "/v1/chat/completions", chat)
+        assert status == 200, body
+        # <|user|> hello </s> <|bot|> ok </s> <|user|> again </s> <|bot|>
+        assert mesh.engines[0].received[-1].input_ids.tolist() == [5, 1, 4, 6, 7, 4, 5, 8, 4, 6]
+
+
+async def test_a_card_whose_digest_is_not_the_heartbeats_is_refused(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """An engine answers the card request with another card than the one its heartbeats
+    name: the router must not parse requests for that engine with it."""
+    engine = FakeEngine("liar-a", nats_server.url, context_len=300)
+    engine.served_card = dataclasses.replace(engine.card, chat_template="{{ messages }}")
+    assert engine.served_card.digest != engine.card.digest
+    async with running_mesh(nats_server.url, redis_server.url, 1) as mesh:
+        await engine.start()
+        try:
+            mesh.engines[0].silent = True  # only the lying engine is left
+            await asyncio.sleep(1.0)  # the silent one's heartbeats lapse
+            deadline = asyncio.get_running_loop().time() + 5.0
+            while engine.card_requests < 2:  # asked again: the first card was refused
+                if asyncio.get_running_loop().time() > deadline:
+                    break  # never asked again: the first card was taken (the bug)
+                await asyncio.sleep(0.05)
+            status, body = await post(
+                mesh, "/v1/completions", {"prompt": "hi", "model": "tiny-test", "max_tokens": 1}
+            )
+            assert status == 503 and body["error"]["code"] == "model_loading", body
+            assert engine.received == []
+            text = await (await mesh.client.get("/metrics")).text()
+            assert re.search(r'bus_errors_total\{kind="model_card"\} [1-9]', text), text
+            engine.served_card = None  # the right card: served
+            await mesh.wait_for_ready(["liar-a"])
+            status, body = await post(mesh, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+            assert status == 200 and len(engine.received) == 1
+        finally:
+            await engine.stop()
 
 
 async def test_a_sandboxed_template_cannot_reach_python(
@@ -359,6 +420,59 @@ async def test_buckets_by_length_with_fallback(
             assert 'hicache_router_bucket_requests_total{bucket="long"} 3.0' in text
         finally:
             for e in (short, long):
+                await e.stop()
+
+
+async def test_a_bucket_serves_exactly_its_max_len(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """prompt + max_tokens == max_len goes to that bucket; one token more to the next."""
+    from router.buckets import Bucket, select
+
+    buckets = (Bucket("short", 64), Bucket("long"))
+    assert select(buckets, 64, lambda b: True) == "short"
+    assert select(buckets, 65, lambda b: True) == "long"
+    async with running_mesh(nats_server.url, redis_server.url, 0, buckets=buckets[::-1]) as mesh:
+        short = FakeEngine("edge-short", nats_server.url, bucket="short", context_len=256)
+        long = FakeEngine("edge-long", nats_server.url, bucket="long", context_len=256)
+        for e in (short, long):
+            await e.start()
+        try:
+            await mesh.wait_for_ready(["edge-short", "edge-long"])
+            for prompt_len, engine in ((56, short), (57, long)):
+                body = {"prompt": [1] * prompt_len, "max_tokens": 8}
+                status, out = await post(mesh, "/v1/completions", body)
+                assert status == 200, out
+                assert [len(r.input_ids) for r in engine.received] == [prompt_len], out
+        finally:
+            for e in (short, long):
+                await e.stop()
+
+
+async def test_a_buckets_context_length_is_its_shortest_engines(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """Two engines of one model and bucket, contexts 128 and 256: a request that fits only
+    the longer one is refused (it could land on either), and nothing reaches an engine."""
+    async with running_mesh(nats_server.url, redis_server.url, 0) as mesh:
+        engines = [
+            FakeEngine(f"ctx-{n}", nats_server.url, context_len=n, namespace="ctx")
+            for n in (128, 256)
+        ]
+        for e in engines:
+            await e.start()
+        try:
+            await mesh.wait_for_ready(["ctx-128", "ctx-256"])
+            body = {"prompt": [1] * 150, "max_tokens": 8}
+            status, out = await post(mesh, "/v1/completions", body)
+            assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
+            assert "context length 128" in out["error"]["message"], out
+            assert all(e.received == [] for e in engines)
+            body = {"prompt": [1] * 120, "max_tokens": 8}  # fits both
+            status, out = await post(mesh, "/v1/completions", body)
+            assert status == 200, out
+        finally:
+            for e in engines:
                 await e.stop()
 
 
