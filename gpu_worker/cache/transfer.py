@@ -116,6 +116,7 @@ class TransferEngine:
         self.completion_log: collections.deque[int] = collections.deque(maxlen=COMPLETION_LOG_LEN)
         self.num_completed = 0  # copies finished (successfully) since start
         self.wait_seconds = 0.0  # spent in pop() waiting for unfinished copies (measured only)
+        self.num_waited = 0  # ACKs pop() took before their copy had finished (measured only)
         # called (on the worker thread) when a copy finished: wakes a scheduler that waits
         # for ACKs instead of spinning (CPU copies only; a CUDA event is polled)
         self.on_done: Callable[[], None] | None = None
@@ -225,6 +226,7 @@ class TransferEngine:
                 start = time.perf_counter()
                 ack.completion.wait()
                 self.wait_seconds += time.perf_counter() - start
+                self.num_waited += 1
         return taken
 
     def close(self) -> None:

@@ -102,6 +102,9 @@ class StepSync:
         self.seconds = 0.0
         self.reduce_seconds = 0.0
         self.num_reductions = 0
+        # first stage: steps whose agreed count of some queue was below this rank's own (a TP
+        # peer was behind; the agreement held this rank back instead of making the peer wait)
+        self.num_held_back = 0
 
     def exchange(
         self,
@@ -120,6 +123,7 @@ class StepSync:
         start = time.perf_counter()
         if g.first_stage:
             commands, data, agreed = self._first_stage(commands, local_ready, queued)
+            self.num_held_back += any(a < n for a, n in zip(agreed, local_ready, strict=True))
         else:
             commands, data, agreed = self._later_stage(len(local_ready))
         if not g.last_stage:

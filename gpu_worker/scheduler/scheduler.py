@@ -68,6 +68,10 @@ class Scheduler:
         self.last_step_worked = False  # whether the last step ran a forward
         self.running: list[Req] = []  # admitted, in admission order
         self.perturb_sampler = False  # test hook (DebugHooks.perturb_sampler)
+        # transfer ACKs `consume_acks` took before their copy had finished (measured only):
+        # 0 on the first stage, whose counts every TP rank holds finished; a later stage
+        # may wait for its own copy of what PP0 counted
+        self.num_ack_waits = 0
 
     @property
     def idle(self) -> bool:
@@ -106,7 +110,11 @@ class Scheduler:
     def consume_acks(self, num_acks: tuple[int, ...]) -> None:
         """Apply the first `num_acks[i]` ACKs of each of the cache's queues (the agreed
         counts: transfers, then storage hits, read progress and writes), in order."""
+        transfers = self.cache.transfers
+        waited = 0 if transfers is None else transfers.num_waited
         self.cache.consume_counts(num_acks)
+        if transfers is not None:
+            self.num_ack_waits += transfers.num_waited - waited
 
     def step(self) -> list[Req]:
         """Run one scheduling step (after `consume_acks` and the step's commands); returns
