@@ -93,8 +93,9 @@ def recorded_flags(recording: Recording) -> RecordedFlags:
     header = recording.headers[0]
     if header.mesh_flags is None:
         raise ValueError(
-            f"{recording.path} names no mesh flags (its router ran on its own, not under "
-            '`hicache-mesh up`): give --url URL (a running mesh) or --mesh-args "UP FLAGS"'
+            f"{recording.path} names no mesh flags (a trace, or a router that ran on its "
+            "own, not under `hicache-mesh up`): give --url URL (a running mesh) or "
+            '--mesh-args "UP FLAGS"'
         )
     flags = list(header.mesh_flags)
     if flags[:1] == ["up"]:
