@@ -130,3 +130,5 @@ def test_up_passes_on_the_router_timeouts_it_is_given() -> None:
     assert not {"--request-timeout", "--pd-admit-timeout"} & set(router_argv())  # its defaults
     with pytest.raises(SystemExit):
         router_argv("--request-timeout", "0")
+    with pytest.raises(ValueError, match="heartbeat"):  # progress comes once per heartbeat
+        router_argv("--request-timeout", "2", "--heartbeat-interval", "1")

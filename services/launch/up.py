@@ -95,6 +95,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
+PROGRESS_ROUNDS = 3  # --request-timeout spans at least this many heartbeat intervals
 # the router's timeouts `up` passes on: (its flag, help); unset ones keep the router's default
 ROUTER_TIMEOUTS = (
     (
@@ -157,6 +158,13 @@ class Mesh:
         check(declared)
         if declared and args.pd:
             raise ValueError("--pd with buckets is not supported yet: give one or the other")
+        timeout = args.request_timeout
+        if timeout is not None and timeout < PROGRESS_ROUNDS * args.heartbeat_interval:
+            raise ValueError(
+                f"--request-timeout {timeout:g} is under {PROGRESS_ROUNDS} x "
+                f"--heartbeat-interval: engines show their progress on a request once per "
+                "heartbeat interval"
+            )
         self.declared = bool(declared)  # else one bucket "default" of the shared flags
         self.buckets = declared or [LaunchBucket("default")]
         self.workdir = tempfile.TemporaryDirectory(prefix="hicache-mesh-")
