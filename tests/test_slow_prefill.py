@@ -6,11 +6,15 @@ it. The engine shows its progress on the request (`bus_schemas.Progress`): the r
 answered 200 with the tokens of an engine without the delay, nothing counts as a bus error,
 and the next request is served at once by the same engine (it was never marked failed).
 Under P/D the decode engine's KV watchdog (0.8 x the timeout) waits for the slow prefill
-engine too, and so does the router, which watches it.
+engine too, and so does the router, which watches it. A forward that does not come back (a
+layer that sleeps for minutes: a hung step loop, whose heartbeats go on) shows no progress
+and is still timed out.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
@@ -30,15 +34,14 @@ LAYER_DELAY_MS = 1000
 PROMPT = list(range(40, 80))
 
 
-@pytest.fixture(params=["colocated", "pd"])
-def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
-    topology = ["--pd"] if request.param == "pd" else []
+@contextlib.contextmanager
+def running(*flags: str, layer_delay_ms: int = LAYER_DELAY_MS) -> Iterator[Mesh]:
     args = build_parser().parse_args(
         [
             "up",
             "--model",
             "tiny",
-            *topology,
+            *flags,
             "--port",
             str(free_port()),
             "--page-size",
@@ -48,7 +51,7 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
             "--request-timeout",
             str(TIMEOUT_S),
             "--debug-layer-delay-ms",
-            str(LAYER_DELAY_MS),
+            str(layer_delay_ms),
         ]
     )
     mesh = Mesh(args)
@@ -57,6 +60,12 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
         yield mesh
     finally:
         mesh.stop()
+
+
+@pytest.fixture(params=["colocated", "pd"])
+def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
+    with running(*(["--pd"] if request.param == "pd" else [])) as mesh:
+        yield mesh
 
 
 @pytest.fixture
@@ -113,6 +122,23 @@ async def test_a_prefill_slower_than_the_timeout_is_served_by_its_engine(
     assert tokens == reference(PROMPT[:20], 1)
     assert (headers["X-Hicache-Engine"], headers.get("X-Hicache-Prefill-Engine")) == served_by
     assert await bus_errors(http, mesh) == {}
+
+
+async def test_a_forward_that_hangs_is_still_timed_out(http: aiohttp.ClientSession) -> None:
+    with running(layer_delay_ms=600_000) as mesh:  # the first layer sleeps for 10 minutes
+        status, _, _, text = await complete(http, mesh, PROMPT, 2)
+        assert status == 504 and "nor any progress" in text, text
+        assert await bus_errors(http, mesh) == {"timeout": 1}
+
+        async def ready() -> list[str]:
+            async with http.get(f"{_base(mesh)}/health") as resp:
+                return list((await resp.json()).get("ready_engines", []))
+
+        for _ in range(100):  # its heartbeats went on all along: back in routing
+            if await ready() == ["engine-0"]:
+                break
+            await asyncio.sleep(0.1)
+        assert await ready() == ["engine-0"]
 
 
 def test_up_passes_on_the_router_timeouts_it_is_given() -> None:
