@@ -58,7 +58,7 @@ import uvloop
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from bus_schemas import GenerateRequest, Heartbeat, Sampling, TokenChunk
+from bus_schemas import GenerateRequest, Heartbeat, Progress, Sampling, SchemaError, TokenChunk
 from bus_schemas import subjects as subj
 from bus_schemas.token_ids import TokenIds, as_token_ids
 from router.generation import parse_server_timing
@@ -237,11 +237,20 @@ class DirectClient:
             start = time.perf_counter()
             await self.nc.publish(subj.engine_generate(engine_id), req.encode())
             async with asyncio.timeout(timeout):
-                while not TokenChunk.decode(await queue.get()).finished:
+                while not _finished(await queue.get()):
                     pass
             return time.perf_counter() - start
         finally:
             del self._waiting[inbox]
+
+
+def _finished(data: bytes) -> bool:
+    """Whether a message of a stream is its last chunk (an engine's `Progress` is not)."""
+    try:
+        return TokenChunk.decode(data).finished
+    except SchemaError:
+        Progress.decode(data)
+        return False
 
 
 async def aiohttp_once(http: aiohttp.ClientSession, url: str, body: bytes) -> float:

@@ -341,6 +341,38 @@ class StreamState(Message):
     next_seq: int
 
 
+PROGRESS_STATES = ("queued", "computing", "receiving")
+
+
+@dataclass(frozen=True, slots=True)
+class Progress(Message):
+    """Engine -> whoever waits on a request it holds: the engine is working on it, so a
+    silence that would otherwise read as a hang is not one. Sent about a request at most
+    once per heartbeat interval, and only while the engine computed since the last one (a
+    decoder layer, within a long step too) and no chunk of it went out meanwhile:
+    `queued` (behind other requests, or in the command queue), `computing` (loading its
+    cached prefix, prefilling, decoding) or `receiving` (a P/D decode engine wrote KV frames
+    of it since the last one). A hung step loop sends none, however its heartbeats go on.
+
+    It goes where a reply of that request goes, never into heartbeats: to the router on the
+    request's reply subject (`next_chunk` restarts its deadline), and from a P/D prefill
+    engine also to the decode engine on the admit's `kv_subject` (its KV watchdog restarts).
+    Only the one waiter hears it, it costs nothing for requests no one waits on, a busy
+    engine's heartbeats do not grow with its queue, and the decode engine needs no
+    subscription to every heartbeat to learn that its prefill engine is busy with its
+    request."""
+
+    TYPE: ClassVar[str] = "progress"
+
+    request_id: str
+    engine_id: str
+    state: str  # one of PROGRESS_STATES
+
+    def __post_init__(self) -> None:
+        if self.state not in PROGRESS_STATES:
+            raise ValueError(f"state must be one of {PROGRESS_STATES}, got {self.state!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class FlushRequest(Message):
     TYPE: ClassVar[str] = "flush"

@@ -21,7 +21,9 @@ class RouterConfig:
     router_argv: tuple[str, ...] = ()  # this router's own flags (the header records them)
     # the engine buckets, smallest first (router/buckets.py); one unbounded by default
     buckets: tuple[Bucket, ...] = (Bucket(DEFAULT),)
-    request_timeout_s: float = 30.0  # longest wait for the first chunk and between chunks
+    # longest wait for the first chunk and between chunks while the engine also shows no
+    # progress on the request (bus_schemas.Progress: a busy engine's long prefill is waited for)
+    request_timeout_s: float = 30.0
     liveness_poll_s: float = 0.5  # how often a waiting request checks its engine's heartbeats
     heartbeat_misses: int = 3  # an engine is dead after this many heartbeat intervals
     # an engine that failed sits out until its next heartbeat; one that failed in

@@ -6,12 +6,16 @@ abort it on the way out unless the engine finished it.
         async for chunk in stream:
             ...
 
-The stream never hangs: it raises `EngineFailure` when no chunk comes within
-`request_timeout_s` (first chunk and between chunks), and checks every `liveness_poll_s`
-that the engine still heartbeats, so a killed engine is noticed within a few heartbeat
-intervals. A P/D request's stream is the decode engine's; it also `watch`es the prefill
-engine until the first chunk: an error the prefill engine reports on `watch`'s subject, or
-its heartbeats stopping, fails the stream at once (`EngineFailure.engine_id` names it).
+The stream never hangs: it raises `EngineFailure` when for `request_timeout_s` (to the
+first chunk and between chunks) no chunk comes and the engine shows no progress on the
+request (`Progress`: it holds the request queued or computing and computes, so a busy
+engine's long prefill is waited for and a hung step loop is not), and checks every
+`liveness_poll_s` that the engine still heartbeats, so a killed or frozen engine is noticed
+within a few heartbeat intervals. A P/D request's stream is the decode engine's; it also
+`watch`es the prefill engine until the first chunk: an error the prefill engine reports on
+`watch`'s subject, or its heartbeats stopping, fails the stream at once
+(`EngineFailure.engine_id` names it), and its progress on the request counts as the
+stream's.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from bus_schemas import (
     AbortRequest,
     Message,
+    Progress,
     SchemaError,
     StreamCheck,
     StreamState,
@@ -222,7 +227,9 @@ class EngineStream:
         NATS reconnect (the router's or the engine's) the question or its answer may have
         been lost: it is asked again, within the same `timeout_s` (engines answer a repeated
         question alike), and "no responders" within `RESUBSCRIBE_GRACE_S` of a reconnect
-        means the engine has not subscribed again yet."""
+        means the engine has not subscribed again yet. The engine's `Progress` on the
+        request (a decode engine queues an admission until running requests free pages)
+        restarts the `timeout_s`, and a question that timed out meanwhile is asked again."""
         self.started = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -231,6 +238,8 @@ class EngineStream:
         try:
             while True:
                 await asyncio.wait({reply}, timeout=self.config.liveness_poll_s)
+                if self._take_progress():
+                    deadline = loop.time() + timeout_s
                 if not reply.done():
                     self._check_alive()
                 elif (error := reply.exception()) is None:
@@ -239,7 +248,7 @@ class EngineStream:
                     RESUBSCRIBE_GRACE_S
                 ):
                     await asyncio.sleep(RESUBSCRIBE_WAIT_S)
-                else:
+                elif not (isinstance(error, NatsTimeoutError) and loop.time() < deadline):
                     raise error
                 left = deadline - loop.time()
                 if left <= 0:
@@ -260,6 +269,22 @@ class EngineStream:
             raise self._failure("bus", f"NATS request failed: {e!r}") from None
         finally:
             reply.cancel()  # no-op when it is done
+
+    def _take_progress(self) -> bool:
+        """Whether the engine's `Progress` on the request came since the last call; taken
+        off the queue, everything else stays there, in order, for `next_chunk`."""
+        progressed, kept = False, []
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            subject, data = item
+            message = _status_message(data) if subject == self.reply_to else None
+            if isinstance(message, Progress) and message.request_id == self.request_id:
+                progressed = True
+            else:
+                kept.append(item)
+        for item in kept:
+            self._queue.put_nowait(item)
+        return progressed
 
     def _reconnects(self) -> int:
         """NATS reconnects so far of the router and of this stream's engine."""
@@ -304,13 +329,15 @@ class EngineStream:
     async def next_chunk(self) -> TokenChunk:
         """The next chunk in order; raises EngineFailure (an error chunk included)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.request_timeout_s
+        timeout_s = self.config.request_timeout_s
+        deadline = loop.time() + timeout_s
         while self.num_chunks not in self._pending:
             now = loop.time()
             if now >= deadline:
                 raise self._failure(
                     "timeout",
-                    f"engine {self.engine_id} sent nothing for {self.config.request_timeout_s:g} s",
+                    f"engine {self.engine_id} sent nothing for {timeout_s:g} s, "
+                    "nor any progress on the request",
                 )
             try:
                 async with asyncio.timeout(min(self.config.liveness_poll_s, deadline - now)):
@@ -323,14 +350,17 @@ class EngineStream:
                     await self._check_watched()
                 continue
             if subject == self.reply_to:
-                self._accept(data)
+                progressed = self._accept(data)
             elif subject == RECONNECTED:
+                progressed = False
                 if data.decode() in ("", self.engine_id) and self.started:
                     await self._check_stream()
                 if data.decode() in ("", self._watched) and self._watched_told:
                     await self._check_watched()
-            elif self.num_chunks == 0:
-                self._on_watched(data)
+            else:
+                progressed = self.num_chunks == 0 and self._on_watched(data)
+            if progressed:
+                deadline = loop.time() + timeout_s
         chunk = self._pending.pop(self.num_chunks)
         if chunk.error is not None:
             self.finished = True
@@ -390,19 +420,22 @@ class EngineStream:
         with contextlib.suppress(NatsError):
             await self.nc.publish(subjects.engine_stream_check(self._watched), check.encode())
 
-    def _accept(self, data: bytes) -> None:
+    def _accept(self, data: bytes) -> bool:
+        """Take a message of the engine; True when it is progress on the request."""
         try:
             chunk = TokenChunk.decode(data)
         except SchemaError as e:
-            try:
-                state = StreamState.decode(data)
-            except SchemaError:
+            other = _status_message(data)
+            if other is None:
                 raise self._failure("bad_message", f"undecodable chunk: {e}") from None
-            self._on_state(state)
-            return
+            if isinstance(other, Progress):
+                return other.request_id == self.request_id
+            self._on_state(other)
+            return False
         if chunk.request_id != self.request_id or chunk.seq < self.num_chunks:
-            return  # not ours, or a duplicate
+            return False  # not ours, or a duplicate
         self._pending.setdefault(chunk.seq, chunk)
+        return False
 
     def _on_state(self, state: StreamState) -> None:
         """The engine's answer to `_check_stream`: every chunk it sent before it has come,
@@ -427,22 +460,24 @@ class EngineStream:
                 "replies lost while NATS reconnected",
             )
 
-    def _on_watched(self, data: bytes) -> None:
-        """A message of the watched engine: only ever an error report."""
+    def _on_watched(self, data: bytes) -> bool:
+        """A message of the watched engine: an error report, the answer to a check, or its
+        progress on the request (True)."""
         assert self._watched is not None
         try:
             chunk = TokenChunk.decode(data)
         except SchemaError as e:
-            try:
-                state = StreamState.decode(data)
-            except SchemaError:
+            other = _status_message(data)
+            if other is None:
                 raise self._failure(
                     "bad_message", f"undecodable chunk: {e}", self._watched
                 ) from None
-            self._on_watched_state(state)
-            return
+            if isinstance(other, Progress):
+                return other.request_id == self.request_id
+            self._on_watched_state(other)
+            return False
         if chunk.request_id != self.request_id or chunk.error is None:
-            return
+            return False
         kind = ENGINE_ERRORS.get(chunk.error_code, "engine_error")
         if chunk.engine_crashed:
             kind = "engine_crashed"
@@ -465,3 +500,13 @@ class EngineStream:
         engine_id = engine_id or self.engine_id
         epoch = self.epochs.get(engine_id, "")
         return EngineFailure(kind, engine_id, message, self.num_chunks, epoch)
+
+
+def _status_message(data: bytes) -> StreamState | Progress | None:
+    """An engine's message on a stream that is not a chunk, or None when it is neither."""
+    for kind in (Progress, StreamState):
+        try:
+            return kind.decode(data)
+        except SchemaError:
+            pass
+    return None

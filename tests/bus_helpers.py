@@ -8,8 +8,9 @@ import sys
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
-from bus_schemas import Heartbeat
+from bus_schemas import Heartbeat, Progress, SchemaError, StreamState, TokenChunk
 from bus_schemas import subjects as subj
 
 
@@ -43,6 +44,34 @@ async def wait_heartbeats(
     finally:
         await sub.unsubscribe()
     return seen
+
+
+def chunk_of(data: bytes) -> TokenChunk | None:
+    """A message of a request's stream as its TokenChunk, or None for the engine's
+    `Progress` on it (an engine sends those while it works on the request without sending
+    chunks); anything else raises SchemaError."""
+    try:
+        return TokenChunk.decode(data)
+    except SchemaError:
+        Progress.decode(data)
+        return None
+
+
+async def next_chunk(sub: Subscription, timeout_s: float = 60) -> TokenChunk:
+    """The next TokenChunk on `sub`, past the engine's `Progress` messages."""
+    while (chunk := chunk_of((await sub.next_msg(timeout=timeout_s)).data)) is None:
+        pass
+    return chunk
+
+
+async def next_state(sub: Subscription, timeout_s: float = 60) -> StreamState:
+    """The next StreamState (an answer to a StreamCheck) on `sub`, past `Progress`."""
+    while True:
+        data = (await sub.next_msg(timeout=timeout_s)).data
+        try:
+            return StreamState.decode(data)
+        except SchemaError:
+            Progress.decode(data)
 
 
 def spawn_engine(nats_url: str, engine_id: str, *flags: str) -> subprocess.Popen[bytes]:

@@ -20,7 +20,10 @@ and decode streams once that frame arrives, with the P/D fields on its first chu
 `restore_fails_once` (decode answers its first stream with error 409), `admit_error`, a
 decode `error` chunk instead of tokens, `mute_prefill` (prefill heartbeats but never sends),
 `prefill_error` (prefill reports an error chunk); decode times a transfer out after the
-admit's `transfer_timeout_s` with a 503 chunk.
+admit's `transfer_timeout_s` with a 503 chunk. Busy engines: `token_delay_s` before each
+chunk, `prefill_delay_s` before prefill's frame, `admit_delay_s` before decode admits (a copy
+of a pending admit gets the same answer), each showing `Progress` on the request every
+`progress_every_s` (0: none, a hung engine).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from bus_schemas import (
     Heartbeat,
     ModelCard,
     PrefillRequest,
+    Progress,
     Sampling,
     StatsReply,
     StreamCheck,
@@ -91,6 +95,7 @@ class FakeEngine:
     interval_s: float = 0.2
     role: str = "colocated"
     token_delay_s: float = 0.0  # pause before each chunk
+    progress_every_s: float = 0.0  # during a pause, a Progress on the request this often
     tokens_per_chunk: int = 1
     # --- knobs a test may change while running
     inflight_tokens: int = 0  # reported in heartbeats
@@ -263,7 +268,7 @@ class FakeEngine:
         batches = batches or [[]]
         for seq, batch in enumerate(batches):
             if self.token_delay_s:
-                await asyncio.sleep(self.token_delay_s)
+                await self._busy(request_id, reply_to, self.token_delay_s)
             if request_id in self._aborted:
                 return
             last = seq == len(batches) - 1
@@ -289,6 +294,16 @@ class FakeEngine:
             chunk = TokenChunk(request_id, seq, batch, self.engine_id, **fields)
             if not await self._send(reply_to, chunk):
                 return
+
+    async def _busy(self, request_id: str, reply_to: str, seconds: float) -> None:
+        """Work on a request for `seconds`, with a Progress every `progress_every_s`."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while (left := end - loop.time()) > 0:
+            await asyncio.sleep(min(left, self.progress_every_s or left))
+            if self.progress_every_s and not self.silent and loop.time() < end:
+                progress = Progress(request_id, self.engine_id, "computing")
+                await self.nc.publish(reply_to, progress.encode())
 
     async def _send(self, reply_to: str, chunk: TokenChunk) -> bool:
         if self.silent:
@@ -362,6 +377,7 @@ class FakePrefill(FakeEngine):
     mute_prefill: bool = False  # heartbeats continue, prefill requests go unanswered
     prefill_error: tuple[int, str] | None = None  # report this error chunk instead
     lose_prefills: int = 0  # the first N prefill requests are lost on the bus (never seen)
+    prefill_delay_s: float = 0.0  # computing before the frame goes out
     prefills: list[PrefillRequest] = field(default_factory=list)
 
     async def subscribe_role(self) -> None:
@@ -385,6 +401,8 @@ class FakePrefill(FakeEngine):
                 _error_chunk(req.request_id, self.engine_id, code, text, self.crashed).encode(),
             )
             return
+        if self.prefill_delay_s:
+            await self._busy(req.request_id, req.reply_to, self.prefill_delay_s)
         first_token = expected_tokens(req.input_ids, 1, self.vocab_size)[0]
         start, end = req.decode_prefix_len, len(req.input_ids)
         header = KVFrameHeader(
@@ -413,9 +431,11 @@ class FakeDecode(FakeEngine):
     restore_fails_once: bool = False  # the first request that gets its KV fails with 409
     admit_error: tuple[int, str] | None = None  # refuse admits with this error
     lose_admits: int = 0  # the first N admits are lost on the bus (never answered)
+    admit_delay_s: float = 0.0  # admissions wait this long (a decode engine out of pages)
     admits: list[DecodeAdmit] = field(default_factory=list)
     kv_frames: list[KVFrameHeader] = field(default_factory=list)
     _admitted: dict[str, tuple[DecodeAdmit, int]] = field(default_factory=dict)
+    _admitting: dict[str, asyncio.Future[bytes]] = field(default_factory=dict)
     _admit_sub: Subscription | None = None
     _restore_failed: bool = False
 
@@ -450,6 +470,25 @@ class FakeDecode(FakeEngine):
             )
             await msg.respond(reply.encode())
             return
+        if self.admit_delay_s:  # delayed once per request id; copies get the same answer
+            answer = self._admitting.get(req.request_id)
+            if answer is None:
+                answer = self._admitting[req.request_id] = asyncio.Future()
+                self._spawn(self._admit_later(req, answer))
+            self._spawn(self._respond(msg, answer))
+            return
+        await msg.respond(self._admit(req))
+
+    async def _admit_later(self, req: DecodeAdmit, answer: asyncio.Future[bytes]) -> None:
+        await self._busy(req.request_id, req.reply_to, self.admit_delay_s)
+        answer.set_result(self._admit(req))
+
+    @staticmethod
+    async def _respond(msg: Msg, answer: asyncio.Future[bytes]) -> None:
+        await msg.respond(await asyncio.shield(answer))
+
+    def _admit(self, req: DecodeAdmit) -> bytes:
+        """Admit `req` now: the DecodeAdmitReply."""
         reused = self.cached_device + self.cached_host if req.reuse else 0
         prefix_len = min(reused, len(req.input_ids)) // self.page_size * self.page_size
         self._admitted[req.request_id] = (req, prefix_len)
@@ -463,7 +502,7 @@ class FakeDecode(FakeEngine):
             cached_device=min(self.cached_device, prefix_len) if req.reuse else 0,
             cached_host=prefix_len - min(self.cached_device, prefix_len) if req.reuse else 0,
         )
-        await msg.respond(reply.encode())
+        return reply.encode()
 
     async def _transfer_timeout(self, req: DecodeAdmit) -> None:
         await asyncio.sleep(req.transfer_timeout_s)

@@ -89,6 +89,31 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def session_members(sid: int) -> list[int]:
+    """Every live (not zombie) process of session `sid`, from /proc. `up`'s children run in
+    process groups of their own (a terminal's Ctrl-C reaches only `up`), but stay in the
+    session a test started `up` in, also once orphaned."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) == sid:
+            out.append(int(entry))
+    return out
+
+
+def kill_session(sid: int) -> list[int]:
+    """SIGKILL every process left in session `sid`; their pids."""
+    left = session_members(sid)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
 def role_of(argv: Sequence[str]) -> str | None:
     """Which part of the mesh a command line is, or None (rank workers, helpers)."""
     joined = " ".join(argv)
@@ -188,8 +213,7 @@ class UpMesh:
             code: int | None = self.proc.wait(60)
         except subprocess.TimeoutExpired:
             code = None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        kill_session(self.proc.pid)
         self.proc.wait()
         return code
 

@@ -19,7 +19,7 @@ import aiohttp
 import nats
 import pytest
 import torch
-from bus_helpers import spawn_engine, wait_heartbeats
+from bus_helpers import chunk_of, next_chunk, spawn_engine, wait_heartbeats
 from fake_engine import running_mesh
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -99,7 +99,9 @@ class Collector:
         await self.nc.subscribe(subj.HEARTBEAT, cb=self._on_heartbeat)
 
     async def _on_chunk(self, msg: Msg) -> None:
-        chunk = TokenChunk.decode(msg.data)
+        chunk = chunk_of(msg.data)
+        if chunk is None:  # the engine's progress on a request
+            return
         self.chunks.setdefault(chunk.request_id, []).append(chunk)
         if chunk.error is not None and self.first_error_at is None:
             self.first_error_at = time.monotonic()
@@ -189,7 +191,7 @@ async def test_pd_engines_that_crash_mark_their_errors_and_exit(
             "pd-crash-1", prompt, sampling, "", reply.decode_prefix_len, reply.kv_subject, inbox
         )
         await nc.publish(subj.engine_prefill("crash-pre"), req.encode())
-        chunk = TokenChunk.decode((await sub.next_msg(timeout=30)).data)
+        chunk = await next_chunk(sub)
         assert chunk.engine_id == "crash-pre" and chunk.finished
         assert chunk.engine_crashed and chunk.error_code == 500, chunk
         assert pre.wait(10) == 1

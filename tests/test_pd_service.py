@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import nats
 import pytest
 import torch
-from bus_helpers import spawn_engine, wait_heartbeats
+from bus_helpers import next_chunk, next_state, spawn_engine, wait_heartbeats
 from nats.aio.client import Client as NATS
 
 from bus_schemas import (
@@ -29,7 +29,6 @@ from bus_schemas import (
     StatsReply,
     StatsRequest,
     StreamCheck,
-    StreamState,
     TokenChunk,
 )
 from bus_schemas import subjects as subj
@@ -133,7 +132,7 @@ async def pd_generate(
     await nc.publish(subj.engine_prefill(prefill), req.encode())
     chunks = []
     while True:
-        chunk = TokenChunk.decode((await sub.next_msg(timeout=60)).data)
+        chunk = await next_chunk(sub)
         chunks.append(chunk)
         if chunk.finished:
             break
@@ -234,7 +233,7 @@ async def test_prefill_answers_stream_checks_for_delivered_requests(
     watch_sub = await nc.subscribe(watch)
     req = PrefillRequest(rid, prompt, sampling, "", 0, reply.kv_subject, watch)
     await nc.publish(subj.engine_prefill("pd-prefill"), req.encode())
-    while not TokenChunk.decode((await sub.next_msg(timeout=60)).data).finished:
+    while not (await next_chunk(sub)).finished:
         pass
     held = {}
     for name, (request_id, reply_to) in {
@@ -244,10 +243,7 @@ async def test_prefill_answers_stream_checks_for_delivered_requests(
     }.items():
         check = StreamCheck(request_id, reply_to)
         await nc.publish(subj.engine_stream_check("pd-prefill"), check.encode())
-        if reply_to == watch:
-            state = StreamState.decode((await watch_sub.next_msg(timeout=10)).data)
-        else:
-            state = StreamState.decode((await sub.next_msg(timeout=10)).data)
+        state = await next_state(watch_sub if reply_to == watch else sub, 10)
         held[name] = state.held
     assert held == {"delivered": True, "other reply subject": False, "unknown": False}
     await sub.unsubscribe()
@@ -271,12 +267,12 @@ async def test_a_copy_of_a_written_frame_is_acked_again(
     frames = await nc.subscribe(reply.kv_subject)  # a copy of every frame the decode gets
     req = PrefillRequest(rid, prompt, sampling, "", 0, reply.kv_subject, nc.new_inbox())
     await nc.publish(subj.engine_prefill("pd-prefill"), req.encode())
-    chunks = [TokenChunk.decode((await sub.next_msg(timeout=60)).data)]  # every frame written
+    chunks = [(await next_chunk(sub))]  # every frame written
     first = await frames.next_msg(timeout=10)
     ack = await nc.request(reply.kv_subject, first.data, timeout=10)
     assert KVChunkAck.decode(ack.data).ok, KVChunkAck.decode(ack.data).error
     while not chunks[-1].finished:
-        chunks.append(TokenChunk.decode((await sub.next_msg(timeout=60)).data))
+        chunks.append(await next_chunk(sub))
     assert [t for c in chunks for t in c.token_ids] == cold(prompt, max_new)
     await frames.unsubscribe()
     await sub.unsubscribe()

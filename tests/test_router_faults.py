@@ -29,14 +29,13 @@ import aiohttp
 import nats
 import pytest
 import redis.asyncio as aioredis
-from bus_helpers import spawn_engine, wait_heartbeats
+from bus_helpers import next_chunk, spawn_engine, wait_heartbeats
 from fake_engine import FakeEngine, running_mesh
 
 from bus_schemas import (
     GenerateRequest,
     Heartbeat,
     Sampling,
-    TokenChunk,
     page_hashes,
     redis_keys,
     subjects,
@@ -579,6 +578,6 @@ async def _generate(nc: Any, engine_id: str, ids: list[int]) -> None:
     sub = await nc.subscribe(inbox)
     req = GenerateRequest(uuid.uuid4().hex, ids, Sampling(3, ignore_eos=True), inbox)
     await nc.publish(subjects.engine_generate(engine_id), req.encode())
-    while not TokenChunk.decode((await sub.next_msg(timeout=60)).data).finished:
+    while not (await next_chunk(sub)).finished:
         pass
     await sub.unsubscribe()

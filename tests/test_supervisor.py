@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 from fake_engine import FakeEngine, running_mesh
+from fault_helpers import kill_session
 
 from services.launch import servers, up
 from services.launch.servers import ServerProcess, free_port, start_nats
@@ -525,10 +526,4 @@ def test_up_restarts_killed_children_and_leaves_nothing_behind(tmp_path: Path) -
     assert code == 0, log.read_text()[-3000:]
     time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "up left children behind"
-    try:
-        os.killpg(proc.pid, 0)
-    except ProcessLookupError:
-        pass
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("hicache-mesh up left processes behind")
+    assert not kill_session(proc.pid), "hicache-mesh up left processes behind"

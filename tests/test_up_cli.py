@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
+
+from fault_helpers import kill_session
 
 from services.launch.servers import free_port
+
+ALARM = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")
 
 
 def test_up_serves_a_completion_and_stops_cleanly() -> None:
@@ -64,10 +70,39 @@ def test_up_serves_a_completion_and_stops_cleanly() -> None:
         code = proc.wait(60)
     assert code == 0
     time.sleep(0.5)
+    assert not kill_session(proc.pid), "hicache-mesh up left processes behind"
+
+
+def test_ctrl_c_stops_the_mesh_without_alarm(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal is SIGINT to the whole foreground process group. `up` stops its
+    children in order (router; engines and index; nats-server and redis-server last), so a
+    clean stop logs no warning, error or traceback: no "drain failed", no NATS errors of
+    services whose server went first."""
+    port, log = free_port(), tmp_path / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own foreground group, as a shell's job
+        )
     try:
-        os.killpg(proc.pid, 0)
-    except ProcessLookupError:
-        pass  # the whole process group is gone: nothing left behind
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("hicache-mesh up left processes behind")
+        deadline = time.monotonic() + 120
+        while "is up" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps({"prompt": "Hello", "max_tokens": 4}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        code = proc.wait(90)
+    text = log.read_text()
+    assert code == 0, text
+    alarming = [line for line in text.splitlines() if ALARM.search(line)]
+    assert not alarming, "\n".join(alarming)
+    assert not kill_session(proc.pid), "hicache-mesh up left processes behind"

@@ -73,6 +73,11 @@ class DebugHooks:
     rank_raise: tuple[int, int] | None = None  # (rank, token): that rank raises on admission
     perturb_sampler: bool = False  # every request's 3rd output token becomes (token + 1) % vocab
     silent_flush: bool = False  # a flush drops the cache without KV events (a stale index)
+    layer_delay_s: float = 0.0  # every decoder layer first sleeps this long (a slow forward)
+
+    def __post_init__(self) -> None:
+        if not self.layer_delay_s >= 0:
+            raise ValueError(f"layer_delay_s must be >= 0, got {self.layer_delay_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +168,10 @@ class Engine:
             config.scheduler, self.executor, self.cache, mc.eos_token_ids, self.device
         )
         self.scheduler.perturb_sampler = config.debug.perturb_sampler
+        if config.debug.layer_delay_s:
+            delay = config.debug.layer_delay_s
+            for layer in self.model.layers:
+                layer.register_forward_pre_hook(lambda _m, _a: time.sleep(delay))
         self._commands: list[Command] = []  # rank 0: what the next step hands to every rank
         self._partial_kv: dict[tuple[int, int, int], WriteKV] = {}  # rank 0: shards so far
         self._next_rid = 0
@@ -482,6 +491,14 @@ class Engine:
             if found is not None:
                 raise consensus.RankDivergenceError(found.report()) from e
             raise
+
+    @property
+    def progress(self) -> int:
+        """Decoder layers this rank has run: it grows while the engine computes, within a
+        long forward too, and not while it only waits (for a load, for KV from a prefill
+        engine) or hangs. A plain int, read from other threads. On a pipeline, rank 0 does
+        not move while later stages compute."""
+        return self.model.layers_run
 
     def _step(self) -> list[Req]:
         commands: list[Command] | None = None

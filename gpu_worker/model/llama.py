@@ -584,6 +584,9 @@ class LlamaModel(nn.Module):
         # prepack_weights(): a packed copy of the tied embedding for the logits (the lookup
         # needs the plain one); not a parameter, so checkpoints and shards never see it.
         self.packed_logits: torch.Tensor | None = None
+        # decoder layers run so far: grows within a long forward, so a watcher on another
+        # thread (the engine service) tells a slow prefill from a hung one
+        self.layers_run = 0
 
     @property
     def num_layers(self) -> int:
@@ -654,6 +657,7 @@ class LlamaModel(nn.Module):
             h = hidden
         for layer in self.layers:
             h = layer(h, rope, plan, kv_cache)
+            self.layers_run += 1
         if not self.last_stage:
             return h  # (T, hidden)
         assert self.norm is not None

@@ -32,6 +32,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--page-size must be positive and --max-total-tokens >= --page-size")
     if args.debug_transfer_delay_ms < 0:
         raise ValueError("--debug-transfer-delay-ms must be >= 0")
+    if not args.debug_layer_delay_ms >= 0:
+        raise ValueError("--debug-layer-delay-ms must be >= 0")
     delay = DelayInjection(args.debug_transfer_delay_ms) if args.debug_transfer_delay_ms else None
     radix = not args.disable_radix_cache and (
         args.disaggregation_mode != "decode" or args.disaggregation_decode_enable_radix_cache
@@ -79,6 +81,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         _rank_raise(args.debug_rank_raise),
         perturb_sampler=args.debug_perturb_sampler,
         silent_flush=args.debug_silent_flush,
+        layer_delay_s=args.debug_layer_delay_ms / 1000,
     )
     return EngineConfig(
         model=args.model,

@@ -93,6 +93,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="test hook: the next N host->device loads fail",
     )
+    g.add_argument(
+        "--debug-layer-delay-ms",
+        type=float,
+        default=0.0,
+        help="test hook: every decoder layer of every forward first sleeps N ms, on every "
+        "rank (a prefill slower than the router's --request-timeout)",
+    )
     p = parser.add_argument_group("parallelism")
     p.add_argument(
         "--tp-size",

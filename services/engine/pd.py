@@ -2,8 +2,9 @@
 
 `DecodeSide` (role decode): admits a request (the engine matches, locks, reserves and starts
 restoring its own prefix), answers `decode_prefix_len`, writes each KV frame into the
-reserved pages and ACKs it in order, and gives up (releasing everything) when frames stop
-arriving for the request's transfer timeout.
+reserved pages and ACKs it in order, and gives up (releasing everything) when the prefill
+engine goes quiet on the request for its transfer timeout: no frame, and no `Progress` (which
+the prefill engine sends on the same subject while it queues or computes the request).
 
 `PrefillSide` (role prefill): runs the prompt, gets the packed KV past `decode_prefix_len`,
 and sends it as checksummed frames with a window of frames in flight, resending a NACKed
@@ -29,10 +30,11 @@ from bus_schemas import (
     ErrorReply,
     KVChunkAck,
     PrefillRequest,
+    Progress,
     SchemaError,
 )
 from bus_schemas import subjects as subj
-from bus_schemas.kv_frame import KVFrameHeader, decode_frame, encode_frame, peek_ids
+from bus_schemas.kv_frame import MAGIC, KVFrameHeader, decode_frame, encode_frame, peek_ids
 from gpu_worker.engine.engine import InvalidRequestError
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.request import CachedTokens, KVExport
@@ -69,7 +71,7 @@ class DecodeTransfer:
 
     prefix_len: int
     timeout_s: float
-    last_frame: float
+    last_heard: float  # loop time of the last frame or Progress of the prefill engine
     prefill_engine_id: str = ""
     transferred_bytes: int = 0
     prefill_cached: CachedTokens = field(default_factory=CachedTokens)
@@ -197,7 +199,11 @@ class DecodeSide:
             await self.publish(msg.reply, data)
 
     async def on_frame(self, msg: Msg) -> None:
-        """Write one KV frame and ACK it; NACK (ok=False) a corrupt or out-of-order one."""
+        """Write one KV frame and ACK it; NACK (ok=False) a corrupt or out-of-order one. A
+        `Progress` of the prefill engine on the request (not a frame) keeps it waiting."""
+        if not msg.data.startswith(MAGIC):
+            self._on_progress(msg.data)
+            return
         ids = peek_ids(msg.data)
         try:
             header, payload = decode_frame(msg.data)
@@ -211,7 +217,7 @@ class DecodeSide:
         if transfer is None:
             await self._ack(msg, header.request_id, header.seq, False, "unknown request")
             return
-        transfer.last_frame = asyncio.get_running_loop().time()
+        transfer.last_heard = asyncio.get_running_loop().time()
         if header.seq in transfer.written:  # a copy of a written frame: its ACK was lost
             await self._ack(msg, header.request_id, header.seq, True, "")
             return
@@ -240,6 +246,16 @@ class DecodeSide:
         # at a time, and a multi-rank chunk is written only when its other ranks' frames came
         self._writes.spawn(self._ack_written(msg, header, transfer, written), "kv-write")
 
+    def _on_progress(self, data: bytes) -> None:
+        try:
+            progress = Progress.decode(data)
+        except SchemaError as e:
+            log.warning("bad message on the KV subject: %s", e)
+            return
+        transfer = self.transfers.get(progress.request_id)
+        if transfer is not None:
+            transfer.last_heard = asyncio.get_running_loop().time()
+
     async def _ack_written(
         self, msg: Msg, header: KVFrameHeader, transfer: DecodeTransfer, written: Future[int]
     ) -> None:
@@ -266,7 +282,9 @@ class DecodeSide:
     async def _watchdog(self, request_id: str) -> None:
         loop = asyncio.get_running_loop()
         while (transfer := self.transfers.get(request_id)) is not None and not transfer.complete:
-            idle = loop.time() - transfer.last_frame
+            if transfer.writing:  # frames came; this engine is slow to write them, not prefill
+                transfer.last_heard = loop.time()
+            idle = loop.time() - transfer.last_heard
             if idle > transfer.timeout_s:
                 log.warning("KV transfer for %s timed out after %.1fs", request_id, idle)
                 self.fail_stream(request_id, "KV transfer from prefill timed out", 503)
@@ -452,6 +470,11 @@ class PrefillSide:
                 self._delivered.popitem(last=False)
         finally:
             self.jobs.pop(rid, None)  # the staging buffer goes with the job
+
+    def kv_subject(self, request_id: str) -> str | None:
+        """Where the request's KV goes (its decode engine), while this engine holds it."""
+        job = self.jobs.get(request_id)
+        return None if job is None else job.request.kv_subject
 
     def delivered(self, request_id: str, reply_to: str) -> bool:
         """Whether this engine sent all of the request's KV (one of the last

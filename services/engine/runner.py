@@ -42,7 +42,7 @@ from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.engine.rank import RankExit, RankProcesses, launch_engine
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.parallel.config import ParallelConfig
-from gpu_worker.scheduler.request import CachedTokens, KVExport, Req
+from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,26 @@ class LoadInfo:
     running: int
     waiting: int
     inflight_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """What the engine does with a request it holds (`EngineRunner.holding`): `queued`
+    (waiting in the command queue or the scheduler's queue), `computing` (loading its cached
+    prefix, prefilling or decoding) or `receiving` (P/D decode: its KV comes from a prefill
+    engine; `received_len` prompt tokens of it are written)."""
+
+    state: str
+    received_len: int = 0
+
+
+QUEUED, COMPUTING = Holding("queued"), Holding("computing")
+_HOLDING = {
+    ReqState.WAITING: QUEUED,
+    ReqState.LOADING: COMPUTING,
+    ReqState.PREFILL: COMPUTING,
+    ReqState.DECODE: COMPUTING,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +139,7 @@ class _Tracked:
     req: Req
     sent: int = 0
     admitted: Future[Admission] | None = None  # P/D decode: resolves on admission
+    holding: Holding = QUEUED  # as last published in EngineRunner.holding
 
 
 def _nothing() -> None:
@@ -169,6 +190,10 @@ class EngineRunner:
         self._tracked: dict[int, _Tracked] = {}
         self._by_request: dict[str, int] = {}
         self.load = LoadInfo(0, 0, 0)
+        # what the engine does with each request it holds, by request id: written by submit
+        # (service thread) and after every step (runner thread), read by the service
+        self._holding: dict[str, Holding] = {}
+        self._holding_lock = threading.Lock()
         self.engine: Engine | None = None
         self.ranks: RankProcesses | None = None  # ranks 1..N-1 of a multi-rank engine
         # KV writes answered once the step that applies them ran: (command, bytes, future)
@@ -212,6 +237,7 @@ class EngineRunner:
                 else:
                     req = engine.submit(input_ids, sampling, cache_salt=cache_salt)
             except ValueError as e:
+                self._set_holding(request_id, None)
                 _fail(done, e)
                 return
             tracked = _Tracked(request_id, req)
@@ -222,7 +248,9 @@ class EngineRunner:
             else:
                 _resolve(done, None)
 
-        self._put(command, done)
+        self._set_holding(request_id, QUEUED)
+        if not self._put(command, done):
+            self._set_holding(request_id, None)
         return done
 
     def write_kv(
@@ -254,6 +282,11 @@ class EngineRunner:
                 _fail(done, e)
                 return
             self._awaiting.append((cmd, len(payload), done))
+            # the next step writes it (and, the last one, runs its first decode): computing
+            tracked = self._tracked[rid]
+            if tracked.holding.state == "receiving":
+                tracked.holding = COMPUTING
+                self._set_holding(request_id, COMPUTING)
 
         self._put(command, done)
         return done
@@ -287,14 +320,29 @@ class EngineRunner:
         self._put(command, done)
         return done
 
-    def _put(self, command: Callable[[], None], done: Future[Any]) -> None:
-        """Queue `command`, whose result goes to `done`; fails `done` at once when dead."""
+    def _put(self, command: Callable[[], None], done: Future[Any]) -> bool:
+        """Queue `command`, whose result goes to `done`; fails `done` at once (False) when
+        dead."""
         with self._lock:
             if self._dead is None:
                 self._commands.put((command, done))
-                return
+                return True
             reason = self._dead
         _fail(done, EngineCrashedError(reason, held=False))
+        return False
+
+    def holding(self) -> dict[str, Holding]:
+        """Every request the engine holds, by request id, as of its last step (a request
+        submitted since is `queued`). Any thread."""
+        with self._holding_lock:
+            return dict(self._holding)
+
+    def _set_holding(self, request_id: str, holding: Holding | None) -> None:
+        with self._holding_lock:
+            if holding is None:
+                self._holding.pop(request_id, None)
+            else:
+                self._holding[request_id] = holding
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
@@ -430,6 +478,7 @@ class EngineRunner:
             new = req.output_ids[t.sent :]
             finished = req.finish_reason is not None
             self._report_admission(t)
+            self._note_holding(t)
             if req.export_from is not None:  # P/D prefill: no tokens, the KV is the result
                 if finished:
                     self._report_export(rid, t)
@@ -454,14 +503,35 @@ class EngineRunner:
                 )
             )
             if finished:
-                del self._tracked[rid]
-                self._by_request.pop(t.request_id, None)
+                self._untrack(rid, t)
         sched = self.engine.scheduler if self.engine else None
         if sched is not None:
             inflight = sum(r.prompt_len + r.sampling.max_new_tokens for r in sched.running)
             self.load = LoadInfo(len(sched.running), len(sched.waiting), inflight)
         if updates:
             self._loop.call_soon_threadsafe(self._outbox.tokens, updates)
+
+    def _note_holding(self, t: _Tracked) -> None:
+        """Publish what the engine now does with `t` (for `holding`), when it changed."""
+        req = t.req
+        holding = _HOLDING.get(req.state)
+        if holding is None:  # receiving, or finished (untracked below)
+            remote = req.remote
+            if req.state is not ReqState.RECEIVING or remote is None:
+                return
+            received = max(remote.received_end - max(remote.prefix_len, 0), 0)
+            if t.holding.state == "receiving" and t.holding.received_len == received:
+                return
+            holding = Holding("receiving", received)
+        elif holding is t.holding:
+            return
+        t.holding = holding
+        self._set_holding(t.request_id, holding)
+
+    def _untrack(self, rid: int, t: _Tracked) -> None:
+        del self._tracked[rid]
+        self._by_request.pop(t.request_id, None)
+        self._set_holding(t.request_id, None)
 
     def _report_admission(self, t: _Tracked) -> None:
         fut, req = t.admitted, t.req
@@ -474,8 +544,7 @@ class EngineRunner:
 
     def _report_export(self, rid: int, t: _Tracked) -> None:
         req = t.req
-        del self._tracked[rid]
-        self._by_request.pop(t.request_id, None)
+        self._untrack(rid, t)
         if req.export is not None:
             export, cached = req.export, req.cached
             self._loop.call_soon_threadsafe(self._outbox.exported, t.request_id, export, cached)
@@ -518,6 +587,8 @@ class EngineRunner:
         self._tracked.clear()
         self._by_request.clear()
         self._awaiting.clear()
+        with self._holding_lock:
+            self._holding.clear()
 
 
 def _rank_crash(cause: RankExit) -> tuple[str, bool]:

@@ -43,6 +43,7 @@ from bus_schemas import (
     Heartbeat,
     KVEvent,
     KVEventBatch,
+    Progress,
     SchemaError,
     SnapshotRequest,
     StatsReply,
@@ -94,6 +95,9 @@ class EngineServiceConfig:
 class _Stream:
     reply_to: str
     seq: int = 0
+    # at the last progress round (`EngineService._progress`): chunks sent, KV received
+    seen_seq: int = 0
+    seen_received_len: int = 0
 
 
 class EngineService:
@@ -158,6 +162,7 @@ class EngineService:
         self._accepting = True
         self._tasks.spawn(self._publisher(), "publisher")
         self._heartbeat_task = self._tasks.spawn(self._heartbeats(), "heartbeats")
+        self._tasks.spawn(self._progress(), "progress")
         await self._publish_snapshot()  # epoch starts with what the engine holds (nothing)
         log.info("engine %s up (bucket %s, epoch %s)", eid, self.config.bucket, self.epoch)
 
@@ -583,6 +588,41 @@ class EngineService:
             with contextlib.suppress(Exception):
                 await self._nc.publish(subj.HEARTBEAT, hb.encode())
             await asyncio.sleep(cfg.heartbeat_interval_s)
+
+    async def _progress(self) -> None:
+        """Every heartbeat interval, a `Progress` for each request the engine works on but
+        has sent no chunk of since the last round, so the router's deadline (and, from a
+        P/D prefill engine, the decode engine's KV watchdog) runs only while it does not:
+        a long prefill is not a hang. Working means the engine computed (a decoder layer,
+        within a step too: `Engine.progress`) for a queued or computing request, and wrote
+        more of its KV for a receiving one. A hung step loop sends none while heartbeats
+        go on, so the router still times it out."""
+        assert self._runner is not None
+        runner, engine = self._runner, self._engine_now()
+        interval = self.config.heartbeat_interval_s
+        last = engine.progress
+        while self.crashed_reason is None:
+            await asyncio.sleep(interval)
+            now = engine.progress
+            moved, last = now != last, now
+            for request_id, holding in runner.holding().items():
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    continue
+                quiet, stream.seen_seq = stream.seq == stream.seen_seq, stream.seq
+                working = moved
+                if holding.state == "receiving":
+                    working = holding.received_len != stream.seen_received_len
+                    stream.seen_received_len = holding.received_len
+                if quiet and working:
+                    self._send_progress(request_id, stream, holding.state)
+
+    def _send_progress(self, request_id: str, stream: _Stream, state: str) -> None:
+        data = Progress(request_id, self.config.engine_id, state).encode()
+        self._outbound.put_nowait((stream.reply_to, data))
+        kv_subject = self._prefill.kv_subject(request_id) if self._prefill is not None else None
+        if kv_subject is not None:  # P/D prefill: the decode engine waits for this KV
+            self._outbound.put_nowait((kv_subject, data))
 
 
 def _store_id(backend: StorageBackend, scope: str) -> str:

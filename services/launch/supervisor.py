@@ -7,6 +7,11 @@ back on the SAME port, so clients reconnect to the URL they know. `stop()` stops
 in tiers (router; then engines and index; then servers), SIGTERM first and SIGKILL after
 the grace period, so nothing is left behind.
 
+Every child runs in a process group of its own, so a terminal's Ctrl-C (SIGINT to the
+foreground process group) reaches only the supervisor, which then stops the children in
+that order: in the supervisor's group, every child got the SIGINT at once, and nats-server
+went away under services still draining their connections (warnings on every stop).
+
 Every (re)start rewrites the status file (when given): JSON with each child's pid, port,
 restart count and last exit code, for operators and fault tests.
 """
@@ -80,7 +85,7 @@ class Supervisor:
 
     def _launch(self, child: Child) -> None:
         out = subprocess.DEVNULL if child.spec.quiet else None
-        child.proc = subprocess.Popen(child.spec.argv, stdout=out, stderr=out)
+        child.proc = subprocess.Popen(child.spec.argv, stdout=out, stderr=out, process_group=0)
         child.started_at, child.restart_at = time.monotonic(), None
         log.info("started %s (pid %d)", child.spec.name, child.proc.pid)
         if child.spec.ready is not None:

@@ -78,6 +78,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         "--record-redact", action="store_true", help="records keep token ids and drop text"
     )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
+    add_router_timeout_args(parser)
     parser.add_argument("--startup-timeout", type=float, default=120.0)
     parser.add_argument(
         "--status-file",
@@ -92,6 +93,37 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         help="seconds before the first restart of a dead child (doubles up to 10 s)",
     )
     add_engine_args(parser)
+
+
+PROGRESS_ROUNDS = 3  # --request-timeout spans at least this many heartbeat intervals
+# the router's timeouts `up` passes on: (its flag, help); unset ones keep the router's default
+ROUTER_TIMEOUTS = (
+    (
+        "--request-timeout",
+        "longest an engine may send nothing on a request and show no progress on it "
+        "(router default 30; a busy engine's long prefill shows progress)",
+    ),
+    ("--pd-admit-timeout", "P/D: wait for a decode engine to admit a request (default 10)"),
+    (
+        "--pd-transfer-timeout",
+        "P/D: how long decode engines wait for KV while the prefill engine shows no progress "
+        "(default 0.8 x --request-timeout)",
+    ),
+    ("--read-timeout", "a request's headers, then its body, must arrive within this (default 30)"),
+)
+
+
+def add_router_timeout_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("router timeouts (seconds)")
+    for flag, help_text in ROUTER_TIMEOUTS:
+        g.add_argument(flag, type=_positive_seconds, default=None, metavar="S", help=help_text)
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 class PortInUseError(RuntimeError):
@@ -126,6 +158,13 @@ class Mesh:
         check(declared)
         if declared and args.pd:
             raise ValueError("--pd with buckets is not supported yet: give one or the other")
+        timeout = args.request_timeout
+        if timeout is not None and timeout < PROGRESS_ROUNDS * args.heartbeat_interval:
+            raise ValueError(
+                f"--request-timeout {timeout:g} is under {PROGRESS_ROUNDS} x "
+                f"--heartbeat-interval: engines show their progress on a request once per "
+                "heartbeat interval"
+            )
         self.declared = bool(declared)  # else one bucket "default" of the shared flags
         self.buckets = declared or [LaunchBucket("default")]
         self.workdir = tempfile.TemporaryDirectory(prefix="hicache-mesh-")
@@ -181,6 +220,9 @@ class Mesh:
             argv += ["--bucket", bucket.router_spec()]
         if a.api_key:
             argv += ["--api-key", a.api_key]
+        for flag, _ in ROUTER_TIMEOUTS:
+            value = getattr(a, flag[2:].replace("-", "_"), None)
+            argv += [] if value is None else [flag, str(value)]
         if a.record:
             argv += ["--record", a.record, "--record-meta", json.dumps(self._record_meta())]
             argv += ["--record-redact"] if a.record_redact else []
