@@ -70,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--request-timeout", metavar="S", type=float, default=30.0)
     p.add_argument(
+        "--default-max-tokens",
+        metavar="N",
+        type=int,
+        default=None,
+        help="completions and chat without max_tokens generate at most N tokens (default: "
+        "up to the context length minus the prompt, as OpenAI)",
+    )
+    p.add_argument(
         "--bucket",
         action="append",
         metavar="NAME[:max_len=N]",
@@ -124,6 +132,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         router_argv=tuple(sys.argv[1:] if argv is None else argv),
         buckets=tuple(parse_bucket(b) for b in args.bucket or [DEFAULT]),
         request_timeout_s=args.request_timeout,
+        default_max_tokens=args.default_max_tokens,
         shutdown_timeout_s=args.shutdown_timeout,
         pd_admit_timeout_s=args.pd_admit_timeout,
         pd_transfer_timeout_s=args.pd_transfer_timeout,

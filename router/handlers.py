@@ -337,7 +337,11 @@ def _choices(
     if not can_serve(engines):
         raise _unavailable(app, bucket)
     context_len = min(e.context_len for e in engines)
-    max_new_tokens = check_limits(spec, model.card.vocab_size, context_len)
+    config = app[keys.CONFIG]
+    max_len = next(b.max_len for b in config.buckets if b.name == bucket)
+    max_new_tokens = check_limits(
+        spec, model.card.vocab_size, context_len, max_len, config.default_max_tokens
+    )
 
     def make(choice: int, prefer: str | None) -> Generation:
         return Generation(

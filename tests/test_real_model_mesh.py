@@ -78,6 +78,18 @@ def test_a_chat_question_is_answered_by_the_real_model(smol: openai.OpenAI) -> N
     assert "<|im_end|>" not in answer and "<|im_start|>" not in answer
 
 
+def test_a_chat_without_max_tokens_ends_where_the_model_ends_it(smol: openai.OpenAI) -> None:
+    """No max_tokens: the answer runs to the model's end of turn (OpenAI's rule), not to a
+    default of 16 tokens cut with "length" (issue 19, defect 6)."""
+    out = smol.chat.completions.create(
+        model=SMOLLM2,
+        messages=[{"role": "user", "content": "Write one sentence about the sea."}],
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert out.choices[0].finish_reason == "stop", out
+    assert out.usage is not None and out.usage.completion_tokens > 16, out.usage
+
+
 def test_a_second_turn_reuses_the_cached_system_prompt(smol: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": SYSTEM}, *QUESTION]
     first = smol.chat.completions.create(

@@ -153,6 +153,10 @@ class Engine:
             storage_groups=(groups.storage_hit, groups.storage_progress),
             rank=self.rank,
         )
+        # a request reserves pages for every token it may write, so the longest one this
+        # engine serves is also bounded by its device pool (SGLang's max request length)
+        pool_len = self.cache.device_pool.num_pages * config.cache.page_size
+        self.context_len = min(self.context_len, pool_len)
         self.consensus = consensus.recorder_for(groups)  # None unless HICACHE_RANK_CONSENSUS
         consensus.attach(self.consensus)
         self.sync = StepSync(groups, config.debug.disable_agreement)

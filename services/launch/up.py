@@ -69,6 +69,14 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", default=None)
     parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the router's cap on completions and chat that send no max_tokens (default: "
+        "up to the context length minus the prompt)",
+    )
+    parser.add_argument(
         "--record",
         default=None,
         metavar="FILE",
@@ -181,6 +189,8 @@ class Mesh:
             argv += ["--bucket", bucket.router_spec()]
         if a.api_key:
             argv += ["--api-key", a.api_key]
+        if a.default_max_tokens is not None:
+            argv += ["--default-max-tokens", str(a.default_max_tokens)]
         if a.record:
             argv += ["--record", a.record, "--record-meta", json.dumps(self._record_meta())]
             argv += ["--record-redact"] if a.record_redact else []
