@@ -1,4 +1,4 @@
-"""The README's `hicache-mesh generate` example, run as a user runs it."""
+"""The README's `hicache-mesh generate` example, run as a user runs it (on `--model tiny`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_generate_repeat_shows_device_then_host_hits() -> None:
     proc = run_cli(
         "generate",
+        "--model",
+        "tiny",
         "--prompt",
         PROMPT,
         "--max-tokens",
@@ -42,8 +44,9 @@ def test_generate_repeat_shows_device_then_host_hits() -> None:
 
 
 def test_generate_rejects_bad_input_cleanly(capsys) -> None:  # type: ignore[no-untyped-def]
-    assert main(["generate", "--input-ids", "1,2,999", "--max-tokens", "2"]) == 2
+    tiny = ["generate", "--model", "tiny"]
+    assert main([*tiny, "--input-ids", "1,2,999", "--max-tokens", "2"]) == 2
     assert "token ids must be integers in [0, 260)" in capsys.readouterr().err
-    assert main(["generate", "--prompt", "hi", "--max-tokens", "-3"]) == 2
+    assert main([*tiny, "--prompt", "hi", "--max-tokens", "-3"]) == 2
     assert ">= 0" in capsys.readouterr().err
-    assert main(["generate", "--hicache-ratio", "0", "--enable-hierarchical-cache"]) == 2
+    assert main([*tiny, "--hicache-ratio", "0", "--enable-hierarchical-cache"]) == 2

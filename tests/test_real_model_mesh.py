@@ -41,21 +41,19 @@ SYSTEM = (
 ) * 6
 
 
-def start(tmp_path_factory: pytest.TempPathFactory, name: str, extra: tuple[str, ...]) -> UpMesh:
+def start(
+    tmp_path_factory: pytest.TempPathFactory, name: str, model: str, extra: tuple[str, ...]
+) -> UpMesh:
     log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp(name)))
     log_dir.mkdir(parents=True, exist_ok=True)
-    mesh = UpMesh(MeshSpec(engines=1, extra=extra), log_dir)
+    mesh = UpMesh(MeshSpec(model=model, engines=1, extra=extra), log_dir)
     mesh.start(timeout_s=300)
     return mesh
 
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    mesh = start(
-        tmp_path_factory,
-        "smollm2",
-        ("--model", SMOLLM2, "--dtype", "float32", "--page-size", "16"),
-    )
+    mesh = start(tmp_path_factory, "smollm2", SMOLLM2, ("--dtype", "float32", "--page-size", "16"))
     try:
         yield openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=120)
     finally:
@@ -178,7 +176,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_mesh(tmp_path_factory: pytest.TempPathFactory, hf_dir: Path) -> Iterator[openai.OpenAI]:
-    mesh = start(tmp_path_factory, "hf", ("--model", str(hf_dir), "--dtype", "float64"))
+    mesh = start(tmp_path_factory, "hf", str(hf_dir), ("--dtype", "float64"))
     try:
         yield openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=120)
     finally:

@@ -38,7 +38,7 @@ from services.launch import servers, up
 from services.launch.servers import ServerProcess, free_port, start_nats
 from services.launch.supervisor import Child, ChildSpec, RestartPolicy, Supervisor
 
-UP = [sys.executable, "-m", "services.cli", "up"]
+UP = [sys.executable, "-m", "services.cli", "up", "--model", "tiny"]
 NO_REDIS = ["--redis-url", "redis://127.0.0.1:1/0"]  # both services start without Redis
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
