@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -67,7 +68,15 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.toml",
         help="the buckets as [[bucket]] tables (name, tp, pp, max_len, engines)",
     )
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("HICACHE_ROUTER_API_KEY"),
+        help="the router requires it (default: $HICACHE_ROUTER_API_KEY); it reaches the router "
+        "in a 0600 file, never on its command line",
+    )
+    parser.add_argument(
+        "--api-key-file", default=None, metavar="FILE", help="the router reads its key here"
+    )
     parser.add_argument(
         "--default-max-tokens",
         type=int,
@@ -134,6 +143,8 @@ class Mesh:
         check(declared)
         if declared and args.pd:
             raise ValueError("--pd with buckets is not supported yet: give one or the other")
+        if args.api_key and args.api_key_file:
+            raise ValueError("give the API key once: --api-key or --api-key-file, not both")
         self.declared = bool(declared)  # else one bucket "default" of the shared flags
         self.buckets = declared or [LaunchBucket("default")]
         self.workdir = tempfile.TemporaryDirectory(prefix="hicache-mesh-")
@@ -187,8 +198,13 @@ class Mesh:
         argv += ["--nats-url", nats_url, "--redis-url", redis_url]
         for bucket in self.buckets:
             argv += ["--bucket", bucket.router_spec()]
-        if a.api_key:
-            argv += ["--api-key", a.api_key]
+        if a.api_key:  # in a file of our own, not on the router's command line (`ps`)
+            key_file = Path(self.workdir.name) / "api_key"
+            key_file.touch(mode=0o600)
+            key_file.write_text(a.api_key + "\n")
+            argv += ["--api-key-file", str(key_file)]
+        elif a.api_key_file:
+            argv += ["--api-key-file", str(Path(a.api_key_file).resolve())]
         if a.default_max_tokens is not None:
             argv += ["--default-max-tokens", str(a.default_max_tokens)]
         if a.record:
