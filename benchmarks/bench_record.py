@@ -42,7 +42,8 @@ from services.launch.servers import free_port
 def start_mesh(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen[bytes], dict]:
     port, status = free_port(), workdir / "status.json"
     argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port)]
-    argv += ["--engines", str(args.engines), "--page-size", "16", "--status-file", str(status)]
+    argv += ["--model", "tiny", "--engines", str(args.engines), "--page-size", "16"]
+    argv += ["--status-file", str(status)]
     log = (workdir / "up.log").open("wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 180

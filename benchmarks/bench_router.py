@@ -440,7 +440,8 @@ def spawn(
     procs = [subprocess.Popen([py, "-m", "services.index", *bus, "--redis-url", redis_url])]
     for i in range(args.engines):
         engine = [py, "-m", "services.engine", "--engine-id", f"bench-{i}", *bus]
-        engine += ["--dtype", "float32", "--log-level", "WARNING", "--page-size", str(PAGE_SIZE)]
+        engine += ["--model", "tiny", "--dtype", "float32", "--log-level", "WARNING"]
+        engine += ["--page-size", str(PAGE_SIZE)]
         engine += ["--context-length", str(context)]
         engine += ["--max-total-tokens", str(2 * context), "--chunked-prefill-size", "4096"]
         procs.append(subprocess.Popen(engine))

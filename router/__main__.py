@@ -1,7 +1,7 @@
 """`python -m router`: the HTTP front of the mesh.
 
     python -m router --port 8000 --nats-url nats://127.0.0.1:4222 \\
-        --redis-url redis://127.0.0.1:6379/0 [--api-key KEY] [--record FILE] \\
+        --redis-url redis://127.0.0.1:6379/0 [--api-key-file FILE] [--record FILE] \\
         [--request-timeout S] [--bucket NAME[:max_len=N] ...] \\
         [--pd-admit-timeout S] [--pd-transfer-timeout S] [--read-timeout S] \\
         [--max-connections N]
@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +30,9 @@ from router.app import init
 from router.buckets import DEFAULT, parse_bucket
 from router.config import RouterConfig
 from router.server import GUARD, GuardedSite, serve_kwargs
+
+API_KEY_ENV = "HICACHE_ROUTER_API_KEY"
+API_KEY_FILE_ENV = "HICACHE_ROUTER_API_KEY_FILE"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("HICACHE_ROUTER_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $HICACHE_ROUTER_API_KEY)",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; a key on the "
+        "command line shows in `ps`: prefer the variable or --api-key-file)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        default=os.environ.get(API_KEY_FILE_ENV),
+        help=f"read the API key from FILE, e.g. a secret (default: ${API_KEY_FILE_ENV})",
     )
     p.add_argument(
         "--record",
@@ -69,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="what the record header says about the mesh (`hicache-mesh up` sets it)",
     )
     p.add_argument("--request-timeout", metavar="S", type=float, default=30.0)
+    p.add_argument(
+        "--default-max-tokens",
+        metavar="N",
+        type=int,
+        default=None,
+        help="completions and chat without max_tokens generate at most N tokens (default: "
+        "up to the context length minus the prompt, as OpenAI)",
+    )
     p.add_argument(
         "--bucket",
         action="append",
@@ -106,6 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """The API key: --api-key (or its variable), else the first line of --api-key-file (or
+    its variable's file); None for none (an empty value too: `${API_KEY:-}` in compose)."""
+    if args.api_key and args.api_key_file:
+        raise ValueError("give the API key once: --api-key or --api-key-file, not both")
+    if not args.api_key_file:
+        return args.api_key or None
+    try:
+        text = Path(args.api_key_file).read_text()
+    except OSError as e:
+        raise ValueError(f"--api-key-file {args.api_key_file}: {e.strerror}") from None
+    key = text.strip()
+    if not key or "\n" in key:
+        raise ValueError(f"--api-key-file {args.api_key_file}: not one line holding the key")
+    return key
+
+
 def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> RouterConfig:
     try:
         meta = json.loads(args.record_meta)
@@ -116,7 +152,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
     return RouterConfig(
         nats_url=args.nats_url,
         redis_url=args.redis_url,
-        api_key=args.api_key or None,
+        api_key=api_key_of(args),
         record_path=args.record,
         record_redact=args.record_redact,
         record_queue=args.record_queue,
@@ -124,6 +160,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         router_argv=tuple(sys.argv[1:] if argv is None else argv),
         buckets=tuple(parse_bucket(b) for b in args.bucket or [DEFAULT]),
         request_timeout_s=args.request_timeout,
+        default_max_tokens=args.default_max_tokens,
         shutdown_timeout_s=args.shutdown_timeout,
         pd_admit_timeout_s=args.pd_admit_timeout,
         pd_transfer_timeout_s=args.pd_transfer_timeout,

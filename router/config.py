@@ -49,6 +49,10 @@ class RouterConfig:
     # again (router.page_chains); 0 turns it off
     page_chain_cache_bytes: int = 64 * 1024 * 1024
     max_stop_strings: int = 16
+    # completions and chat without max_tokens generate up to what the context leaves after
+    # the prompt (OpenAI's rule), at most this many tokens when set (engines reserve pages
+    # for every token a request may write, so an uncapped default holds a context's worth)
+    default_max_tokens: int | None = None
     shutdown_timeout_s: float = 30.0  # in-flight requests get this long at shutdown
     pd_admit_timeout_s: float = 10.0  # wait for a decode engine's DecodeAdmitReply
     # a decode engine gives up on KV that stops arriving after this long (DecodeAdmit
@@ -96,6 +100,8 @@ class RouterConfig:
             raise ValueError("page_chain_cache_bytes must be >= 0")
         if self.record_queue < 1:
             raise ValueError("record_queue must be >= 1")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1 when given")
         if self.max_stop_strings < 1:
             raise ValueError("max_stop_strings must be >= 1")
         if not self.buckets:

@@ -43,6 +43,7 @@ from router.protocol import (
     parse_generate,
     read_json,
 )
+from router.readiness import bucket_readiness
 from router.responses import DONE, SSE_HEADERS, OpenAIShape, generate_body, sse
 from router.server import GUARD, read_body
 
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Parser = Callable[[Mapping[str, Any], ServedModel, int], GenerationSpec]
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes: no key, not counted
 ENGINE_HEADER = "X-Hicache-Engine"  # the engine that generated (P/D: the decode engine)
 TIMING_HEADER = "Server-Timing"  # the router's own time per stage (`Timings.server_timing`)
 PREFILL_HEADER = "X-Hicache-Prefill-Engine"  # P/D only: the engine that computed the prompt
@@ -336,7 +337,11 @@ def _choices(
     if not can_serve(engines):
         raise _unavailable(app, bucket)
     context_len = min(e.context_len for e in engines)
-    max_new_tokens = check_limits(spec, model.card.vocab_size, context_len)
+    config = app[keys.CONFIG]
+    max_len = next(b.max_len for b in config.buckets if b.name == bucket)
+    max_new_tokens = check_limits(
+        spec, model.card.vocab_size, context_len, max_len, config.default_max_tokens
+    )
 
     def make(choice: int, prefer: str | None) -> Generation:
         return Generation(
@@ -559,6 +564,27 @@ async def health(request: web.Request) -> web.Response:
     return ApiError(503, why, code="unhealthy", retry_after_s=1).response(state)
 
 
+async def ready(request: web.Request) -> web.Response:
+    """200 when every configured bucket can serve (`router.readiness`), else 503 naming what
+    is missing (`missing`, and per bucket its ready engines by role): the readiness probe of
+    compose, Kubernetes and `hicache-mesh up`. `/health` stays the liveness answer."""
+    app = request.app
+    connected = app[keys.NATS].is_connected
+    live = app[keys.TABLE].live()
+    names = [b.name for b in app[keys.CONFIG].buckets]
+    states = bucket_readiness(names, live, _ready(app, live))
+    missing = ([] if connected else [BUS_DOWN]) + [s.missing for s in states if s.missing]
+    body = {
+        "buckets": {s.name: s.as_dict() for s in states},
+        "missing": missing,
+        "pid": os.getpid(),
+    }
+    if not missing:
+        return json_response({"status": "ready"} | body)
+    err = ApiError(503, "not ready: " + "; ".join(missing), code="not_ready", retry_after_s=1)
+    return err.response({"status": "not_ready"} | body)
+
+
 def _ready(app: web.Application, engines: list[EngineView]) -> list[EngineView]:
     """The engines whose model card the router holds (it can parse requests for them)."""
     cards = app[keys.MODELS]
@@ -665,6 +691,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/generate", generate)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", prometheus)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/stats", stats)

@@ -4,8 +4,12 @@ Validation happens in two steps, both before anything is sent to an engine:
 1. `parse_completion` / `parse_chat` / `parse_generate`: types, ranges, enum values, the
    prompt (tokenized here). JSON `null` counts as "not given" for optional fields.
 2. `check_limits`: token ids against the engine's vocabulary, prompt + max_tokens against
-   its context length. When `max_tokens` is not given it defaults to 16, cut to what the
-   context leaves; a given `max_tokens` is never cut.
+   its context length. A given `max_tokens` is never cut. Without one, completions and chat
+   generate up to what the context leaves after the prompt, as OpenAI and vLLM do (capped
+   by the router's `--default-max-tokens` when set), and `/generate` up to SGLang's default
+   `max_new_tokens` of 128, cut to what the context leaves. `max_tokens` (and
+   `max_completion_tokens`) must be >= 1; `/generate` takes SGLang's `max_new_tokens: 0`.
+   An error names only values the client sent.
 
 Prompt ids become a `TokenIds` (array('I')) here, once, and stay compact to the bus. Their
 checks are vectorised (a 32K-token prompt must cost well under a millisecond): the array
@@ -46,7 +50,7 @@ from router.chat import ROLES, ChatMessage, ChatTemplateError
 from router.errors import ApiError, bad_request
 from router.models import ServedModel
 
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_NEW_TOKENS = 128  # /generate without sampling_params.max_new_tokens (SGLang's)
 MAX_SEED = 2**63  # seeds are in [0, 2**63): they seed a 64-bit generator
 MAX_SALT_LEN = 1024
 MAX_STOP_LEN = 1024
@@ -107,7 +111,7 @@ class GenerationSpec:
 
     endpoint: str  # "completions" | "chat" | "generate"
     input_ids: TokenIds
-    max_tokens: int | None  # None: not given (DEFAULT_MAX_TOKENS, cut to the context)
+    max_tokens: int | None  # None: not given (check_limits decides: what the context leaves)
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -233,9 +237,20 @@ def parse_generate(body: Mapping[str, Any], model: ServedModel, max_stop: int) -
     )
 
 
-def check_limits(spec: GenerationSpec, vocab_size: int, context_len: int) -> int:
+def check_limits(
+    spec: GenerationSpec,
+    vocab_size: int,
+    context_len: int,
+    default_len: int | None = None,
+    default_max_tokens: int | None = None,
+) -> int:
     """The max_new_tokens to send; raises 400 for ids outside the vocabulary or a request
-    that does not fit the context."""
+    that does not fit the context.
+
+    A request without max_tokens may reach `default_len` tokens in all (prompt included;
+    the serving bucket's `max_len`, when it is shorter than `context_len` and the prompt
+    fits it), at most `default_max_tokens` new ones (the router's cap; None: none) on the
+    OpenAI endpoints and `DEFAULT_MAX_NEW_TOKENS` on `/generate`."""
     native = spec.endpoint == "generate"
     stop_param = "sampling_params.stop_token_ids" if native else "stop_token_ids"
     bias_param = "sampling_params.logit_bias" if native else "logit_bias"
@@ -256,23 +271,28 @@ def check_limits(spec: GenerationSpec, vocab_size: int, context_len: int) -> int
             "invalid_token_id",
         )
     prompt_len = len(spec.input_ids)
-    if spec.max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, context_len - prompt_len)
-        if max_tokens >= 1:
-            return max_tokens
-        max_tokens = DEFAULT_MAX_TOKENS
-    else:
-        max_tokens = spec.max_tokens
-    if prompt_len + max_tokens > context_len:
+    if spec.max_tokens is not None:
+        if prompt_len + spec.max_tokens > context_len:
+            name = "sampling_params.max_new_tokens" if native else "max_tokens"
+            raise bad_request(
+                f"the prompt ({prompt_len} tokens) plus {name.rsplit('.', 1)[-1]} "
+                f"({spec.max_tokens}) exceeds the context length {context_len}",
+                name,
+                "context_length_exceeded",
+            )
+        return spec.max_tokens
+    if prompt_len >= context_len:  # the client sent no max_tokens: name none
         raise bad_request(
-            f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the "
-            f"context length {context_len}",
-            ("sampling_params.max_new_tokens" if native else "max_tokens")
-            if spec.max_tokens is not None
-            else "prompt",
+            f"the prompt ({prompt_len} tokens) leaves no room for output in the context "
+            f"length {context_len}",
+            "messages" if spec.endpoint == "chat" else "prompt",
             "context_length_exceeded",
         )
-    return max_tokens
+    limit = context_len
+    if default_len is not None and prompt_len < default_len:
+        limit = min(limit, default_len)
+    cap = DEFAULT_MAX_NEW_TOKENS if native else default_max_tokens
+    return min(limit - prompt_len, cap) if cap is not None else limit - prompt_len
 
 
 # ------------------------------------------------------------------ pieces
@@ -287,9 +307,9 @@ def _openai_spec(
     max_input_id: int | None = None,
 ) -> GenerationSpec:
     f = _Fields(body)
-    max_tokens = f.int_("max_tokens", 0, None)
+    max_tokens = f.int_("max_tokens", 1, None)
     if endpoint == "chat":
-        alias = f.int_("max_completion_tokens", 0, None)
+        alias = f.int_("max_completion_tokens", 1, None)
         max_tokens = max_tokens if alias is None else alias
     model = body.get("model")
     if model is not None and not isinstance(model, str):

@@ -138,6 +138,7 @@ def _flag(argv: Sequence[str], name: str) -> str:
 class MeshSpec:
     """How to start one mesh: colocated engines, or one prefill and one decode (`pd`)."""
 
+    model: str = "tiny"  # `up`'s default is the real model: tests name theirs
     engines: int = 2
     pd: bool = False
     heartbeat_s: float = 0.5
@@ -159,6 +160,8 @@ class MeshSpec:
             "up",
             "--port",
             str(port),
+            "--model",
+            self.model,
             *topology,
             "--page-size",
             str(PAGE),

@@ -412,6 +412,8 @@ def mesh() -> Iterator[Mesh]:
             "up",
             "--port",
             str(free_port()),
+            "--model",
+            "tiny",
             "--page-size",
             "4",
             "--max-total-tokens",

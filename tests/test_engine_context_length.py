@@ -17,7 +17,9 @@ from services.engine.flags import add_engine_args
 def make_engine(*flags: str) -> Engine:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    return Engine(engine_config_from_args(parser.parse_args(["--page-size", "64", *flags])))
+    return Engine(
+        engine_config_from_args(parser.parse_args(["--model", "tiny", "--page-size", "64", *flags]))
+    )
 
 
 def test_context_length_above_the_preset() -> None:

@@ -80,7 +80,8 @@ def test_a_request_that_fails_in_sampling_fails_alone() -> None:
 # --------------------------------------------------------------- a step loop that dies
 
 CRASH_TOKEN = 3
-FLAGS = ["--page-size", "4", "--max-total-tokens", "2048", "--heartbeat-interval", "0.2"]
+FLAGS = ["--model", "tiny", "--page-size", "4", "--max-total-tokens", "2048"]
+FLAGS += ["--heartbeat-interval", "0.2"]
 
 
 class Collector:
@@ -390,7 +391,8 @@ POISON_REQUESTS: list[tuple[str, dict[str, Any]]] = [
 
 @pytest.fixture(scope="module")
 def up_mesh() -> Iterator[Mesh]:
-    argv = ["up", "--port", str(free_port()), "--engines", "2", "--page-size", "4"]
+    argv = ["up", "--port", str(free_port()), "--model", "tiny", "--engines", "2"]
+    argv += ["--page-size", "4"]
     # heartbeats at the default 1 s: 40 requests at once on 2 busy cores can delay a 0.2 s
     # heartbeat past the router's liveness bound, and "no live engine" is not what we test
     argv += ["--max-total-tokens", "2048"]

@@ -149,6 +149,54 @@ def test_the_weight_cache_is_used_and_survives_corruption(
     assert torch.equal(model.embed_tokens.weight, small_state["embed_tokens.weight"])  # type: ignore[union-attr]
 
 
+def test_copies_of_one_file_share_one_cache_entry(
+    tmp_path: Path,
+    small_state: dict[str, torch.Tensor],
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cache is keyed by the file's content (issue 19, defect 8: every checkout kept its
+    own 513 MiB copy): a copy at another path, with another modification time, loads from
+    the entry the first made, without de-quantizing. The digest is computed once per path,
+    size and mtime; de-quantizing shows one progress bar on stderr."""
+    import logging
+    import os
+    import shutil
+
+    from gpu_worker import env
+    from gpu_worker.model.gguf import _cache_entry
+
+    monkeypatch.setenv(env.CACHE_DIR, str(tmp_path / "cache"))  # empty: entries are counted
+    caplog.set_level(logging.INFO, logger="gpu_worker.model.gguf")
+    (tmp_path / "a").mkdir()
+    first = write_llama_gguf(tmp_path / "a" / "small.gguf", SMALL, small_state)
+    _, model = build_model(first, "cpu", torch.float32, prepack=False)
+    assert "de-quantizing the GGUF" in capsys.readouterr().err
+    assert caplog.text.count("cached the de-quantized weights") == 1
+    copy = tmp_path / "b" / "renamed.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(first, copy)
+    os.utime(copy, ns=(1_000_000_000, 1_000_000_000))
+    config, again = build_model(copy, "cpu", torch.float32, prepack=False)
+    assert caplog.text.count("cached the de-quantized weights") == 1  # not de-quantized again
+    assert "de-quantizing" not in capsys.readouterr().err
+    assert _cache_entry(copy) == _cache_entry(first)
+    entries = [p for p in (env.cache_dir() / "gguf").iterdir() if p.name != "digests"]
+    assert [p for p in entries if (p / "weights.safetensors").is_file()] == [_cache_entry(first)]
+    assert config.name == "renamed"  # the entry's metadata, under this file's name
+    for name, param in model.named_parameters():
+        assert torch.equal(param, dict(again.named_parameters())[name]), name
+    # the digest is the content's, remembered per path (one file each)
+    import hashlib
+
+    from gpu_worker.model.gguf import file_digest
+
+    want = hashlib.blake2b(first.read_bytes(), digest_size=32).hexdigest()
+    assert file_digest(first) == file_digest(copy) == want
+    assert len(list((env.cache_dir() / "gguf" / "digests").iterdir())) == 2
+
+
 # ---------------------------------------------------------------- SmolLM2-135M-Instruct
 
 

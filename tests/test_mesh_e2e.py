@@ -41,6 +41,8 @@ def mesh() -> Iterator[Mesh]:
             "up",
             "--port",
             str(free_port()),
+            "--model",
+            "tiny",
             "--engines",
             "2",
             "--page-size",
@@ -239,6 +241,8 @@ async def test_engine_restart_with_new_epoch_drops_its_entries(
     new = spawn_engine(
         nats_url,
         owner,
+        "--model",
+        "tiny",
         "--heartbeat-interval",
         "0.2",
         "--page-size",

@@ -28,7 +28,8 @@ from services.launch.servers import ServerProcess
 
 HEARTBEAT_S = 1.0
 POISON = 201
-FLAGS = ["--page-size", "4", "--max-total-tokens", "4096", "--max-running-requests", "2"]
+FLAGS = ["--model", "tiny", "--page-size", "4", "--max-total-tokens", "4096"]
+FLAGS += ["--max-running-requests", "2"]
 
 
 def rank_pids(service_pid: int) -> list[int]:

@@ -33,6 +33,8 @@ def start_mesh(*flags: str) -> Mesh:
             "--pd",
             "--port",
             str(free_port()),
+            "--model",
+            "tiny",
             "--page-size",
             str(PAGE),
             "--heartbeat-interval",

@@ -26,7 +26,7 @@ EXACT = ("--dtype", "float64", "--enable-deterministic-inference")
 def mesh(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[UpMesh]:
-    spec = MeshSpec(pd=True, extra=("--tp-size", "2", "--model", request.param, *EXACT))
+    spec = MeshSpec(model=request.param, pd=True, extra=("--tp-size", "2", *EXACT))
     with running_mesh(spec, tmp_path_factory, request.param) as m:
         yield m
 

@@ -41,6 +41,8 @@ from services.launch.servers import ServerProcess
 
 PAGE = 4
 COMMON = [
+    "--model",
+    "tiny",
     "--page-size",
     str(PAGE),
     "--max-total-tokens",

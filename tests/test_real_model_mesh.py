@@ -41,21 +41,19 @@ SYSTEM = (
 ) * 6
 
 
-def start(tmp_path_factory: pytest.TempPathFactory, name: str, extra: tuple[str, ...]) -> UpMesh:
+def start(
+    tmp_path_factory: pytest.TempPathFactory, name: str, model: str, extra: tuple[str, ...]
+) -> UpMesh:
     log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp(name)))
     log_dir.mkdir(parents=True, exist_ok=True)
-    mesh = UpMesh(MeshSpec(engines=1, extra=extra), log_dir)
+    mesh = UpMesh(MeshSpec(model=model, engines=1, extra=extra), log_dir)
     mesh.start(timeout_s=300)
     return mesh
 
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    mesh = start(
-        tmp_path_factory,
-        "smollm2",
-        ("--model", SMOLLM2, "--dtype", "float32", "--page-size", "16"),
-    )
+    mesh = start(tmp_path_factory, "smollm2", SMOLLM2, ("--dtype", "float32", "--page-size", "16"))
     try:
         yield openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=120)
     finally:
@@ -76,6 +74,18 @@ def test_a_chat_question_is_answered_by_the_real_model(smol: openai.OpenAI) -> N
     assert "Paris" in answer, answer
     assert out.choices[0].finish_reason == "stop"  # the template's end of turn ended it
     assert "<|im_end|>" not in answer and "<|im_start|>" not in answer
+
+
+def test_a_chat_without_max_tokens_ends_where_the_model_ends_it(smol: openai.OpenAI) -> None:
+    """No max_tokens: the answer runs to the model's end of turn (OpenAI's rule), not to a
+    default of 16 tokens cut with "length" (issue 19, defect 6)."""
+    out = smol.chat.completions.create(
+        model=SMOLLM2,
+        messages=[{"role": "user", "content": "Write one sentence about the sea."}],
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert out.choices[0].finish_reason == "stop", out
+    assert out.usage is not None and out.usage.completion_tokens > 16, out.usage
 
 
 def test_a_second_turn_reuses_the_cached_system_prompt(smol: openai.OpenAI) -> None:
@@ -166,7 +176,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_mesh(tmp_path_factory: pytest.TempPathFactory, hf_dir: Path) -> Iterator[openai.OpenAI]:
-    mesh = start(tmp_path_factory, "hf", ("--model", str(hf_dir), "--dtype", "float64"))
+    mesh = start(tmp_path_factory, "hf", str(hf_dir), ("--dtype", "float64"))
     try:
         yield openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=120)
     finally:

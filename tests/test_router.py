@@ -151,11 +151,11 @@ async def test_completions_text_ids_and_cached_tokens(
         engine = mesh.engines[0]
         assert engine.received[0].input_ids.tolist() == ids
         assert engine.received[0].sampling.max_new_tokens == 5
-        # token ids, and a batch of one id list; default max_tokens is 16
+        # token ids, and a batch of one id list; without max_tokens, up to the context (256)
         for prompt in ([5, 6, 7], [[5, 6, 7]]):
             r = await mesh.client.post("/v1/completions", json={"prompt": prompt, "seed": 3})
             body = await r.json()
-            assert body["choices"][0]["token_ids"] == expected_tokens([5, 6, 7], 16)
+            assert body["choices"][0]["token_ids"] == expected_tokens([5, 6, 7], 256 - 3)
         assert engine.received[-1].sampling.seed == 3
 
 

@@ -537,7 +537,8 @@ async def test_a_real_engine_reports_cache_usage_and_counters_in_heartbeats(
     nats_server: ServerProcess,
 ) -> None:
     # 16 device pages: one 37-token prompt (10 pages running, 9 cached) fits, two do not
-    flags = ["--page-size", "4", "--max-total-tokens", "64", "--enable-hierarchical-cache"]
+    flags = ["--model", "tiny", "--page-size", "4", "--max-total-tokens", "64"]
+    flags += ["--enable-hierarchical-cache"]
     proc = spawn_engine(nats_server.url, "hb-stats", *flags, "--heartbeat-interval", "0.2")
     nc = await nats.connect(nats_server.url)
     try:

@@ -109,9 +109,9 @@ def test_vocabulary_bound_names_the_first_id_outside() -> None:
     err = error_of(check_limits, spec, VOCAB, 1024)
     assert (err.code, err.param) == ("invalid_token_id", "prompt")
     assert err.message == "prompt token 2 is 260: token ids must be integers in [0, 260)"
-    assert check_limits(generate([0, 259]), VOCAB, 1024) == 16
+    assert check_limits(generate([0, 259]), VOCAB, 1024) == 128  # SGLang's default
     text = parse_generate({"text": "ab"}, TOK, 4)  # no max from parsing: computed here
-    assert text.max_input_id is None and check_limits(text, 99, 1024) == 16
+    assert text.max_input_id is None and check_limits(text, 99, 1024) == 128
     err = error_of(check_limits, text, 98, 1024)
     assert err.message == "prompt token 1 is 98: token ids must be integers in [0, 98)"
 
@@ -136,7 +136,7 @@ def test_a_long_prompt_round_trips_exactly() -> None:
     ids = [(i * 7919) % VOCAB for i in range(32768)]
     spec = parse_generate(orjson.loads(orjson.dumps({"input_ids": ids})), TOK, 4)
     assert spec.max_input_id == max(ids)
-    assert check_limits(spec, VOCAB, 40000) == 16
+    assert check_limits(spec, VOCAB, 40000) == 128
     req = GenerateRequest("r", spec.input_ids, Sampling(max_new_tokens=1), "inbox")
     assert GenerateRequest.decode(req.encode()).input_ids.tolist() == ids
 

@@ -39,7 +39,7 @@ from services.launch import servers, up
 from services.launch.servers import ServerProcess, free_port, start_nats
 from services.launch.supervisor import Child, ChildSpec, RestartPolicy, Supervisor
 
-UP = [sys.executable, "-m", "services.cli", "up"]
+UP = [sys.executable, "-m", "services.cli", "up", "--model", "tiny"]
 NO_REDIS = ["--redis-url", "redis://127.0.0.1:1/0"]  # both services start without Redis
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -173,12 +173,13 @@ def test_the_readiness_probe_names_a_listener_that_is_not_ours(tmp_path: Path) -
 
 def test_up_waits_for_its_own_router_not_one_already_on_the_port() -> None:
     """The router's port can be drawn by another launcher at the same moment: that mesh's
-    router answering /health (same engine names, all ready) is not this mesh's. `up` waits
-    for the /health of the router process it started."""
+    router answering /ready (same engine names, all ready) is not this mesh's. `up` waits
+    for the /ready of the router process it started."""
     parser = argparse.ArgumentParser()
     up.add_up_args(parser)
     plan = up.Mesh(parser.parse_args(["--port", "7001"]))
-    answer: dict[str, Any] = {"ready_engines": [name for name, _ in plan._engines()]}
+    engines = {"colocated": [name for name, _ in plan._engines()]}
+    answer: dict[str, Any] = {"buckets": {"default": {"engines": engines}}, "missing": []}
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -199,7 +200,7 @@ def test_up_waits_for_its_own_router_not_one_already_on_the_port() -> None:
         with sleeper() as ours:
             plan.supervisor.children["router"] = Child(ChildSpec("router", SLEEPER, 1), ours)
             answer["pid"] = ours.pid + 1  # another router
-            with pytest.raises(TimeoutError, match="not healthy"):
+            with pytest.raises(TimeoutError, match="not ready"):
                 plan._wait_healthy(url, 1.0, lambda: False)
             answer["pid"] = ours.pid
             plan._wait_healthy(url, 5.0, lambda: False)

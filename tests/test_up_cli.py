@@ -1,4 +1,4 @@
-"""README's run command: `hicache-mesh up`, a completion with curl, Ctrl-C, nothing left behind."""
+"""`hicache-mesh up --model tiny`: a completion with curl, Ctrl-C, nothing left behind."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from fault_helpers import kill_session
 from services.launch.servers import free_port
 
 ALARM = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")
+UP = [sys.executable, "-m", "services.cli", "up"]
 
 
 def test_up_serves_a_completion_and_stops_cleanly() -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--page-size", "4"],
+        [*UP, "--port", str(port), "--model", "tiny", "--page-size", "4"],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,

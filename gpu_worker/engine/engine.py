@@ -12,6 +12,7 @@ step. The other ranks run `follow()` until rank 0 sends `Stop`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import secrets
 import threading
@@ -44,7 +45,7 @@ from gpu_worker.engine.commands import (
 )
 from gpu_worker.engine.executor import ModelExecutor
 from gpu_worker.memory.kv_spec import KVSpec
-from gpu_worker.model.config import ModelConfig, parse_dtype, resolve_dtype
+from gpu_worker.model.config import PRESETS, ModelConfig, parse_dtype, resolve_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.shard import ModelShard
 from gpu_worker.model.tokenizer import load_tokenizer
@@ -56,6 +57,8 @@ from gpu_worker.scheduler.request import GenerateOutput, RemoteKV, Req, ReqState
 from gpu_worker.scheduler.scheduler import Scheduler, SchedulerConfig
 from gpu_worker.storage import StorageBackend, StorageConfig, default_storage_dir, make_backend
 from gpu_worker.storage.layout import StorageNamespace, shard_cells
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 5.0  # an idle multi-rank engine still steps this often (its ranks wait in it)
 ACK_WAIT_S = 0.05  # `run`: the longest sleep for an ACK before stepping again anyway
@@ -125,6 +128,8 @@ class Engine:
             parallel=config.parallel,
             rank=self.rank,
         )
+        if self.rank == 0 and str(config.model) in PRESETS:
+            log.info("serving random weights (preset %s): outputs are noise", config.model)
         if groups.tp is not None:
             tp = groups.tp
             self.model.set_tp_reduce(lambda t: _all_reduce(t, tp))
@@ -158,6 +163,10 @@ class Engine:
             storage_groups=(groups.storage_hit, groups.storage_progress),
             rank=self.rank,
         )
+        # a request reserves pages for every token it may write, so the longest one this
+        # engine serves is also bounded by its device pool (SGLang's max request length)
+        pool_len = self.cache.device_pool.num_pages * config.cache.page_size
+        self.context_len = min(self.context_len, pool_len)
         self.consensus = consensus.recorder_for(groups)  # None unless HICACHE_RANK_CONSENSUS
         consensus.attach(self.consensus)
         self.sync = StepSync(groups, config.debug.disable_agreement)

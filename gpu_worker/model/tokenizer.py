@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import tokenizers
 
 from gpu_worker.model.config import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
-from gpu_worker.model.gguf import gguf_path, read_gguf_meta, tokenizer_json
+from gpu_worker.model.gguf import gguf_path, gguf_tokenizer_json, read_gguf_meta
 
 
 class Tokenizer(Protocol):
@@ -86,7 +86,7 @@ def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
     gguf = gguf_path(name_or_path)
     if gguf is not None:
         meta = read_gguf_meta(gguf)
-        tok = tokenizers.Tokenizer.from_str(tokenizer_json(meta))
+        tok = tokenizers.Tokenizer.from_str(gguf_tokenizer_json(gguf))
         config = meta.model_config()
         return HFTokenizer(tok, config.eos_token_ids, config.bos_token_id)
     path = Path(name_or_path)

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from gpu_worker.model.config import PRESETS, ModelConfig
-from gpu_worker.model.gguf import GGUF_PRESETS, gguf_path, load_gguf, read_gguf
+from gpu_worker.model.gguf import GGUF_PRESETS, gguf_path, load_gguf, read_gguf_meta
 from gpu_worker.model.llama import LlamaModel, create_model
 from gpu_worker.model.shard import ModelShard, shard_model
 from gpu_worker.parallel.config import ParallelConfig
@@ -84,7 +84,7 @@ def model_config_of(name_or_path: str | Path, context_len: int | None = None) ->
         return config if context_len is None else config.replace(context_len=context_len)
     gguf = gguf_path(name_or_path)
     if gguf is not None:
-        return read_gguf(gguf)[0].model_config()
+        return read_gguf_meta(gguf).model_config()
     path = Path(name_or_path)
     if path.is_dir():
         return config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)

@@ -18,6 +18,8 @@ STORAGE_BACKENDS = ("file",)
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_WRITE_POLICIES = ("write_through", "write_through_selective")
 KEY_SCHEMES = ("rank-suffix", "unified")
+# `up`, `generate`, the engine service and compose serve the real model unless told otherwise
+DEFAULT_MODEL = "smollm2-135m-instruct"
 # auto: float64 for the random presets, float32 (CPU) or bfloat16 (GPU) for real checkpoints
 DTYPES = ("auto", "float64", "float32", "bfloat16", "float16")
 
@@ -28,9 +30,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--model",
         "--model-path",
         dest="model",
-        default="tiny",
-        help="a preset (tiny, tiny-tp, tiny-mla: random weights; smollm2-135m-instruct), a *.gguf "
-        "file or a Hugging Face checkpoint directory",
+        default=DEFAULT_MODEL,
+        help="a preset (smollm2-135m-instruct, the default: a real chat model; tiny, tiny-tp, "
+        "tiny-mla: random weights, for tests), a *.gguf file or a Hugging Face checkpoint "
+        "directory",
     )
     g.add_argument(
         "--served-model-name",

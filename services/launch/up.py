@@ -10,9 +10,9 @@ come back on the same port. Ctrl-C or SIGTERM stops them all and leaves no proce
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from services.engine.flags import add_engine_args, engine_argv
 from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
@@ -67,7 +68,23 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.toml",
         help="the buckets as [[bucket]] tables (name, tp, pp, max_len, engines)",
     )
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("HICACHE_ROUTER_API_KEY"),
+        help="the router requires it (default: $HICACHE_ROUTER_API_KEY); it reaches the router "
+        "in a 0600 file, never on its command line",
+    )
+    parser.add_argument(
+        "--api-key-file", default=None, metavar="FILE", help="the router reads its key here"
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the router's cap on completions and chat that send no max_tokens (default: "
+        "up to the context length minus the prompt)",
+    )
     parser.add_argument(
         "--record",
         default=None,
@@ -165,6 +182,8 @@ class Mesh:
                 f"--heartbeat-interval: engines show their progress on a request once per "
                 "heartbeat interval"
             )
+        if args.api_key and args.api_key_file:
+            raise ValueError("give the API key once: --api-key or --api-key-file, not both")
         self.declared = bool(declared)  # else one bucket "default" of the shared flags
         self.buckets = declared or [LaunchBucket("default")]
         self.workdir = tempfile.TemporaryDirectory(prefix="hicache-mesh-")
@@ -218,11 +237,18 @@ class Mesh:
         argv += ["--nats-url", nats_url, "--redis-url", redis_url]
         for bucket in self.buckets:
             argv += ["--bucket", bucket.router_spec()]
-        if a.api_key:
-            argv += ["--api-key", a.api_key]
         for flag, _ in ROUTER_TIMEOUTS:
             value = getattr(a, flag[2:].replace("-", "_"), None)
             argv += [] if value is None else [flag, str(value)]
+        if a.api_key:  # in a file of our own, not on the router's command line (`ps`)
+            key_file = Path(self.workdir.name) / "api_key"
+            key_file.touch(mode=0o600)
+            key_file.write_text(a.api_key + "\n")
+            argv += ["--api-key-file", str(key_file)]
+        elif a.api_key_file:
+            argv += ["--api-key-file", str(Path(a.api_key_file).resolve())]
+        if a.default_max_tokens is not None:
+            argv += ["--default-max-tokens", str(a.default_max_tokens)]
         if a.record:
             argv += ["--record", a.record, "--record-meta", json.dumps(self._record_meta())]
             argv += ["--record-redact"] if a.record_redact else []
@@ -262,35 +288,58 @@ class Mesh:
         ]
 
     def _wait_healthy(self, url: str, timeout_s: float, stopping: Callable[[], bool]) -> None:
-        """Return once our router's /health is 200 and lists every engine as ready (every
-        bucket can serve). A child dying during startup is a configuration error, not a fault to
-        heal: raise with its name and exit code."""
+        """Return once our router's /ready is 200 (every bucket has a ready engine of each
+        role it needs) and lists every engine we started as ready. A child dying during
+        startup is a configuration error, not a fault to heal: raise with its name and exit
+        code. On timeout the error says what /ready still missed."""
         engines = {name for name, _ in self._engines()}
         router = self.supervisor.children["router"].pid
         deadline = time.monotonic() + timeout_s
+        missing = "the router did not answer"
         while time.monotonic() < deadline and not stopping():
             for child in self.supervisor.exited():
                 raise RuntimeError(
                     f"{child.spec.name} exited with code {child.proc.returncode if child.proc else None} during startup"
                 )
-            with (
-                contextlib.suppress(urllib.error.URLError, ConnectionError, OSError),
-                urllib.request.urlopen(f"{url}/health", timeout=1) as resp,
-            ):
-                health = json.loads(resp.read())
-                ready = set(health.get("ready_engines", []))
-                # another mesh's router on a port drawn at the same moment is not ours (ours
-                # then fails to bind, and exits: raised above)
-                if resp.status == 200 and engines <= ready and health.get("pid") == router:
+            answer = _get_ready(url)
+            # another mesh's router on a port drawn at the same moment is not ours (ours
+            # then fails to bind, and exits: raised above)
+            if answer is not None and answer[1].get("pid") == router:
+                status, body = answer
+                ready = {
+                    engine_id
+                    for bucket in body.get("buckets", {}).values()
+                    for ids in bucket.get("engines", {}).values()
+                    for engine_id in ids
+                }
+                if status == 200 and engines <= ready:
                     return
+                missing = "; ".join(body.get("missing") or []) or (
+                    f"engines not ready yet: {', '.join(sorted(engines - ready))}"
+                )
             time.sleep(0.2)
         if stopping():
             raise StartupStopped("stopped during startup")
-        raise TimeoutError(f"the mesh was not healthy at {url} within {timeout_s}s")
+        raise TimeoutError(f"the mesh at {url} was not ready within {timeout_s}s: {missing}")
 
     def stop(self) -> None:
         self.supervisor.stop()
         self.workdir.cleanup()
+
+
+def _get_ready(url: str) -> tuple[int, dict[str, Any]] | None:
+    """(status, body) of the router's /ready, or None when it does not answer in JSON."""
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=1) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:  # 503: not ready, the body says why
+        with e:
+            try:
+                return e.code, json.loads(e.read())
+            except ValueError:
+                return None
+    except (urllib.error.URLError, ConnectionError, OSError, ValueError):
+        return None
 
 
 def _up_flags(command_line: list[str]) -> list[str]:
@@ -324,7 +373,12 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         url = mesh.start(lambda: stopping)
         mesh.supervisor.write_status()
-        print(f"hicache-mesh is up: {url}  (OpenAI API at {url}/v1; Ctrl-C stops it)", flush=True)
+        buckets = ", ".join(b.name for b in mesh.buckets)
+        print(
+            f"hicache-mesh is up and ready: {url}  (every bucket can serve: {buckets}; "
+            f"OpenAI API at {url}/v1; Ctrl-C stops it)",
+            flush=True,
+        )
         while not stopping:
             mesh.supervisor.poll()
             time.sleep(0.1)
