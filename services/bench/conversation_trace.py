@@ -36,10 +36,10 @@ from services.bench.mooncake import TRACE_BLOCK_SIZE
 class ConversationTraceConfig:
     num_conversations: int = 48
     turns: int = 6  # requests per conversation
-    active: int = 24  # conversations open at a time (their turns interleave)
-    shared_prefix_blocks: int = 6  # the hot prefix every conversation starts with
-    first_blocks: tuple[int, int] = (2, 4)  # new blocks of turn 1, drawn in [lo, hi]
-    turn_blocks: tuple[int, int] = (1, 2)  # new blocks of every later turn, in [lo, hi]
+    active: int = 16  # conversations open at a time (their turns interleave)
+    shared_prefix_blocks: int = 8  # the hot prefix every conversation starts with
+    first_blocks: tuple[int, int] = (4, 6)  # new blocks of turn 1, drawn in [lo, hi]
+    turn_blocks: tuple[int, int] = (1, 3)  # new blocks of every later turn, in [lo, hi]
     output_length: tuple[int, int] = (64, 512)  # tokens, drawn in [lo, hi]
     interval_ms: float = 100.0  # between consecutive requests' timestamps
     seed: int = 0
