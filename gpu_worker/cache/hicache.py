@@ -183,6 +183,7 @@ class CacheStats:
     num_prefetches: int = 0  # hit queries sent to the store
     storage_pages_read: int = 0  # pages read from the store into the tree
     storage_reads_skipped: int = 0  # storage hits recomputed because reading looked slower
+    storage_reads_short: int = 0  # grants cut to a shorter prefix: pins left too few to evict
     num_storage_writes: int = 0  # writes to the store submitted
     storage_pages_written: int = 0  # pages the store took (this rank)
     evicted_device_pages: int = 0  # device pages the tree gave up to make room
@@ -206,7 +207,7 @@ class PrefixCache:
         record_events: bool = True,
         storage: StorageBackend | None = None,
         storage_layout: StorageLayout | None = None,
-        storage_groups: tuple[Any, Any] = (None, None),
+        storage_groups: tuple[Any, Any, Any] = (None, None, None),
         rank: int = 0,
     ) -> None:
         """With a `namespace`, the tree hashes its pages (and, with `record_events`, records
@@ -217,7 +218,7 @@ class PrefixCache:
         injected transfer delays' seed, so each rank sees its own readiness. `storage` adds the
         L3 tier: `storage_layout` says which objects hold this rank's part of a page (the
         unified scheme lays the host pool out `page_unified`), and the `storage_groups`
-        (hit, progress) agree over the world (None in a world of one)."""
+        (hit, progress, write) agree over the world (None in a world of one)."""
         self.config = config
         self.spec = spec
         self.device_pool = DeviceKVPool(spec, config.num_device_pages, device, config.check_reads)
@@ -525,6 +526,7 @@ class PrefixCache:
         for queue, n in zip((io.hits, io.progress, io.writes), counts[1:], strict=True):
             for ack in queue.pop(n):
                 self.storage.on_ack(ack)
+        self.storage.collect_stored()
 
     def consume(self, num_acks: int) -> None:
         """Apply the first `num_acks` queued ACKs, in order (waiting for unfinished ones)."""
@@ -567,9 +569,13 @@ class PrefixCache:
         ticket.done = True
 
     def drain(self) -> None:
-        """Wait for and apply every queued ACK (storage writes a backup starts included)."""
+        """Wait for and apply every queued ACK (storage writes a backup starts included),
+        and for the store to hold what was written."""
         while any(self.queued_counts()):
             self.consume_counts(self.queued_counts())
+        if self.storage is not None:
+            self.storage.io.wait_stored()
+            self.storage.collect_stored()
 
     # ----------------------------------------------------------------- whole-cache
 

@@ -155,7 +155,7 @@ class Engine:
             storage_layout=self.storage_layout(config, mc, self.rank)
             if config.cache.hicache_storage_backend is not None
             else None,
-            storage_groups=(groups.storage_hit, groups.storage_progress),
+            storage_groups=(groups.storage_hit, groups.storage_progress, groups.storage_write),
             rank=self.rank,
         )
         self.consensus = consensus.recorder_for(groups)  # None unless HICACHE_RANK_CONSENSUS
