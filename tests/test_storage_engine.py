@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import torch
 from test_engine_oracle import Cold, assert_matches_cold, traced
 
 from bus_schemas.page_hash import chain_hashes, root_hash
@@ -347,3 +348,49 @@ def test_a_partial_write_advertises_only_the_pages_the_store_took(tmp_path: Path
     assert storage_events(eng) == [hashes[:5]]
     assert eng.cache.stats.storage_pages_written == 5
     eng.close()
+
+
+def test_engines_of_different_models_never_read_each_others_objects(tmp_path: Path) -> None:
+    """Four models share one store: two checkpoints of the same shape (different weights),
+    and two presets of other shapes. Each computes the same prompt while the others' objects
+    are there, reads none of them (a hit of another model's KV with the same shape would
+    change its outputs; one of another shape would be quarantined as the wrong size), and
+    later reads its own back."""
+    from test_hf_loader import corrupt_copy, save_hf_model
+
+    def perturb(tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            if name.endswith("v_proj.weight"):
+                t.mul_(1.5)
+
+    a, b = tmp_path / "model-a", tmp_path / "model-b"
+    save_hf_model("llama", a)
+    corrupt_copy(a, b, edit_tensors=perturb)
+    store = tmp_path / "store"
+    prompt = [t % 128 for t in PROMPT]  # within the checkpoints' vocabulary
+    models = [str(a), str(b), "tiny", "tiny-tp"]
+
+    def engine(model: str, cache: CacheConfig | None = None) -> Engine:
+        cfg = config(store) if cache is None else EngineConfig(cache=cache)
+        return Engine(dataclasses.replace(cfg, model=model, dtype="float64"))
+
+    want = {}
+    for m in models:
+        eng = engine(m, CacheConfig(page_size=PAGE, enable_radix_cache=False))
+        want[m] = eng.generate(prompt, GREEDY).output_ids
+        eng.close()
+    assert want[str(a)] != want[str(b)]  # the perturbed weights answer otherwise
+    for m in models:
+        eng = engine(m)
+        out = eng.generate(prompt, GREEDY)
+        assert out.cached.total == 0, m  # the other models' objects are not its own
+        assert out.output_ids == want[m], m
+        eng.drain()
+        eng.close()
+    for m in models:
+        eng = engine(m)
+        out = eng.generate(prompt, GREEDY)
+        assert out.cached == CachedTokens(0, 0, HIT), m
+        assert out.output_ids == want[m], m
+        eng.close()
+    assert not (store / ".quarantine").exists()
