@@ -650,6 +650,7 @@ class Engine:
             "storage_pages_read": c.stats.storage_pages_read,
             "storage_pages_written": c.stats.storage_pages_written,
             "storage_reads_skipped": c.stats.storage_reads_skipped,
+            "storage_reads_short": c.stats.storage_reads_short,
         }
         if c.storage is not None:
             backend = c.storage.io.backend.stats()
@@ -658,6 +659,8 @@ class Engine:
                 "storage_bytes": backend.num_bytes,
                 "storage_quarantined": backend.num_quarantined,
                 "storage_write_failures": backend.num_write_failures,
+                "storage_prefetch_held_pages": c.storage.held_pages,
+                "storage_prefetch_budget_pages": c.storage.budget_pages,
             }
         return stats
 
