@@ -310,6 +310,8 @@ class StorageIO:
             log.warning("storage write agreement failed: %r", e)
             agreed = 0
         self._stored.append(Stored(op, local, agreed))
+        if self.on_done is not None:  # rank 0 may advertise it now
+            self.on_done()
 
     def _agree(self, value: int, group: dist.ProcessGroup | None) -> int:
         if group is None or self.faults.disable_min:
