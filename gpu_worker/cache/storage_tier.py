@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 PREFETCH_POLICIES: tuple[PrefetchPolicy, ...] = ("best_effort", "wait_complete", "timeout")
 StorageWritePolicy = Literal["write_through", "write_through_selective"]
+# grant attempts (one a step) in a row that may free nothing before a grant stops waiting for
+# pins to clear and reads the shorter prefix it has: copies in flight finish within a step
+# or two, while pins that never clear (those of requests behind it) must not starve it
+GRANT_PATIENCE = 8
 STORAGE_WRITE_POLICIES: tuple[StorageWritePolicy, ...] = (
     "write_through",
     "write_through_selective",
@@ -104,6 +108,7 @@ class Prefetch:
     # on rank 0 (a prefetch waiting for room is not late: the store has not been asked yet)
     read_started_at: float | None = None
     awaiting_room: bool = False  # hit agreed, queued for a grant under the budget
+    stalled_grants: int = 0  # grant attempts in a row that got no page
     host_page_ids: list[HostPageId] = field(default_factory=list)  # granted for the read
     attached_pages: int = 0  # pages `finish` put into the tree, held until `release`
     pin_node: TreeNode | None = None  # end of what `finish` attached, pinned until `release`
@@ -246,6 +251,7 @@ class StorageTier:
             got = self.cache.alloc_host_upto(need)
             p.host_page_ids += got
             self.held_pages += len(got)
+            p.stalled_grants = 0 if got else p.stalled_grants + 1
             if len(p.host_page_ids) < want and self._room_may_come(p):
                 return
             self.room_queue.popleft()
@@ -255,8 +261,9 @@ class StorageTier:
     def _room_may_come(self, p: Prefetch) -> bool:
         """Whether host pages pinned now are released without `p`'s request moving: copies
         in flight (loads, backups, writes not yet staged) finish, and the requests ahead,
-        whose prefetches hold the rest of the budget, get admitted. Replicated counts."""
-        return bool(
+        whose prefetches hold the rest of the budget, get admitted; and it has not waited
+        `GRANT_PATIENCE` attempts in a row for nothing. Replicated counts."""
+        return p.stalled_grants < GRANT_PATIENCE and bool(
             self.cache.num_queued_acks
             or len(self.io.writes)
             or self.held_pages > len(p.host_page_ids)
