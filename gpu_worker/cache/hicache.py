@@ -34,12 +34,11 @@ from gpu_worker.cache.storage_codec import StorageLayout
 from gpu_worker.cache.storage_io import StorageFaults, StorageIO
 from gpu_worker.cache.storage_tier import (
     PREFETCH_POLICIES,
-    STORAGE_WRITE_POLICIES,
     PrefetchPolicy,
     PrefetchTimeout,
     StorageTier,
-    StorageWritePolicy,
 )
+from gpu_worker.cache.storage_writes import STORAGE_WRITE_POLICIES, StorageWritePolicy
 from gpu_worker.cache.transfer import DelayInjection, TransferAck, TransferEngine, TransferKind
 from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.kernels.moves import PoolView
@@ -315,7 +314,7 @@ class PrefixCache:
             if node.parent is not None and node.hit_count >= self.config.write_through_threshold:
                 self._backup(node)
         if self.storage is not None and result.last_node.parent is not None:
-            self.storage.after_match(result.last_node)
+            self.storage.writes.after_match(result.last_node)
         return result
 
     def lock(self, node: TreeNode) -> None:
@@ -526,7 +525,7 @@ class PrefixCache:
         for queue, n in zip((io.hits, io.progress, io.writes), counts[1:], strict=True):
             for ack in queue.pop(n):
                 self.storage.on_ack(ack)
-        self.storage.collect_stored()
+        self.storage.writes.collect_stored()
 
     def consume(self, num_acks: int) -> None:
         """Apply the first `num_acks` queued ACKs, in order (waiting for unfinished ones)."""
@@ -548,7 +547,7 @@ class PrefixCache:
             if error is None:
                 self.tree.commit_backup(op.last_node, op.start_len, op.host_page_ids)
                 if self.storage is not None:
-                    self.storage.after_backup(op.last_node)
+                    self.storage.writes.after_backup(op.last_node)
             else:
                 self.tree.abort_backup(op.last_node, op.start_len)
                 assert self.host_pool is not None
@@ -575,7 +574,7 @@ class PrefixCache:
             self.consume_counts(self.queued_counts())
         if self.storage is not None:
             self.storage.io.wait_stored()
-            self.storage.collect_stored()
+            self.storage.writes.collect_stored()
 
     # ----------------------------------------------------------------- whole-cache
 
@@ -591,7 +590,7 @@ class PrefixCache:
     def drain_events(self) -> list[KVEventRecord]:
         events = self.tree.drain_events()
         if self.storage is not None:
-            events += self.storage.drain_events()
+            events += self.storage.writes.drain_events()
         return events
 
     def snapshot_events(self) -> list[KVEventRecord]:

@@ -37,14 +37,8 @@ Prefetch of a request (`start` when it is added, before admission):
 Every decision above reads replicated state only (agreed ACK counts, the tree, the budget
 count, rank 0's verdicts applied as commands), so all ranks grant, evict and fall back alike.
 
-Backups: a page committed to the host is written to the store by `write_through`, or once
-its node was matched `hicache_storage_write_threshold` times (`write_through_selective`).
-Whether to write is decided from replicated state (a node is marked `in_storage` when its
-write is submitted, whatever the result), so every rank submits the same writes; the host
-pages stay pinned until the WRITE ACK is consumed, which comes once they are copied out for
-the store (`StorageIO`), not once the store took them. Rank 0 advertises to the index (a
-"stored" storage KV event) the leading pages of a write that every rank's store took, and
-no others.
+Backups to the store are `StorageWrites`' (`storage_writes.py`); this tier owns it and hands
+it the WRITE ACKs.
 """
 
 from __future__ import annotations
@@ -57,8 +51,9 @@ from typing import TYPE_CHECKING, Literal
 
 from bus_schemas.page_hash import chain_hashes
 from bus_schemas.token_ids import TokenIds
-from gpu_worker.cache.radix import KVEventRecord, TreeNode
+from gpu_worker.cache.radix import TreeNode
 from gpu_worker.cache.storage_io import ReadOp, StorageAck, StorageIO
+from gpu_worker.cache.storage_writes import StorageWritePolicy, StorageWrites
 from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.memory.allocator import HostPageId
 
@@ -69,15 +64,10 @@ log = logging.getLogger(__name__)
 
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 PREFETCH_POLICIES: tuple[PrefetchPolicy, ...] = ("best_effort", "wait_complete", "timeout")
-StorageWritePolicy = Literal["write_through", "write_through_selective"]
 # grant attempts (one a step) in a row that may free nothing before a grant stops waiting for
 # pins to clear and reads the shorter prefix it has: copies in flight finish within a step
 # or two, while pins that never clear (those of requests behind it) must not starve it
 GRANT_PATIENCE = 8
-STORAGE_WRITE_POLICIES: tuple[StorageWritePolicy, ...] = (
-    "write_through",
-    "write_through_selective",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,13 +117,6 @@ class Prefetch:
         return self.hit_pages is not None and not self.awaiting_room and self.batches_left == 0
 
 
-@dataclass(frozen=True, slots=True)
-class _Write:
-    last_node: TreeNode  # pinned with ref_host until the WRITE ACK is consumed
-    num_pages: int
-    page_hashes: list[str]  # hex, for rank 0's storage KV events
-
-
 class StorageTier:
     """See the module docstring. Owned by a `PrefixCache` with a host tier."""
 
@@ -153,13 +136,11 @@ class StorageTier:
         self.scope = scope
         self.policy = policy
         self.timeout = timeout
-        self.write_policy = write_policy
-        self.write_threshold = write_threshold
         self.batch_pages = batch_pages
+        self.writes = StorageWrites(cache, io, write_policy, write_threshold)
         self.prefetches: dict[int, Prefetch] = {}  # rid -> not finished, or its read not done
         self.held_pages = 0  # host pages prefetches hold (granted, not yet released or freed)
         self.room_queue: deque[Prefetch] = deque()  # hits waiting for a grant, in start order
-        self.events: list[KVEventRecord] = []  # ("stored", "storage", hashes): rank 0 sends
 
     @property
     def budget_pages(self) -> int:
@@ -208,8 +189,7 @@ class StorageTier:
             else:
                 self._on_progress(ack.op, value)
         else:
-            assert isinstance(ack.op, _Write)
-            self._on_write(ack.op, value)
+            self.writes.on_ack(ack.op, value)
 
     @rank_consensus(same_params=["p.rid", "agreed"], same_results=["p.awaiting_room"])
     def _on_hit(self, p: Prefetch, agreed: int) -> None:
@@ -391,65 +371,3 @@ class StorageTier:
     def _maybe_forget(self, p: Prefetch) -> None:
         if p.finished and (p.read is None or p.complete) and self.prefetches.get(p.rid) is p:
             del self.prefetches[p.rid]
-
-    # ----------------------------------------------------------------- backups
-
-    def after_backup(self, last_node: TreeNode) -> None:
-        """Pages of the path to `last_node` reached the host: write-through to the store."""
-        if self.write_policy == "write_through":
-            self.write(last_node)
-
-    def after_match(self, node: TreeNode) -> None:
-        """A match reached `node`: write_through_selective writes a hot enough path."""
-        if self.write_policy == "write_through_selective" and node.hit_count >= max(
-            self.write_threshold, 1
-        ):
-            self.write(node)
-
-    @rank_consensus(same_params=["last_node.id"], same_results=["result"])
-    def write(self, last_node: TreeNode) -> int:
-        """Write the host pages of the path to `last_node` not yet in the store; pages.
-
-        The path stays pinned only until the pages are staged (the WRITE ACK): the put
-        runs on a copy, so a slow store never keeps host pages from eviction."""
-        tree = self.cache.tree
-        page_hashes: list[bytes] = []
-        host_ids: list[int] = []
-        end = last_node
-        for _, n in tree.path(last_node):
-            if n.host_page_ids is None:
-                break  # host coverage is prefix-closed: nothing below is on the host
-            end = n
-            if n.in_storage:
-                continue
-            assert n.page_hashes is not None
-            n.in_storage = True
-            page_hashes += n.page_hashes
-            host_ids += n.host_page_ids
-        if not page_hashes:
-            return 0
-        tree.ref_host(end)
-        keys = self.io.codec.keys(page_hashes)
-        op = _Write(end, len(page_hashes), [h.hex() for h in page_hashes])
-        self.io.write(keys, host_ids, op)
-        self.cache.stats.num_storage_writes += 1
-        return len(page_hashes)
-
-    def _on_write(self, op: _Write, staged: int) -> None:
-        """The pages are copied out: they may be evicted from now on."""
-        self.cache.tree.unref_host(op.last_node)
-
-    def collect_stored(self) -> None:
-        """Writes whose put finished: count them, and (rank 0) advertise the leading pages
-        that every rank stored, and no others. Decides nothing the ranks must share."""
-        for done in self.io.pop_stored():
-            op = done.op
-            assert isinstance(op, _Write)
-            self.cache.stats.storage_pages_written += done.local_pages
-            if done.agreed_pages and self.cache.tree.record_events:
-                self.events.append(("stored", "storage", op.page_hashes[: done.agreed_pages]))
-
-    def drain_events(self) -> list[KVEventRecord]:
-        self.collect_stored()
-        events, self.events = self.events, []
-        return events
