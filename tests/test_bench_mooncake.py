@@ -3,6 +3,7 @@ tokens against a brute force, and a few hundred trace requests through a real me
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -12,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from services.bench.conversation_trace import ConversationTraceConfig, generate, write
+from services.bench.conversation_trace import main as trace_main
 from services.bench.mooncake import (
     TraceFormatError,
     block_ids,
@@ -306,3 +309,67 @@ def test_bench_reaches_the_upper_bound_with_room_for_the_working_set(
     # sent in trace order, none before its timestamp
     assert all(r["start"] >= q.arrival_s for r, q in zip(by_id, reqs, strict=True))
     assert [r["start"] for r in by_id] == sorted(r["start"] for r in by_id)
+
+
+# ---------------------------------------------------------------- the conversation trace
+
+
+def test_the_conversation_trace_is_seeded_chained_and_readable(tmp_path: Path) -> None:
+    small = ConversationTraceConfig(num_conversations=12, turns=4, active=3, seed=5)
+    lines = generate(small)
+    assert lines == generate(small) and lines != generate(dataclasses.replace(small, seed=6))
+    assert len(lines) == 12 * 4
+    shared = list(range(small.shared_prefix_blocks))
+    chains: dict[int, list[int]] = {}  # first own block -> the conversation's last prompt
+    last: dict[int, int] = {}  # first own block -> index of its last request
+    gaps = []
+    for i, line in enumerate(lines):
+        ids = list(line["hash_ids"])  # type: ignore[call-overload]
+        assert ids[: len(shared)] == shared  # the hot prefix opens every prompt
+        own = ids[len(shared)]
+        prev = chains.get(own)
+        if prev is not None:  # a later turn: the previous prompt's blocks, then new ones
+            lo, hi = small.turn_blocks
+            assert ids[: len(prev)] == prev and lo <= len(ids) - len(prev) <= hi
+            gaps.append(i - last[own])
+        chains[own] = ids
+        last[own] = i
+    assert len(chains) == 12
+    assert max(gaps) > 1  # other conversations' turns come between two of one
+    path = tmp_path / "trace.jsonl"
+    assert trace_main(["--output", str(path), "--num-conversations", "12", "--turns", "4",
+                       "--active", "3", "--seed", "5"]) == 0  # fmt: skip
+    reqs = read_mooncake(path, BLOCK)  # a Mooncake trace: every line checks
+    assert [list(r.hash_ids) for r in reqs] == [line["hash_ids"] for line in lines]
+    assert trace_main(["--output", str(path), "--turn-blocks", "3", "1"]) == 2
+
+
+def test_rounds_with_their_own_salt_read_nothing_an_earlier_round_stored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two rounds of a small conversation trace on a mesh with a store. The flush between
+    rounds keeps the store, so round 2 would read what round 1 wrote; with
+    `--cache-salt-per-round` each round caches and reads only its own pages."""
+    path = tmp_path / "trace.jsonl"
+    write(generate(ConversationTraceConfig(num_conversations=3, turns=2, active=3)), str(path))
+
+    def first_requests(flags: list[str]) -> list[int]:
+        records = tmp_path / "records.jsonl"
+        store = tmp_path / f"store{len(flags)}"
+        up = (
+            "--model tiny --page-size 4 --enable-hierarchical-cache "
+            f"--hicache-storage-backend file --hicache-storage-dir {store} "
+            "--hicache-storage-prefetch-policy wait_complete --heartbeat-interval 0.2"
+        )
+        code = main(
+            ["bench", "--arm", f"l3={up}", "--dataset-name", "mooncake", "--dataset-path",
+             str(path), "--mooncake-block-size", str(BLOCK), "--max-concurrency", "1",
+             "--num-rounds", "2", "--warmup-requests", "0", "--disable-tqdm",
+             "--output-file", str(records), *flags]
+        )  # fmt: skip
+        assert code == 0, capsys.readouterr().out
+        rows = [json.loads(x) for x in records.read_text().splitlines()]
+        return [r["cached_tokens_by_tier"]["storage"] for r in rows if r["conversation"] == 0]
+
+    assert first_requests([])[1] > 0  # round 2's first request read round 1's pages
+    assert first_requests(["--cache-salt-per-round"]) == [0, 0]

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from multirank import WorldFailed, run_world
 
+from bus_schemas.page_hash import chain_hashes, root_hash
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.cache.storage_io import StorageFaults
 from gpu_worker.cache.storage_tier import PrefetchTimeout
@@ -45,7 +46,7 @@ def prompts(seed: int = 3, shared_len: int = 24) -> list[list[int]]:
     ]
 
 
-def config(directory: Path, **cache: object) -> EngineConfig:
+def config(directory: Path, parallel: tuple[int, int] = (2, 2), **cache: object) -> EngineConfig:
     kw: dict[str, object] = dict(
         page_size=PAGE,
         num_device_pages=128,
@@ -58,7 +59,7 @@ def config(directory: Path, **cache: object) -> EngineConfig:
     return EngineConfig(
         model="tiny-tp",
         cache=CacheConfig(**kw),
-        parallel=ParallelConfig(2, 2),  # type: ignore[arg-type]
+        parallel=ParallelConfig(*parallel),
     )
 
 
@@ -94,9 +95,13 @@ def tp1_outputs(reqs: list[list[int]]) -> list[list[int]]:
 
 
 def test_slow_reads_and_cut_prefetches_agree_on_every_rank(tmp_path: Path) -> None:
-    reqs = prompts()
-    faults = StorageFaults(read_delay_ms=30.0, query_delay_ms=10.0, seed=4)
-    timeout = PrefetchTimeout(base_s=0.02, per_ki_token_s=0.0)  # cuts some reads short
+    """Reads of 2 pages a batch, each batch 0-60 ms late on each rank (the slowest decides),
+    against a deadline of 0.1 s from the read's start: reads are cut partway, at a point
+    only rank 0's clock decides. A rank that judged the deadline by its own clock would
+    attach another number of pages than its peers: the checker would object."""
+    reqs = prompts(shared_len=0)  # each read from the store for itself: 8-13 pages
+    faults = StorageFaults(read_delay_ms=60.0, query_delay_ms=10.0, seed=4)
+    timeout = PrefetchTimeout(base_s=0.1, per_ki_token_s=0.0)
     cfg = config(tmp_path, storage_faults=faults, prefetch_timeout=timeout)
     env = {"HICACHE_RANK_CONSENSUS": "1", "HICACHE_RANK_CONSENSUS_DIR": str(tmp_path / "log")}
     got = run_world(cfg, write_then_read, reqs, env=env)
@@ -105,6 +110,8 @@ def test_slow_reads_and_cut_prefetches_agree_on_every_rank(tmp_path: Path) -> No
     assert got["divergence"] is None and isinstance(got["checked"], int) and got["checked"] > 0
     storage = got["storage"]
     assert isinstance(storage, list) and all(s % PAGE == 0 for s in storage)
+    full = [(len(p) - 1) // PAGE * PAGE for p in reqs]
+    assert any(0 < s < f for s, f in zip(storage, full, strict=True)), (storage, full)
 
 
 def test_a_failing_read_on_one_rank_shrinks_the_hit_on_every_rank(tmp_path: Path) -> None:
@@ -137,3 +144,83 @@ def test_the_checker_objects_when_ranks_keep_their_own_counts(tmp_path: Path) ->
     text = str(failed.value)
     assert "Found rank divergence at entry" in text
     assert "StorageTier.finish" in text.split("Found rank divergence")[-1], text[-2000:]
+
+
+# ---------------------------------------------------------------- faults of one rank
+
+
+def write_and_report(engine: Engine, reqs: list[list[int]]) -> dict[str, object]:
+    """Compute `reqs` (written through), wait for the store, and return the storage KV
+    events rank 0 would send."""
+    engine.run([engine.submit(p, GREEDY) for p in reqs])
+    engine.drain()
+    events = [hashes for _, tier, hashes in engine.cache.drain_events() if tier == "storage"]
+    return {"events": events}
+
+
+def objects(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("*/*") if not p.name.startswith("."))
+
+
+def test_a_write_one_rank_could_not_store_is_not_advertised(tmp_path: Path) -> None:
+    """Rank 1's store takes none of its writes: rank 0 holds its half of every page, rank 1
+    none, so no page is whole in the store and no storage KV event may name one (the index
+    would send requests after pages no engine of this layout can read). Without the fault
+    the events name every page written."""
+    reqs = prompts(shared_len=0)[:2]
+    cfg = config(tmp_path, (2, 1), storage_faults=StorageFaults(fail_write_rank=1))
+    got = run_world(cfg, write_and_report, reqs)
+    stored = objects(tmp_path)
+    assert stored and all(name.endswith("_tp0of2pp0of1") for name in stored)
+    assert got["events"] == []
+    whole = run_world(config(tmp_path / "ok", (2, 1)), write_and_report, reqs)
+    events = whole["events"]
+    assert isinstance(events, list)
+    pages = {name.split("_")[0] for name in objects(tmp_path / "ok")}
+    assert {h for hashes in events for h in hashes} == pages
+
+
+def serve_twice(engine: Engine, reqs: list[list[int]]) -> dict[str, object]:
+    """Serve `reqs` (from the store, in a fresh world), then report like `write_then_read`'s
+    second half."""
+    outs = engine.run([engine.submit(p, GREEDY) for p in reqs])
+    result: dict[str, object] = {
+        "outputs": [o.output_ids for o in outs],
+        "storage": [o.cached.storage for o in outs],
+    }
+    if engine.consensus is not None:
+        deadline = time.monotonic() + 30
+        while engine.consensus.checked < len(engine.consensus.records):
+            assert time.monotonic() < deadline, "the checker fell behind"
+            time.sleep(0.05)
+        result["divergence"] = engine.consensus.divergence
+    engine.drain()
+    engine.cache.check_integrity()
+    return result
+
+
+def test_a_corrupt_object_on_one_rank_shortens_the_hit_on_every_rank(tmp_path: Path) -> None:
+    """A TP2 world stored three prompts, each rank its half of every page. One byte of TP
+    rank 1's object of page 5 of the first prompt flips on disk: a fresh world reads pages
+    0-4 of that prompt on both ranks (rank 0's page 5 is fine, but the agreed count stops
+    where rank 1's did), the rest whole; outputs are a TP1 engine's, the checker is silent,
+    and the object is quarantined, never read again."""
+    reqs = prompts(shared_len=0)[:3]
+    cfg = config(tmp_path, (2, 1), hicache_storage_prefetch_policy="wait_complete")
+    run_world(cfg, write_and_report, reqs)
+    eng = Engine(EngineConfig(model="tiny-tp", cache=CacheConfig(page_size=PAGE)))
+    namespace = eng.namespace
+    eng.close()
+    page5 = chain_hashes(root_hash(namespace, ""), reqs[0][: 6 * PAGE], PAGE)[5].hex()
+    path = tmp_path / page5[:2] / f"{page5}_tp1of2pp0of1"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    env = {"HICACHE_RANK_CONSENSUS": "1", "HICACHE_RANK_CONSENSUS_DIR": str(tmp_path / "log")}
+    got = run_world(cfg, serve_twice, reqs, env=env)
+    assert got["outputs"] == tp1_outputs(reqs)
+    assert got["divergence"] is None
+    assert got["storage"] == [5 * PAGE] + [(len(p) - 1) // PAGE * PAGE for p in reqs[1:]]
+    quarantined = [p.name for p in (tmp_path / ".quarantine").iterdir()]
+    assert quarantined == [f"{page5}_tp1of2pp0of1.corrupt"]
+    assert (tmp_path / page5[:2] / f"{page5}_tp0of2pp0of1").exists()  # rank 0's half stays

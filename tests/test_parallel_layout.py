@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gpu_worker.cache.hicache import HOST_LAYOUTS, LOAD_POLICIES, WRITE_POLICIES
-from gpu_worker.cache.storage_tier import PREFETCH_POLICIES, STORAGE_WRITE_POLICIES
+from gpu_worker.cache.storage_tier import PREFETCH_POLICIES
+from gpu_worker.cache.storage_writes import STORAGE_WRITE_POLICIES
 from gpu_worker.model.config import PRESETS
 from gpu_worker.model.shard import ModelShard
 from gpu_worker.parallel.config import ParallelConfig, stage_layers

@@ -515,3 +515,63 @@ def test_default_storage_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     assert default_storage_dir() == tmp_path / "xdg" / "hicache-mesh" / "storage"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_storage_dir() == Path.home() / ".cache" / "hicache-mesh" / "storage"
+
+
+# ---------------------------------------------------------------- a writer killed
+
+
+BIG = 32 << 20  # a write long enough to be killed in the middle of
+
+
+def _write_forever(root: str) -> None:
+    store = FileBackend(StorageConfig(directory=Path(root)))
+    data = payload(0, BIG)
+    for i in range(10**6):
+        store.put([key(i)], [data])
+
+
+def test_a_writer_killed_mid_write_leaves_no_torn_object(root: Path) -> None:
+    """A process putting 32 MB objects one after the other is killed (SIGKILL) while it
+    writes one. What it left under its keys' names is whole and verifies; the object it was
+    writing is a plain miss (its bytes sit in a temp file no reader opens); the store takes
+    that object again afterwards, and the next start-up scan drops the temp file once stale."""
+    ctx = mp.get_context("spawn")
+    torn: list[Path] = []
+    for _ in range(5):  # until the kill lands inside a write (almost always the first time)
+        shutil.rmtree(root, ignore_errors=True)
+        proc = ctx.Process(target=_write_forever, args=(str(root),))
+        proc.start()
+        deadline = time.monotonic() + 120
+        while len(stored_keys(root) if root.exists() else ()) < 2:
+            assert time.monotonic() < deadline and proc.is_alive(), "the writer made no objects"
+            time.sleep(0.005)
+        time.sleep(0.03)  # into the next write
+        proc.kill()
+        proc.join(30)
+        files = [p for p in root.glob("*/*") if p.is_file()]  # temp files and objects
+        torn = [p for p in files if p.stat().st_size < file_size(key(0), BIG)]
+        if torn:
+            break
+    assert torn, "the writer was never killed inside a write"
+    assert all(p.name.startswith(TMP_PREFIX) for p in torn)  # never under a key's name
+    done = sorted(stored_keys(root))
+    expected = [key(i) for i in range(len(done))]
+    assert done == sorted(expected)  # objects 0..m-1, in the order they were put
+    reader = open_store(root)
+    for k in done:  # every object under its name is whole
+        n, got = read(reader, [k], BIG)
+        assert n == 1 and got == [payload(0, BIG)], k
+    cut = key(len(done))  # the object being written: nothing under its name
+    assert reader.exists([cut]) == 0
+    assert read(reader, [cut], BIG)[0] == 0
+    assert reader.stats().num_quarantined == 0 and reader.stats().num_objects == len(done)
+    assert reader.put([cut], [payload(0, BIG)]) == 1  # the store is usable
+    assert read(reader, [cut], BIG) == (1, [payload(0, BIG)])
+    reader.close()
+    old = time.time() - STALE_TMP_S - 60
+    for p in torn:
+        os.utime(p, (old, old))
+    rescan = open_store(root)
+    assert [p for p in torn if p.exists()] == []
+    assert rescan.stats().num_objects == len(done) + 1
+    rescan.close()

@@ -34,12 +34,11 @@ from gpu_worker.cache.storage_codec import StorageLayout
 from gpu_worker.cache.storage_io import StorageFaults, StorageIO
 from gpu_worker.cache.storage_tier import (
     PREFETCH_POLICIES,
-    STORAGE_WRITE_POLICIES,
     PrefetchPolicy,
     PrefetchTimeout,
     StorageTier,
-    StorageWritePolicy,
 )
+from gpu_worker.cache.storage_writes import STORAGE_WRITE_POLICIES, StorageWritePolicy
 from gpu_worker.cache.transfer import DelayInjection, TransferAck, TransferEngine, TransferKind
 from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.kernels.moves import PoolView
@@ -183,6 +182,7 @@ class CacheStats:
     num_prefetches: int = 0  # hit queries sent to the store
     storage_pages_read: int = 0  # pages read from the store into the tree
     storage_reads_skipped: int = 0  # storage hits recomputed because reading looked slower
+    storage_reads_short: int = 0  # grants cut to a shorter prefix: pins left too few to evict
     num_storage_writes: int = 0  # writes to the store submitted
     storage_pages_written: int = 0  # pages the store took (this rank)
     evicted_device_pages: int = 0  # device pages the tree gave up to make room
@@ -206,7 +206,7 @@ class PrefixCache:
         record_events: bool = True,
         storage: StorageBackend | None = None,
         storage_layout: StorageLayout | None = None,
-        storage_groups: tuple[Any, Any] = (None, None),
+        storage_groups: tuple[Any, Any, Any] = (None, None, None),
         rank: int = 0,
     ) -> None:
         """With a `namespace`, the tree hashes its pages (and, with `record_events`, records
@@ -217,7 +217,7 @@ class PrefixCache:
         injected transfer delays' seed, so each rank sees its own readiness. `storage` adds the
         L3 tier: `storage_layout` says which objects hold this rank's part of a page (the
         unified scheme lays the host pool out `page_unified`), and the `storage_groups`
-        (hit, progress) agree over the world (None in a world of one)."""
+        (hit, progress, write) agree over the world (None in a world of one)."""
         self.config = config
         self.spec = spec
         self.device_pool = DeviceKVPool(spec, config.num_device_pages, device, config.check_reads)
@@ -314,7 +314,7 @@ class PrefixCache:
             if node.parent is not None and node.hit_count >= self.config.write_through_threshold:
                 self._backup(node)
         if self.storage is not None and result.last_node.parent is not None:
-            self.storage.after_match(result.last_node)
+            self.storage.writes.after_match(result.last_node)
         return result
 
     def lock(self, node: TreeNode) -> None:
@@ -525,6 +525,7 @@ class PrefixCache:
         for queue, n in zip((io.hits, io.progress, io.writes), counts[1:], strict=True):
             for ack in queue.pop(n):
                 self.storage.on_ack(ack)
+        self.storage.writes.collect_stored()
 
     def consume(self, num_acks: int) -> None:
         """Apply the first `num_acks` queued ACKs, in order (waiting for unfinished ones)."""
@@ -546,7 +547,7 @@ class PrefixCache:
             if error is None:
                 self.tree.commit_backup(op.last_node, op.start_len, op.host_page_ids)
                 if self.storage is not None:
-                    self.storage.after_backup(op.last_node)
+                    self.storage.writes.after_backup(op.last_node)
             else:
                 self.tree.abort_backup(op.last_node, op.start_len)
                 assert self.host_pool is not None
@@ -567,9 +568,13 @@ class PrefixCache:
         ticket.done = True
 
     def drain(self) -> None:
-        """Wait for and apply every queued ACK (storage writes a backup starts included)."""
+        """Wait for and apply every queued ACK (storage writes a backup starts included),
+        and for the store to hold what was written."""
         while any(self.queued_counts()):
             self.consume_counts(self.queued_counts())
+        if self.storage is not None:
+            self.storage.io.wait_stored()
+            self.storage.writes.collect_stored()
 
     # ----------------------------------------------------------------- whole-cache
 
@@ -585,7 +590,7 @@ class PrefixCache:
     def drain_events(self) -> list[KVEventRecord]:
         events = self.tree.drain_events()
         if self.storage is not None:
-            events += self.storage.drain_events()
+            events += self.storage.writes.drain_events()
         return events
 
     def snapshot_events(self) -> list[KVEventRecord]:

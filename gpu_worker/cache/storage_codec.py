@@ -10,12 +10,14 @@ and how the objects move between the store and the rank's host pages.
   is one contiguous span, so objects are read into and written from host memory in place.
 
 Both are called from the storage I/O threads (`StorageIO`) on host pages that the scheduler
-reserved or pinned for them; they touch no other state.
+reserved or pinned for them; they touch no other state. A write is two steps: `stage` copies
+the pages out of the host pool (the pin can go once it returns), `put` stores the copy.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,9 +85,25 @@ class ObjectCodec(abc.ABC):
         """Read the objects of pages `host_ids` (keys: `per_page` each) into those host pages;
         how many leading objects arrived whole."""
 
+    @property
     @abc.abstractmethod
+    def page_nbytes(self) -> int:
+        """Bytes of one page of this rank (what `stage` copies per page)."""
+
+    @abc.abstractmethod
+    def stage(self, host_ids: list[int]) -> list[memoryview]:
+        """A copy of the objects of host pages `host_ids` (`per_page` each, page by page):
+        afterwards the host pages may change."""
+
+    def put(self, backend: StorageBackend, keys: list[str], staged: list[memoryview]) -> int:
+        """Store `staged` (from `stage`) under `keys`; how many leading objects are stored."""
+        if not self.writes:  # another rank writes these objects: nothing is missing
+            return len(keys)
+        return backend.put(keys, staged)
+
     def write(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
         """Write the objects of host pages `host_ids`; how many leading ones are stored."""
+        return self.put(backend, keys, self.stage(host_ids) if self.writes else [])
 
 
 class RankSuffixCodec(ObjectCodec):
@@ -116,13 +134,15 @@ class RankSuffixCodec(ObjectCodec):
             transfer_pages(PageView.page_first(staging), self.host, torch.arange(n), dst)
         return n
 
-    def write(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
-        if not self.writes:  # another rank writes these objects: nothing is missing
-            return len(keys)
-        staging = torch.empty((len(keys), *self.page_shape), dtype=self.dtype)
+    @property
+    def page_nbytes(self) -> int:
+        return math.prod(self.page_shape) * self.dtype.itemsize
+
+    def stage(self, host_ids: list[int]) -> list[memoryview]:
+        staging = torch.empty((len(host_ids), *self.page_shape), dtype=self.dtype)
         src = torch.tensor(host_ids, dtype=torch.int64)
-        transfer_pages(self.host, PageView.page_first(staging), src, torch.arange(len(keys)))
-        return backend.put(keys, _rows_as_bytes(staging))
+        transfer_pages(self.host, PageView.page_first(staging), src, torch.arange(len(host_ids)))
+        return _rows_as_bytes(staging)
 
 
 class UnifiedCodec(ObjectCodec):
@@ -143,10 +163,12 @@ class UnifiedCodec(ObjectCodec):
     def read(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
         return backend.get(keys, self._views(host_ids))
 
-    def write(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
-        if not self.writes:  # another rank writes these objects: nothing is missing
-            return len(keys)
-        return backend.put(keys, self._views(host_ids))
+    @property
+    def page_nbytes(self) -> int:
+        return self.host_kv[0].numel() * self.host_kv.element_size()
+
+    def stage(self, host_ids: list[int]) -> list[memoryview]:
+        return [memoryview(bytes(view)) for view in self._views(host_ids)]
 
     def _views(self, host_ids: list[int]) -> list[memoryview]:
         """The byte span of every cell of every page, in key order."""

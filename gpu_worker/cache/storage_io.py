@@ -12,8 +12,13 @@ hit query behind it):
   Exactly one ACK per batch, whatever happened (a failed read stops the count growing on
   that rank, so the MIN shrinks on every rank; a cancelled read skips its reading but still
   joins every reduction);
-- a write (`write`, on the write thread) of host pages to the store: no agreement (what was
-  written decides nothing that ranks must share).
+- a write (`write`) of host pages to the store, in two steps on two threads: the stage
+  thread copies the pages out of the host pool, and the write's ACK completes then (the
+  scheduler's pin on those pages can go: a slow store never holds host memory); the put
+  thread stores the copy, MIN-agrees over every rank on the `storage_write` group how many
+  leading pages all of them stored, and leaves that in `pop_stored` for rank 0's KV events
+  (an event must not advertise a page one rank's shard lacks). Copies waiting for their put
+  are bounded (`STAGING_BYTES`): past it the stage thread waits, and pins stay meanwhile.
 
 Every rank submits the same work in the same order (its inputs are replicated), so the
 background threads of all ranks run their collectives in the same order. The ACK counts the
@@ -45,6 +50,9 @@ from gpu_worker.storage import StorageBackend
 
 log = logging.getLogger(__name__)
 
+STAGING_BYTES = 256 << 20  # copies of written pages waiting for their put, at most (one
+# write larger than this is staged alone)
+
 
 class StorageAckKind(enum.Enum):
     HIT = "hit"
@@ -61,6 +69,15 @@ class StorageAck:
     kind: StorageAckKind
     op: object  # what the scheduler side commits when the ACK is consumed
     future: Future[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A write whose put finished: pages this rank stored, and pages every rank stored."""
+
+    op: object
+    local_pages: int
+    agreed_pages: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +149,7 @@ class StorageIO:
         rank: int = 0,
         hit_group: dist.ProcessGroup | None = None,
         progress_group: dist.ProcessGroup | None = None,
+        write_group: dist.ProcessGroup | None = None,
         faults: StorageFaults | None = None,
     ) -> None:
         """The groups span the whole world (None in a world of one)."""
@@ -140,6 +158,7 @@ class StorageIO:
         self.rank = rank
         self.hit_group = hit_group
         self.progress_group = progress_group
+        self.write_group = write_group
         self.faults = faults or StorageFaults()
         self._rng = random.Random(self.faults.seed + 7919 * rank)
         self.hits = AckQueue()
@@ -149,8 +168,12 @@ class StorageIO:
         self._seq = 0
         self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="l3-query")
         self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="l3-read")
+        self._stage_pool = ThreadPoolExecutor(1, thread_name_prefix="l3-stage")
         self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="l3-write")
         self._lock = threading.Lock()
+        self._staging = threading.Condition(self._lock)
+        self._staged_bytes = 0  # copies staged, their put not finished (under _staging)
+        self._stored: collections.deque[Stored] = collections.deque()  # puts done, in order
         # measured on this rank (rank 0's feed the load-cost estimate; they decide nothing)
         self.read_pages = 0
         self.read_seconds = 0.0
@@ -169,8 +192,23 @@ class StorageIO:
         return [self._enqueue(self.progress, StorageAckKind.PROGRESS, op, f) for f in batches]
 
     def write(self, keys: list[str], host_page_ids: list[int], op: object) -> StorageAck:
-        future = self._write_pool.submit(self._write, keys, host_page_ids)
-        return self._enqueue(self.writes, StorageAckKind.WRITE, op, future)
+        """The ACK completes once the pages are staged; the put's outcome comes through
+        `pop_stored`."""
+        staged: Future[int] = Future()
+        self._stage_pool.submit(self._stage, keys, host_page_ids, op, staged)
+        return self._enqueue(self.writes, StorageAckKind.WRITE, op, staged)
+
+    def pop_stored(self) -> list[Stored]:
+        """Writes whose put finished since the last call, in submission order."""
+        out = []
+        while self._stored:
+            out.append(self._stored.popleft())
+        return out
+
+    def wait_stored(self) -> None:
+        """Block until every write submitted so far has been put (and agreed)."""
+        self._stage_pool.submit(lambda: None).result()  # the stage queue is drained ...
+        self._write_pool.submit(lambda: None).result()  # ... then the puts behind it
 
     def _enqueue(
         self, queue: AckQueue, kind: StorageAckKind, op: object, future: Future[int]
@@ -234,15 +272,46 @@ class StorageIO:
             self.read_seconds += time.perf_counter() - start
         return n
 
-    def _write(self, keys: list[str], host_ids: list[int]) -> int:
-        """Pages of `host_ids` whose every object is stored (leading)."""
-        if self.faults.fail_write_rank == self.rank:
-            return 0
+    def _stage(self, keys: list[str], host_ids: list[int], op: object, staged: Future[int]) -> None:
+        """Copy the pages out (waiting while the copies not yet put exceed the bound), let
+        the scheduler unpin them, and queue the put."""
+        nbytes = len(host_ids) * self.codec.page_nbytes if self.codec.writes else 0
+        with self._staging:
+            self._staging.wait_for(
+                lambda: not self._staged_bytes or self._staged_bytes + nbytes <= STAGING_BYTES
+            )
+            self._staged_bytes += nbytes
+        data: list[memoryview] | None = []
         try:
-            return self.codec.write(self.backend, keys, host_ids) // self.codec.per_page
+            if self.codec.writes and self.faults.fail_write_rank != self.rank:
+                data = self.codec.stage(host_ids)
+        except Exception as e:  # the put stores nothing, and still joins the agreement
+            log.warning("storage staging failed: %r", e)
+            data = None
+        staged.set_result(len(host_ids))
+        self._write_pool.submit(self._put, keys, data, nbytes, op)
+
+    def _put(self, keys: list[str], data: list[memoryview] | None, nbytes: int, op: object) -> None:
+        """Store a staged copy; agree with every rank how many leading pages all stored."""
+        local = 0
+        try:
+            if data is not None and self.faults.fail_write_rank != self.rank:
+                local = self.codec.put(self.backend, keys, data) // self.codec.per_page
         except Exception as e:  # the backend reports full/read-only itself; anything else
             log.warning("storage put() failed: %r", e)
-            return 0
+        finally:
+            del data
+            with self._staging:
+                self._staged_bytes -= nbytes
+                self._staging.notify_all()
+        try:
+            agreed = self._agree(local, self.write_group)
+        except BaseException as e:  # a collective that failed: the engine is going down
+            log.warning("storage write agreement failed: %r", e)
+            agreed = 0
+        self._stored.append(Stored(op, local, agreed))
+        if self.on_done is not None:  # rank 0 may advertise it now
+            self.on_done()
 
     def _agree(self, value: int, group: dist.ProcessGroup | None) -> int:
         if group is None or self.faults.disable_min:
@@ -265,5 +334,5 @@ class StorageIO:
             return self.read_seconds / self.read_pages if self.read_pages else None
 
     def close(self) -> None:
-        for pool in (self._query_pool, self._read_pool, self._write_pool):
+        for pool in (self._query_pool, self._read_pool, self._stage_pool, self._write_pool):
             pool.shutdown(wait=True)

@@ -7,42 +7,53 @@ same decisions at the same logical points.
 
 Prefetch of a request (`start` when it is added, before admission):
 1. Its prompt's pages past the deepest host-covered node of its path (the node is pinned
-   with `ref_host` until the prefetch finishes) up to the last whole page before its last
+   with `ref_host` until the request is admitted) up to the last whole page before its last
    token are named by their chained page hashes (which cover the model, dtype, page size
    and the request's cache_salt) plus this rank's shard (`object_key`); a hit query asks
    the store how many leading objects it holds, MIN over every rank.
-2. Consuming that HIT ACK reserves host pages for the agreed hit, at most what keeps the
-   pages reserved by all prefetches under half the host pool, and at most what the host
-   pool can free (a shorter page-aligned prefix when space is short), and starts the read;
-   with `--hicache-load-policy cost` a hit whose read would be slower than recomputing it
-   (rank 0's measured figures, broadcast) is not read.
+2. Consuming that HIT ACK queues the prefetch for host pages (`grant`, once per step, first
+   come first served). The budget: prefetches hold at most half the host pool
+   (`budget_pages`, as SGLang stops prefetching past about half), counting each page from
+   its grant until its request is admitted or leaves, so the reads of queued requests never
+   crowd the tree out. The head of the queue waits until the budget has room for its whole
+   hit (capped at the budget), then makes room by evicting unpinned host pages, least
+   recently used first. Where pins leave too few, it keeps what it got and waits while
+   those pins clear by themselves (copies in flight, requests ahead being admitted), else
+   falls back to the shorter page-aligned prefix it has, and starts the read. With
+   `--hicache-load-policy cost` a hit whose read would be slower than recomputing it (rank
+   0's measured figures, broadcast) is not read.
 3. Each PROGRESS ACK consumed gives the agreed pages read so far.
 4. The request may be admitted when its prefetch is done, or earlier as the policy says:
    `wait_complete` waits for every batch; `best_effort` takes what was read when the request
    reaches admission; `timeout` waits until its deadline (a base plus a per-1K-tokens term,
-   capped), which rank 0 alone reads off its clock and turns into a `StopPrefetch` command.
-   Then `finish` attaches the pages read into the tree as host pages (`insert_host`) and the
-   request's match finds them there; pages reserved but not read are freed once the read's
-   last ACK is consumed (the I/O thread may still write them until then).
+   capped, from the read's start: a slow store is cut, a wait for host room is not), which
+   rank 0 alone reads off its clock and turns into a `StopPrefetch` command.
+   Then `finish` attaches the pages read into the tree as host pages (`insert_host`) and
+   keeps them pinned until `release` (the request was admitted: its load holds them now, or
+   it left), so a request that must still wait for device room does not lose them to other
+   prefetches' evictions. Pages granted but not read are freed once the read's last ACK is
+   consumed (the I/O thread may still write them until then).
 
-Backups: a page committed to the host is written to the store by `write_through`, or once
-its node was matched `hicache_storage_write_threshold` times (`write_through_selective`).
-Whether to write is decided from replicated state (a node is marked `in_storage` when its
-write is submitted, whatever the result), so every rank submits the same writes; the host
-pages stay pinned until the WRITE ACK is consumed.
+Every decision above reads replicated state only (agreed ACK counts, the tree, the budget
+count, rank 0's verdicts applied as commands), so all ranks grant, evict and fall back alike.
+
+Backups to the store are `StorageWrites`' (`storage_writes.py`); this tier owns it and hands
+it the WRITE ACKs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from bus_schemas.page_hash import chain_hashes
 from bus_schemas.token_ids import TokenIds
-from gpu_worker.cache.radix import KVEventRecord, TreeNode
+from gpu_worker.cache.radix import TreeNode
 from gpu_worker.cache.storage_io import ReadOp, StorageAck, StorageIO
+from gpu_worker.cache.storage_writes import StorageWritePolicy, StorageWrites
 from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.memory.allocator import HostPageId
 
@@ -53,11 +64,10 @@ log = logging.getLogger(__name__)
 
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 PREFETCH_POLICIES: tuple[PrefetchPolicy, ...] = ("best_effort", "wait_complete", "timeout")
-StorageWritePolicy = Literal["write_through", "write_through_selective"]
-STORAGE_WRITE_POLICIES: tuple[StorageWritePolicy, ...] = (
-    "write_through",
-    "write_through_selective",
-)
+# grant attempts (one a step) in a row that may free nothing before a grant stops waiting for
+# pins to clear and reads the shorter prefix it has: copies in flight finish within a step
+# or two, while pins that never clear (those of requests behind it) must not starve it
+GRANT_PATIENCE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +93,15 @@ class Prefetch:
     start_len: int
     keys: list[str]  # the objects of the pages from start_len on (`per_page` each)
     num_pages: int  # pages asked for
-    started_at: float  # rank 0's clock: only the timeout policy reads it, only on rank 0
     hit_pages: int | None = None  # agreed, once the HIT ACK is consumed
-    host_page_ids: list[HostPageId] = field(default_factory=list)  # reserved for the read
+    # when its read started, on this rank's clock: only the timeout policy reads it, only
+    # on rank 0 (a prefetch waiting for room is not late: the store has not been asked yet)
+    read_started_at: float | None = None
+    awaiting_room: bool = False  # hit agreed, queued for a grant under the budget
+    stalled_grants: int = 0  # grant attempts in a row that got no page
+    host_page_ids: list[HostPageId] = field(default_factory=list)  # granted for the read
+    attached_pages: int = 0  # pages `finish` put into the tree, held until `release`
+    pin_node: TreeNode | None = None  # end of what `finish` attached, pinned until `release`
     read: ReadOp | None = None
     batches_left: int = 0  # PROGRESS ACKs not consumed yet
     completed_pages: int = 0  # agreed pages read, from the last PROGRESS ACK consumed
@@ -98,14 +114,7 @@ class Prefetch:
     @property
     def complete(self) -> bool:
         """Nothing more will arrive: no hit, or every batch's ACK consumed."""
-        return self.hit_pages is not None and self.batches_left == 0
-
-
-@dataclass(frozen=True, slots=True)
-class _Write:
-    last_node: TreeNode  # pinned with ref_host until the WRITE ACK is consumed
-    num_pages: int
-    page_hashes: list[str]  # hex, for rank 0's storage KV events
+        return self.hit_pages is not None and not self.awaiting_room and self.batches_left == 0
 
 
 class StorageTier:
@@ -127,16 +136,16 @@ class StorageTier:
         self.scope = scope
         self.policy = policy
         self.timeout = timeout
-        self.write_policy = write_policy
-        self.write_threshold = write_threshold
         self.batch_pages = batch_pages
+        self.writes = StorageWrites(cache, io, write_policy, write_threshold)
         self.prefetches: dict[int, Prefetch] = {}  # rid -> not finished, or its read not done
-        self.reserved_pages = 0  # host pages reserved by running reads
-        self.events: list[KVEventRecord] = []  # ("stored", "storage", hashes): rank 0 sends
+        self.held_pages = 0  # host pages prefetches hold (granted, not yet released or freed)
+        self.room_queue: deque[Prefetch] = deque()  # hits waiting for a grant, in start order
 
     @property
-    def host_limit(self) -> int:
-        """At most this many host pages are reserved by prefetches at once."""
+    def budget_pages(self) -> int:
+        """Prefetches hold at most this many host pages at once: half the host pool (SGLang
+        stops prefetching past about half too), so the tree keeps the other half."""
         assert self.cache.host_pool is not None
         return self.cache.host_pool.num_pages // 2
 
@@ -161,7 +170,6 @@ class StorageTier:
             start,
             self.io.codec.keys(hashes),
             len(hashes),
-            time.monotonic(),
         )
         tree.ref_host(node)
         self.io.query(p.keys, p)
@@ -181,13 +189,13 @@ class StorageTier:
             else:
                 self._on_progress(ack.op, value)
         else:
-            assert isinstance(ack.op, _Write)
-            self._on_write(ack.op, value)
+            self.writes.on_ack(ack.op, value)
 
-    @rank_consensus(same_params=["p.rid", "agreed"], same_results=["len(p.host_page_ids)"])
+    @rank_consensus(same_params=["p.rid", "agreed"], same_results=["p.awaiting_room"])
     def _on_hit(self, p: Prefetch, agreed: int) -> None:
+        """The agreed hit is known: queue it for a grant (`grant`)."""
         p.hit_pages = agreed
-        want = min(agreed, max(self.host_limit - self.reserved_pages, 0))
+        want = agreed
         by_cost = self.cache.config.hicache_load_policy == "cost"
         if (
             want
@@ -197,25 +205,86 @@ class StorageTier:
             self.cache.stats.storage_reads_skipped += 1
             want = 0
         if want and not (p.stopped or p.finished):
-            p.host_page_ids = self.cache.alloc_host_upto(want)  # start_node stays pinned
-        if not p.host_page_ids:
+            p.awaiting_room = True
+            self.room_queue.append(p)
+        else:
+            self._maybe_forget(p)
+
+    def grant(self) -> None:
+        """Give queued hits their host pages, first come first served, and start their reads
+        (the scheduler calls it once per step, on every rank alike).
+
+        The head of the queue takes what the budget allows, evicting unpinned host pages for
+        it, and keeps what it got. It waits for the rest while pins that clear by themselves
+        hold the pool (`_room_may_come`); otherwise it reads the shorter prefix it has."""
+        while self.room_queue:
+            p = self.room_queue[0]
+            if p.stopped:  # a verdict came first: it takes nothing
+                self.room_queue.popleft()
+                self._give_back_grant(p)
+                continue
+            assert p.hit_pages is not None
+            want = min(p.hit_pages, self.budget_pages)
+            need = want - len(p.host_page_ids)
+            if need > self.budget_pages - self.held_pages:
+                return  # wait until requests ahead are admitted and release theirs
+            got = self.cache.alloc_host_upto(need)
+            p.host_page_ids += got
+            self.held_pages += len(got)
+            p.stalled_grants = 0 if got else p.stalled_grants + 1
+            if len(p.host_page_ids) < want and self._room_may_come(p):
+                return
+            self.room_queue.popleft()
+            p.awaiting_room = False
+            self._start_read(p, want)
+
+    def _room_may_come(self, p: Prefetch) -> bool:
+        """Whether host pages pinned now are released without `p`'s request moving: copies
+        in flight (loads, backups, writes not yet staged) finish, and the requests ahead,
+        whose prefetches hold the rest of the budget, get admitted; and it has not waited
+        `GRANT_PATIENCE` attempts in a row for nothing. Replicated counts."""
+        return p.stalled_grants < GRANT_PATIENCE and bool(
+            self.cache.num_queued_acks
+            or len(self.io.writes)
+            or self.held_pages > len(p.host_page_ids)
+        )
+
+    def _give_back_grant(self, p: Prefetch) -> None:
+        """A prefetch leaves the queue without reading: the pages it was granted go back."""
+        p.awaiting_room = False
+        self.cache.free_host(p.host_page_ids)
+        self.held_pages -= len(p.host_page_ids)
+        p.host_page_ids = []
+
+    @rank_consensus(same_params=["p.rid", "want"], same_results=["len(p.host_page_ids)"])
+    def _start_read(self, p: Prefetch, want: int) -> None:
+        """Read into the pages granted: `want`, or fewer when pins left too few to evict
+        (a shorter page-aligned prefix); none at all: the request computes its prompt."""
+        n = len(p.host_page_ids)
+        if n < want:
+            self.cache.stats.storage_reads_short += 1
+        if not n:
             self._maybe_forget(p)
             return
-        self.reserved_pages += len(p.host_page_ids)
-        n = len(p.host_page_ids)
         k = self.io.codec.per_page
         p.read = ReadOp(p.keys[: n * k], list(p.host_page_ids), self.batch_pages)
         p.batches_left = p.read.num_batches
+        p.read_started_at = time.monotonic()
         self.io.read(p.read, p)
 
     def _on_progress(self, p: Prefetch, agreed: int) -> None:
         p.completed_pages = agreed
         p.batches_left -= 1
         if p.batches_left == 0:
-            self.reserved_pages -= len(p.host_page_ids)
             if p.finished:  # committed earlier: the pages it did not take are free now
-                self.cache.free_host(p.host_page_ids[p.storage_used :])
+                self._free_unused(p)
             self._maybe_forget(p)
+
+    def _free_unused(self, p: Prefetch) -> None:
+        """The granted pages `finish` did not attach go back to the pool and the budget."""
+        unused = p.host_page_ids[p.storage_used :]
+        self.cache.free_host(unused)
+        self.held_pages -= len(unused)
 
     def ready(self, p: Prefetch) -> bool:
         """Whether the request may be admitted now (it finishes its prefetch first)."""
@@ -228,28 +297,48 @@ class StorageTier:
         same_results=["p.storage_range"],
     )
     def finish(self, p: Prefetch) -> None:
-        """Attach what was read to the tree, unpin, and give back what is not needed."""
+        """Attach what was read to the tree, pinned for the request until `release`, and
+        give back what is not needed."""
         if p.finished:
             return
         p.finished = True
+        if p.awaiting_room:  # still waiting for room: it takes nothing
+            self.room_queue.remove(p)
+            self._give_back_grant(p)
         if p.read is not None and not p.complete:
             p.read.cancelled.set()  # the rest is not wanted
         n = p.completed_pages if p.taken_pages is None else p.taken_pages
         n = n if p.read is not None else 0
         p.storage_used = n
         tree, ps = self.cache.tree, self.cache.page_size
+        end = p.start_len + n * ps
         if n:
-            end = p.start_len + n * ps
             _, dup_end, unused = tree.insert_host(
                 p.ids[:end], p.host_page_ids[:n], p.start_len, p.salt
             )
             self.cache.free_host(unused)
+            self.held_pages -= len(unused)
+            p.attached_pages = n - len(unused)
             p.storage_range = (dup_end, end) if dup_end < end else (0, 0)
             self.cache.stats.storage_pages_read += n
+        # The host prefix the request will load (what was covered at start, and what was
+        # attached) stays pinned until `release`: the deepest node of it that is on the host.
+        p.pin_node, _ = tree.host_prefix(p.ids[:end], p.salt)
+        tree.ref_host(p.pin_node)
         tree.unref_host(p.start_node)  # the pin taken at start
         if p.read is not None and p.complete:
-            self.cache.free_host(p.host_page_ids[n:])
+            self._free_unused(p)
         self._maybe_forget(p)
+
+    def release(self, p: Prefetch) -> None:
+        """The request was admitted (its load pins what it reads now) or left: the host
+        prefix `finish` pinned becomes ordinary host cache, and what it attached leaves the
+        budget."""
+        if p.pin_node is not None:
+            self.cache.tree.unref_host(p.pin_node)
+            p.pin_node = None
+        self.held_pages -= p.attached_pages
+        p.attached_pages = 0
 
     def stop(self, rid: int) -> None:
         """A verdict (rank 0's timeout, applied by every rank): take what was read."""
@@ -264,6 +353,7 @@ class StorageTier:
         """The request left before admission: keep what was read as ordinary cache."""
         p.stopped = True
         self.finish(p)
+        self.release(p)
 
     def timed_out(self, now: float) -> list[int]:
         """Rank 0: prefetches of the `timeout` policy past their deadline (their rids)."""
@@ -271,63 +361,13 @@ class StorageTier:
             return []
         out = []
         for p in self.prefetches.values():
-            num_tokens = p.num_pages * self.cache.page_size
-            if not (p.finished or p.stopped) and now - p.started_at > self.timeout.deadline_s(
-                num_tokens
-            ):
+            if p.finished or p.stopped or p.read is None or p.read_started_at is None:
+                continue
+            num_tokens = len(p.host_page_ids) * self.cache.page_size
+            if now - p.read_started_at > self.timeout.deadline_s(num_tokens):
                 out.append(p.rid)
         return out
 
     def _maybe_forget(self, p: Prefetch) -> None:
         if p.finished and (p.read is None or p.complete) and self.prefetches.get(p.rid) is p:
             del self.prefetches[p.rid]
-
-    # ----------------------------------------------------------------- backups
-
-    def after_backup(self, last_node: TreeNode) -> None:
-        """Pages of the path to `last_node` reached the host: write-through to the store."""
-        if self.write_policy == "write_through":
-            self.write(last_node)
-
-    def after_match(self, node: TreeNode) -> None:
-        """A match reached `node`: write_through_selective writes a hot enough path."""
-        if self.write_policy == "write_through_selective" and node.hit_count >= max(
-            self.write_threshold, 1
-        ):
-            self.write(node)
-
-    @rank_consensus(same_params=["last_node.id"], same_results=["result"])
-    def write(self, last_node: TreeNode) -> int:
-        """Write the host pages of the path to `last_node` not yet in the store; pages."""
-        tree = self.cache.tree
-        page_hashes: list[bytes] = []
-        host_ids: list[int] = []
-        end = last_node
-        for _, n in tree.path(last_node):
-            if n.host_page_ids is None:
-                break  # host coverage is prefix-closed: nothing below is on the host
-            end = n
-            if n.in_storage:
-                continue
-            assert n.page_hashes is not None
-            n.in_storage = True
-            page_hashes += n.page_hashes
-            host_ids += n.host_page_ids
-        if not page_hashes:
-            return 0
-        tree.ref_host(end)
-        keys = self.io.codec.keys(page_hashes)
-        op = _Write(end, len(page_hashes), [h.hex() for h in page_hashes])
-        self.io.write(keys, host_ids, op)
-        self.cache.stats.num_storage_writes += 1
-        return len(page_hashes)
-
-    def _on_write(self, op: _Write, stored: int) -> None:
-        self.cache.tree.unref_host(op.last_node)
-        self.cache.stats.storage_pages_written += stored
-        if stored == op.num_pages and self.cache.tree.record_events:
-            self.events.append(("stored", "storage", op.page_hashes))
-
-    def drain_events(self) -> list[KVEventRecord]:
-        events, self.events = self.events, []
-        return events

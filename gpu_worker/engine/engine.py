@@ -160,7 +160,7 @@ class Engine:
             storage_layout=self.storage_layout(config, mc, self.rank)
             if config.cache.hicache_storage_backend is not None
             else None,
-            storage_groups=(groups.storage_hit, groups.storage_progress),
+            storage_groups=(groups.storage_hit, groups.storage_progress, groups.storage_write),
             rank=self.rank,
         )
         # a request reserves pages for every token it may write, so the longest one this
@@ -659,6 +659,7 @@ class Engine:
             "storage_pages_read": c.stats.storage_pages_read,
             "storage_pages_written": c.stats.storage_pages_written,
             "storage_reads_skipped": c.stats.storage_reads_skipped,
+            "storage_reads_short": c.stats.storage_reads_short,
         }
         if c.storage is not None:
             backend = c.storage.io.backend.stats()
@@ -667,6 +668,8 @@ class Engine:
                 "storage_bytes": backend.num_bytes,
                 "storage_quarantined": backend.num_quarantined,
                 "storage_write_failures": backend.num_write_failures,
+                "storage_prefetch_held_pages": c.storage.held_pages,
+                "storage_prefetch_budget_pages": c.storage.budget_pages,
             }
         return stats
 

@@ -12,9 +12,11 @@ Groups:
   control (rank 0's command list and the ready-ACK MIN); None at TP 1.
 - `consensus`: a dedicated gloo group over the world for the rank consensus checker's side
   thread, so its collectives never interleave with the scheduler's; None when it is off.
-- `storage_hit` / `storage_progress`: two gloo groups over the world for external storage's
-  background threads: the MIN of the store's hit length before reading (the query thread)
-  and of the pages read while reading (the I/O thread), so neither waits on the other.
+- `storage_hit` / `storage_progress` / `storage_write`: three gloo groups over the world for
+  external storage's background threads: the MIN of the store's hit length before reading
+  (the query thread), of the pages read while reading (the I/O thread), and of the pages
+  every rank stored of a write (the put thread: only then does rank 0 advertise them), so
+  none waits on another.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class ParallelGroups:
     consensus: dist.ProcessGroup | None = None
     storage_hit: dist.ProcessGroup | None = None
     storage_progress: dist.ProcessGroup | None = None
+    storage_write: dist.ProcessGroup | None = None
 
     @classmethod
     def single(cls) -> ParallelGroups:
@@ -103,7 +106,7 @@ def init_parallel_groups(
 
     On CPU everything is gloo; on CUDA tensors go over nccl and control over gloo groups.
     `consensus` must be the same on every rank (it comes from the environment they share);
-    `storage` (external storage is on: the same config on every rank) adds its two groups.
+    `storage` (external storage is on: the same config on every rank) adds its three groups.
     """
     if config.world_size == 1:
         return ParallelGroups.single()
@@ -130,6 +133,7 @@ def init_parallel_groups(
     consensus_group = dist.new_group(backend="gloo", timeout=timeout) if consensus else None
     storage_hit = dist.new_group(backend="gloo", timeout=timeout) if storage else None
     storage_progress = dist.new_group(backend="gloo", timeout=timeout) if storage else None
+    storage_write = dist.new_group(backend="gloo", timeout=timeout) if storage else None
     return ParallelGroups(
         config,
         rank,
@@ -140,6 +144,7 @@ def init_parallel_groups(
         consensus_group,
         storage_hit,
         storage_progress,
+        storage_write,
     )
 
 

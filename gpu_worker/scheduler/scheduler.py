@@ -119,6 +119,8 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run one scheduling step (after `consume_acks` and the step's commands); returns
         the requests that finished in it."""
+        if self.cache.storage is not None:
+            self.cache.storage.grant()
         self._finish_loads()
         finished = self._finish_aborted()
         self._admit()
@@ -253,6 +255,8 @@ class Scheduler:
         cache.stats.device_hit_tokens += match.device_len
         cache.stats.host_hit_tokens += host_len - storage_len
         cache.stats.storage_hit_tokens += storage_len
+        if req.prefetch is not None and cache.storage is not None:
+            cache.storage.release(req.prefetch)  # its load (if any) pins what it reads now
         self.running.append(req)
         return True
 

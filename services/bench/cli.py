@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import shlex
@@ -165,6 +166,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_ROUNDS,
         help="interleaved rounds: each runs the whole workload on every arm, one arm after "
         "the other (A B, B A, ...); figures show their spread over the rounds",
+    )
+    c.add_argument(
+        "--cache-salt-per-round",
+        action="store_true",
+        help="each round's requests carry a cache_salt of their own, so no round reuses KV "
+        "that another left in a tier the flush keeps (external storage)",
     )
     c.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     c.add_argument("--api-key", default=None)
@@ -403,7 +410,10 @@ def _measure(
             out.write(json.dumps(r.to_record()) + "\n")
 
     flush_cache(base_url.rstrip("/"), api_key)
-    client = BenchClient(_client_config(args, base_url, api_key))
+    config = _client_config(args, base_url, api_key)
+    if args.cache_salt_per_round:
+        config = dataclasses.replace(config, cache_salt=f"bench-round-{round_index}")
+    client = BenchClient(config)
     asyncio.run(
         client.run(arm, workload.conversations, on_result, workload.start_times, round_index)
     )

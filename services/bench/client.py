@@ -37,6 +37,7 @@ class ClientConfig:
     request_timeout_s: float = 600.0
     api_key: str | None = None
     show_progress: bool = True
+    cache_salt: str | None = None  # sent with every request (a round's own cache)
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -210,6 +211,8 @@ class BenchClient:
             "stream": True,
             "stream_options": {"include_usage": True},  # the cached tokens per turn
         }
+        if self.config.cache_salt is not None:
+            body["cache_salt"] = self.config.cache_salt
         engine: str | None = None
         stream = StreamState(sent_at=time.perf_counter())
         try:
