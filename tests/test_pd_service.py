@@ -33,6 +33,7 @@ from bus_schemas import (
     TokenChunk,
 )
 from bus_schemas import subjects as subj
+from bus_schemas.kv_frame import HEADER_SIZE
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
@@ -48,8 +49,8 @@ COMMON = [
     "2048",
     "--heartbeat-interval",
     "0.2",
-    "--disaggregation-chunk-pages",
-    "3",
+    "--disaggregation-frame-bytes",
+    str(HEADER_SIZE + 3 * PAGE * 2048),  # 3 pages a frame: tiny's KV is 2,048 bytes a token
     "--disaggregation-window",
     "2",
 ]
@@ -340,12 +341,21 @@ async def test_prefill_sends_unacked_frames_again_after_a_nats_reconnect() -> No
     def fail(request_id: str, message: str, code: int, crashed: bool = False) -> None:
         raise AssertionError(f"the transfer failed: {message}")
 
-    config = PDConfig(chunk_pages=1, window=2, ack_timeout_s=30.0)
-    side = PrefillSide("p", None, publish, config, lambda *a: None, fail, closed.append)  # type: ignore[arg-type]
+    config = PDConfig(frame_bytes=HEADER_SIZE + 4096, window=2, ack_timeout_s=30.0)
+    side = PrefillSide(
+        "p",
+        None,  # type: ignore[arg-type]
+        publish,
+        config,
+        lambda *a: None,
+        fail,
+        closed.append,
+        max_payload=lambda: 1 << 20,
+    )
     rid = uuid.uuid4().hex
     req = PrefillRequest(rid, list(range(8)), Sampling(1), "", 0, "kv", "watch")
     side.jobs[rid] = _PrefillJob(req)
-    export = KVExport((torch.zeros(2, 1, 1, 2, 4, 1, 1),), 0, 8, 5)  # 2 pages: 2 frames
+    export = KVExport((torch.zeros(2, 1, 1, 2, 4, 1, 128),), 0, 8, 5)  # 2 pages of 4 KiB: 2 frames
     side.exported(rid, export, CachedTokens())
 
     async def until(pred: Callable[[], bool]) -> None:

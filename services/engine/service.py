@@ -226,6 +226,7 @@ class EngineService:
                 self._fail_stream,
                 self._close_stream,
                 self.engine_config.parallel.tp_size,
+                max_payload=self._max_payload,
             )
             return [
                 await nc.subscribe(subj.engine_prefill(eid), cb=self._prefill.on_prefill),
@@ -239,6 +240,11 @@ class EngineService:
                 cb=self._on_generate,
             ),
         ]
+
+    def _max_payload(self) -> int:
+        """The largest message the NATS server takes (its INFO, as of the last connect)."""
+        assert self._nc is not None
+        return self._nc.max_payload
 
     async def _publish_raw(self, subject: str, data: bytes, reply: str = "") -> None:
         assert self._nc is not None
