@@ -490,6 +490,7 @@ _CODES = {
     "bus": "bus_unavailable",
     "restore_failed": "restore_failed",
     "transfer_timeout": "kv_transfer_timeout",
+    "transfer_failed": "kv_transfer_failed",
     "engine_crashed": "engine_crashed",
 }
 

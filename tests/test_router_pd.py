@@ -358,6 +358,45 @@ async def test_prefill_error_reports(
         assert len(bad.prefills) == 2 and len(good.prefills) == 1
 
 
+async def test_a_kv_transfer_that_failed_on_prefill_falls_back_then_names_its_cause(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """A prefill engine that cannot send its KV (a frame the server refuses) says so at once
+    (error 502): the router retries the prefill once, on another prefill engine if one is
+    live, and only then answers 502 `kv_transfer_failed` with the cause, within seconds,
+    never after the decode engine's transfer timeout (it used to take 48 s and end in a
+    504 that blamed a timeout). The engine stays in routing: it is not broken."""
+    why = "KV transfer to decode failed: frame 0 of 3 (8,400,000 bytes) could not be sent"
+    why += ": MaxPayloadError: nats: maximum payload exceeded"
+    roles = ("prefill", "decode")
+    async with running_mesh(
+        nats_server.url, redis_server.url, roles=roles, pd_transfer_timeout_s=30.0
+    ) as mesh:
+        (pre,), (dec,) = mesh.prefills, mesh.decodes
+        pre.prefill_error = (502, why)
+        t0 = time.monotonic()
+        r = await mesh.client.post("/v1/completions", json={"prompt": PROMPT})
+        assert r.status == 502 and time.monotonic() - t0 < 10.0
+        err = (await r.json())["error"]
+        assert err["code"] == "kv_transfer_failed"
+        assert "MaxPayloadError" in err["message"] and pre.engine_id in err["message"]
+        assert len(pre.prefills) == len(dec.admits) == 2  # retried once, on the same pair
+        await wait_until(lambda: sorted(dec.aborts) == sorted(a.request_id for a in dec.admits))
+        assert await metric(mesh, "hicache_router_bus_errors_total", 'kind="transfer_failed"') == 2
+        pre.prefill_error = None
+        r = await mesh.client.post("/v1/completions", json={"prompt": PROMPT})
+        assert r.status == 200, await r.text()  # never marked failed
+    roles = ("prefill", "prefill", "decode")
+    async with running_mesh(nats_server.url, redis_server.url, roles=roles) as mesh:
+        bad, good = mesh.prefills
+        await set_load(mesh, good, 10_000)  # the failing one is chosen first
+        bad.prefill_error = (502, why)
+        r = await mesh.client.post("/v1/completions", json={"prompt": PROMPT})
+        assert r.status == 200, await r.text()
+        assert r.headers["X-Hicache-Prefill-Engine"] == good.engine_id
+        assert (len(bad.prefills), len(good.prefills)) == (1, 1)
+
+
 async def test_decode_admit_refusals(
     nats_server: ServerProcess, redis_server: ServerProcess
 ) -> None:
