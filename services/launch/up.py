@@ -24,9 +24,14 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from services.engine.flags import add_engine_args, engine_argv
+from services.engine.flags import (
+    add_engine_args,
+    add_pd_transfer_args,
+    engine_argv,
+    pd_transfer_argv,
+)
 from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
-from services.launch.servers import NATS, REDIS, ServerKind, free_port
+from services.launch.servers import NATS_MAX_PAYLOAD, REDIS, ServerKind, free_port, nats_kind
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
 
 ROUTER_TIER, SERVICE_TIER, SERVER_TIER = 2, 1, 0  # stop order: router, services, servers
@@ -52,6 +57,30 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="device KV pool of decode engines (default: --max-total-tokens)",
     )
+    pd.add_argument(
+        "--disaggregation-transfer-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a decode engine gives up on KV that stops arriving for this long (the router's "
+        "--pd-transfer-timeout; default: 0.8 x its request timeout)",
+    )
+    pd.add_argument(
+        "--disaggregation-admit-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the router's wait for a decode engine's admission (--pd-admit-timeout; default 10)",
+    )
+    parser.add_argument(
+        "--nats-max-payload",
+        type=int,
+        default=NATS_MAX_PAYLOAD,
+        metavar="BYTES",
+        help="max_payload of the nats-server `up` starts (P/D KV frames are sized from what "
+        "the server announces)",
+    )
+    add_pd_transfer_args(parser)
     parser.add_argument(
         "--bucket",
         action="append",
@@ -127,6 +156,7 @@ class Mesh:
         if declared and args.pd:
             raise ValueError("--pd with buckets is not supported yet: give one or the other")
         self.declared = bool(declared)  # else one bucket "default" of the shared flags
+        self.nats = nats_kind(args.nats_max_payload)  # the server to start (no --nats-url)
         self.buckets = declared or [LaunchBucket("default")]
         self.workdir = tempfile.TemporaryDirectory(prefix="hicache-mesh-")
         self._ports = {args.port}  # chosen for this mesh: the servers' ports avoid them
@@ -141,7 +171,7 @@ class Mesh:
         check_port_free(a.host, a.port)
         url = f"http://{a.host}:{a.port}"
         self.supervisor.extra_status["url"] = url
-        nats_url = a.nats_url or self._server(NATS)
+        nats_url = a.nats_url or self._server(self.nats)
         redis_url = a.redis_url or self._server(REDIS)
         py = sys.executable
         self.supervisor.start(
@@ -184,6 +214,10 @@ class Mesh:
         if a.record:
             argv += ["--record", a.record, "--record-meta", json.dumps(self._record_meta())]
             argv += ["--record-redact"] if a.record_redact else []
+        if a.disaggregation_transfer_timeout is not None:
+            argv += ["--pd-transfer-timeout", str(a.disaggregation_transfer_timeout)]
+        if a.disaggregation_admit_timeout is not None:
+            argv += ["--pd-admit-timeout", str(a.disaggregation_admit_timeout)]
         return argv
 
     def _record_meta(self) -> dict[str, object]:
@@ -214,7 +248,7 @@ class Mesh:
         decode = ["--disaggregation-mode", "decode"]
         if a.decode_max_total_tokens:
             decode += ["--max-total-tokens", str(a.decode_max_total_tokens)]
-        prefill = ["--disaggregation-mode", "prefill"]
+        prefill = ["--disaggregation-mode", "prefill", *pd_transfer_argv(a)]
         return [(f"prefill-{i}", prefill) for i in range(a.num_prefill)] + [
             (f"decode-{i}", decode) for i in range(a.num_decode)
         ]
