@@ -63,6 +63,11 @@ class PDInfo:
             decode_cached_host=chunk.cached_host,
         )
 
+    @property
+    def prefill_cached_tokens(self) -> int:
+        """Prompt tokens the prefill engine did not compute (its own cache hit)."""
+        return self.prefill_cached_device + self.prefill_cached_host + self.prefill_cached_storage
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

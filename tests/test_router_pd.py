@@ -100,8 +100,8 @@ async def test_pd_path_when_both_roles_are_live(
         assert body["choices"][0]["token_ids"] == want
         assert body["choices"][0]["text"] == text_of(want)
         assert body["usage"]["prompt_tokens_details"] == {
-            "cached_tokens": 16,  # the prefill engine's: the compute it skipped
-            "cached_tokens_by_tier": {"device": 12, "host": 4, "storage": 0},
+            "cached_tokens": 8,  # the decode engine's own reuse: KV that did not move
+            "cached_tokens_by_tier": {"device": 8, "host": 0, "storage": 0},
         }
         assert body["usage"]["disaggregation"] == want_pd
         (admit,) = dec.admits
@@ -123,7 +123,7 @@ async def test_pd_path_when_both_roles_are_live(
         assert done and events[-1]["choices"] == []
         assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == want
         assert events[-1]["usage"]["disaggregation"] == want_pd
-        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
 
         # /generate: meta_info.disaggregation, streaming or not
         for stream in (False, True):
@@ -131,13 +131,24 @@ async def test_pd_path_when_both_roles_are_live(
             events = (await read_sse(r))[0] if stream else [await r.json()]
             meta = events[-1]["meta_info"]
             assert meta["disaggregation"] == want_pd and meta["engine_id"] == dec.engine_id
-            assert meta["cached_tokens"] == 16 and meta["finish_reason"] == "length"
+            assert meta["cached_tokens"] == 8 and meta["finish_reason"] == "length"
 
         assert col.received == [] and no_generate_requests(mesh)
         assert await metric(mesh, "hicache_router_pd_requests_total") == 4
         assert await metric(mesh, "hicache_router_pd_transferred_tokens_total") == 4 * 26
         assert await metric(mesh, "hicache_router_pd_transferred_bytes_total") == 4 * 26 * 8
-        assert await metric(mesh, "hicache_router_cached_tokens_total", 'tier="device"') == 48
+        assert await metric(mesh, "hicache_router_cached_tokens_total", 'tier="device"') == 32
+        # each engine's hit rate is its own cache's: prefill skipped 16 of 34 prompt tokens,
+        # decode reused 8 (the prefill engine's used to read 0)
+        text = await (await mesh.client.get("/metrics")).text()
+        for engine, cached in ((pre, 16), (dec, 8)):
+            (line,) = [
+                line
+                for line in text.splitlines()
+                if line.startswith("sglang:cache_hit_rate{")
+                and f'engine_id="{engine.engine_id}"' in line
+            ]
+            assert float(line.rsplit(" ", 1)[1]) == cached / len(IDS), line
 
         # without a live prefill engine the colocated one serves, never the decode engine
         pre.silent = True

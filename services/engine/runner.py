@@ -169,6 +169,7 @@ class EngineRunner:
         self._tracked: dict[int, _Tracked] = {}
         self._by_request: dict[str, int] = {}
         self.load = LoadInfo(0, 0, 0)
+        self.generated_tokens = 0  # output tokens reported so far (read by heartbeats)
         self.engine: Engine | None = None
         self.ranks: RankProcesses | None = None  # ranks 1..N-1 of a multi-rank engine
         # KV writes answered once the step that applies them ran: (command, bytes, future)
@@ -438,6 +439,7 @@ class EngineRunner:
                 continue
             logprobs = tuple(req.logprobs[t.sent : t.sent + len(new)])
             t.sent += len(new)
+            self.generated_tokens += len(new)
             updates.append(
                 TokenUpdate(
                     t.request_id,

@@ -564,8 +564,12 @@ class EngineService:
     async def _heartbeats(self) -> None:
         assert self._nc is not None and self._runner is not None
         cfg = self.config
+        since, generated = time.monotonic(), self._runner.generated_tokens
         while self.crashed_reason is None:  # a crashed engine never announces itself
             load = self._runner.load
+            now, total = time.monotonic(), self._runner.generated_tokens
+            throughput = (total - generated) / max(now - since, 1e-6)
+            since, generated = now, total
             hb = Heartbeat(
                 cfg.engine_id,
                 cfg.bucket,
@@ -585,6 +589,8 @@ class EngineService:
                 card_digest=self._card_digest,
                 store_id=self._store_id,
                 bus_reconnects=self._bus_reconnects,
+                generation_tokens=total,
+                gen_throughput=throughput,
             )
             with contextlib.suppress(Exception):
                 await self._nc.publish(subj.HEARTBEAT, hb.encode())
