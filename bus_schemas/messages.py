@@ -168,6 +168,17 @@ class KVChunkAck(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class KVProgress(Message):
+    """Prefill -> decode, about every half second while the prefill engine holds the request
+    (queued, computing, or sending its KV): the decode engine's transfer timeout counts
+    from the latest frame or progress, so a long prefill does not look like a lost one."""
+
+    TYPE: ClassVar[str] = "kv_progress"
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
     """Engine -> everyone, every `interval_s`: alive, how loaded, and its cache counters
     (cumulative since the engine started or flushed; the router exports them per engine)."""

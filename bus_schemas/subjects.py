@@ -38,6 +38,11 @@ def engine_kv(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.kv"
 
 
+def engine_kv_progress(engine_id: str) -> str:
+    """KVProgress into a decode engine: its prefill engine still works on a request."""
+    return f"{PREFIX}.engine.{engine_id}.kv_progress"
+
+
 def engine_kv_ack(engine_id: str) -> str:
     """KVChunkAck back to a prefill engine."""
     return f"{PREFIX}.engine.{engine_id}.kv_ack"

@@ -38,6 +38,7 @@ from bus_schemas.messages import (
     KVChunkAck,
     KVEvent,
     KVEventBatch,
+    KVProgress,
     ModelCard,
     ModelCardRequest,
     PrefillRequest,
@@ -171,6 +172,7 @@ SAMPLES: dict[type[Message], Message] = {
     DecodeAdmitReply: DecodeAdmitReply("r2", "d0", 8, "hicache.engine.d0.kv", 4, 4),
     PrefillRequest: PrefillRequest("r2", [1, 2], Sampling(), "", 0, "kv.d0", "inbox.3"),
     KVChunkAck: KVChunkAck("r2", 3, False, "checksum"),
+    KVProgress: KVProgress("r2"),
 }
 
 

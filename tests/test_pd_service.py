@@ -115,6 +115,7 @@ async def pd_generate(
     reuse: bool = True,
     timeout_s: float = 30.0,
     asks: int = 1,
+    chunk_timeout_s: float = 60.0,
 ) -> tuple[DecodeAdmitReply, list[TokenChunk]]:
     """One P/D request; `asks` > 1 sends its DecodeAdmit that many times at once, as a router
     asks again after a NATS reconnect, and checks that every answer is the same."""
@@ -134,7 +135,7 @@ async def pd_generate(
     await nc.publish(subj.engine_prefill(prefill), req.encode())
     chunks = []
     while True:
-        chunk = TokenChunk.decode((await sub.next_msg(timeout=60)).data)
+        chunk = TokenChunk.decode((await sub.next_msg(timeout=chunk_timeout_s)).data)
         chunks.append(chunk)
         if chunk.finished:
             break
@@ -326,6 +327,34 @@ async def test_prefill_dying_mid_transfer_times_out_and_releases(
     finally:
         if dying.poll() is None:
             dying.kill()
+
+
+async def test_a_prefill_longer_than_the_transfer_timeout_is_waited_for(
+    nats_server: ServerProcess, nc: NATS
+) -> None:
+    """A 4K-token prompt of SmolLM2-sized KV takes the prefill engine seconds on a CPU, more
+    than the 2 s the decode engine is told to wait for KV: the prefill engine's progress
+    (every 0.5 s while it holds the request) keeps the transfer alive, where the decode
+    engine used to give up before the first frame."""
+    model = ("--model", "tiny-smollm2-kv", "--max-total-tokens", "8192", "--page-size", "16")
+    model += ("--heartbeat-interval", "0.2")
+    procs = [
+        spawn_engine(nats_server.url, "kv-prefill", *model, "--disaggregation-mode", "prefill"),
+        spawn_engine(nats_server.url, "kv-decode", *model, "--disaggregation-mode", "decode"),
+    ]
+    try:
+        await wait_engines(nc, {"kv-prefill", "kv-decode"})
+        prompt = [(7 * i + 3) % 256 for i in range(4000)]
+        reply, chunks = await pd_generate(
+            nc, "kv-prefill", "kv-decode", prompt, 2, timeout_s=2.0, chunk_timeout_s=300
+        )
+        assert chunks[-1].error is None, chunks[-1].error
+        assert chunks[0].transferred_tokens == len(prompt) and reply.decode_prefix_len == 0
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(30)
 
 
 async def test_prefill_sends_unacked_frames_again_after_a_nats_reconnect() -> None:

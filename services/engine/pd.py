@@ -2,10 +2,12 @@
 
 `DecodeSide` (role decode): admits a request (the engine matches, locks, reserves and starts
 restoring its own prefix), answers `decode_prefix_len`, writes each KV frame into the
-reserved pages and ACKs it in order, and gives up (releasing everything) when frames stop
-arriving for the request's transfer timeout.
+reserved pages and ACKs it in order, and gives up (releasing everything) when neither frames
+nor progress come from the prefill engine for the request's transfer timeout.
 
-`PrefillSide` (role prefill): runs the prompt, gets the packed KV past `decode_prefix_len`,
+`PrefillSide` (role prefill): runs the prompt, tells the decode engine every `PROGRESS_S`
+that it still works on it (`KVProgress`: a long prefill on a CPU is not a lost one), gets
+the packed KV past `decode_prefix_len`,
 and sends it as checksummed frames sized in bytes from the NATS server's `max_payload`
 (`pd_frames.py`), with a window of frames per transfer and of bytes per engine in flight,
 resending a NACKed frame; the staging buffer is dropped once the last frame is ACKed. A frame
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError
 
 from bus_schemas import (
@@ -31,6 +34,7 @@ from bus_schemas import (
     DecodeAdmitReply,
     ErrorReply,
     KVChunkAck,
+    KVProgress,
     PrefillRequest,
     SchemaError,
 )
@@ -55,6 +59,7 @@ from services.tasks import OwnedTasks
 log = logging.getLogger(__name__)
 
 DELIVERED_MEMORY = 4096  # prefill: delivered request ids kept for routers' stream checks
+PROGRESS_S = 0.5  # prefill: how often it tells decode it still holds a request
 Publish = Callable[..., Awaitable[None]]  # (subject, data, reply="") -> None
 
 
@@ -99,7 +104,7 @@ class DecodeTransfer:
 
     prefix_len: int
     timeout_s: float
-    last_frame: float
+    last_frame: float  # loop time of the last frame or progress from prefill
     prefill_engine_id: str = ""
     transferred_bytes: int = 0
     prefill_cached: CachedTokens = field(default_factory=CachedTokens)
@@ -226,6 +231,17 @@ class DecodeSide:
     async def _reply(self, msg: Msg, data: bytes) -> None:
         if msg.reply:
             await self.publish(msg.reply, data)
+
+    async def on_progress(self, msg: Msg) -> None:
+        """The prefill engine still works on a request: its transfer is not lost."""
+        try:
+            progress = KVProgress.decode(msg.data)
+        except SchemaError as e:
+            log.warning("bad KVProgress: %s", e)
+            return
+        transfer = self.transfers.get(progress.request_id)
+        if transfer is not None:
+            transfer.last_frame = asyncio.get_running_loop().time()
 
     async def on_frame(self, msg: Msg) -> None:
         """Write one KV frame and ACK it (a part of a shard: hold it and ACK it, the shard is
@@ -397,7 +413,8 @@ class PrefillSide:
         except ValueError as e:
             self.fail_stream(req.request_id, str(e), 400)
             return
-        self.jobs[req.request_id] = _PrefillJob(req)
+        job = self.jobs[req.request_id] = _PrefillJob(req)
+        self._senders.spawn(self._progress(job), f"kv-progress-{req.request_id}")
         future = self.runner.submit(
             req.request_id,
             req.input_ids,
@@ -413,6 +430,24 @@ class PrefillSide:
         except EngineCrashedError as e:
             self.jobs.pop(req.request_id, None)
             self.fail_stream(req.request_id, str(e), 500 if e.held else 503, e.held)
+
+    async def _progress(self, job: _PrefillJob) -> None:
+        """Tell the decode engine every `PROGRESS_S` that this engine holds the request, until
+        it is delivered or failed. A tick lost on the bus is harmless: the decode engine gives
+        up only after many missed ones (its transfer timeout)."""
+        rid = job.request.request_id
+        subject = subj.engine_kv_progress(subj.engine_of(job.request.kv_subject))
+        data = KVProgress(rid).encode()
+        while self.jobs.get(rid) is job:
+            try:
+                await self.publish(subject, data)
+            except NatsError as e:
+                log.debug("KV progress of %s not sent: %s", rid, _brief(e))
+            await asyncio.sleep(PROGRESS_S)
+
+    def finished(self, request_id: str) -> None:
+        """The request ended without KV to send (an error, an abort): forget it."""
+        self.jobs.pop(request_id, None)
 
     async def on_ack(self, msg: Msg) -> None:
         try:

@@ -215,6 +215,7 @@ class EngineService:
             return [
                 await nc.subscribe(subj.engine_decode_admit(eid), cb=self._decode.on_admit),
                 await nc.subscribe(subj.engine_kv(eid), cb=self._decode.on_frame),
+                await nc.subscribe(subj.engine_kv_progress(eid), cb=self._decode.on_progress),
             ]
         if role == "prefill":
             self._prefill = PrefillSide(
@@ -437,6 +438,8 @@ class EngineService:
                 del self._streams[u.request_id]
                 if self._decode is not None:
                     self._decode.finished(u.request_id)
+                if self._prefill is not None:  # it failed or was aborted: no KV to send
+                    self._prefill.finished(u.request_id)
 
     def _send_chunk(
         self,
