@@ -10,8 +10,10 @@ prompts and must give the same text, and report the decode engine's reuse: turn 
 `cached_tokens` (= `decode_prefix_len`) covers turn k's prompt, which the decode engine kept.
 
 Transformers computes the shared system prompt once and continues every turn from a copy of
-its KV (`DynamicCache`), as its prompt-reuse recipe does; six full 2K-token prefills would
-cost minutes on a 2-core CPU.
+its KV (`DynamicCache`), as its prompt-reuse recipe does (turn 1 checked against a full
+prefill: the same ids); six full 2K-token prefills would cost minutes on a 2-core CPU. Each
+mesh first serves two short requests with a third and two thirds of the system prompt
+(`warm_up`), so no request waits on a cold 2K-token prefill.
 """
 
 from __future__ import annotations
@@ -72,16 +74,17 @@ _PLACES = [
     ("Manaus", "Brazil", "the Amazon", "the Teatro Amazonas", "July"),
     ("Buenos Aires", "Argentina", "the Rio de la Plata", "the Teatro Colon", "April"),
 ]
-SYSTEM = (
+HEADER = (
     "You are a helpful assistant for a travel agency. Answer in one short sentence, using "
     "only the catalogue below.\n\nCatalogue of destinations:\n"
-    + "".join(
-        f"- {city} is a city in {country}. The river that flows through {city} is {river}. "
-        f"Its most famous sight is {sight}, and the best month to visit is {month}. "
-        f"Travellers often combine {city} with a boat trip on {river} in {month}.\n"
-        for city, country, river, sight, month in _PLACES
-    )
 )
+ENTRIES = [
+    f"- {city} is a city in {country}. The river that flows through {city} is {river}. "
+    f"Its most famous sight is {sight}, and the best month to visit is {month}. "
+    f"Travellers often combine {city} with a boat trip on {river} in {month}.\n"
+    for city, country, river, sight, month in _PLACES
+]
+SYSTEM = HEADER + "".join(ENTRIES)
 QUESTIONS = [
     "Which river flows through Vienna?",
     "What is the most famous sight in Lisbon?",
@@ -120,7 +123,7 @@ def transformers_chat() -> Iterator[Any]:
             do_sample=False,
             eos_token_id=EOS,
         )[0, len(ids) :].tolist()
-        return ids, out, tok.decode(out, skip_special_tokens=True)
+        return ids, out, str(tok.decode(out, skip_special_tokens=True))
 
     yield answer
 
@@ -131,7 +134,7 @@ def ids_of(tok: Any, messages: list[dict[str, str]], generation_prompt: bool) ->
 
 
 def client_of(mesh: UpMesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=300)
+    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", timeout=300, max_retries=0)
 
 
 def ask(client: openai.OpenAI, messages: list[dict[str, str]]) -> Any:
@@ -143,6 +146,21 @@ def ask(client: openai.OpenAI, messages: list[dict[str, str]]) -> Any:
     )
 
 
+def warm_up(client: openai.OpenAI) -> None:
+    """Two requests with the first third, then two thirds, of the catalogue, so that no
+    request computes more than ~700 prompt tokens cold: a cold 2K-token prefill of this
+    model takes 10-15 s on an idle 2-core CPU, and more than the router's 30 s for a first
+    token on a loaded one (issue 19, defect 2)."""
+    for n in (len(ENTRIES) // 3, 2 * len(ENTRIES) // 3):
+        system = HEADER + "".join(ENTRIES[:n])
+        client.chat.completions.create(
+            model=SMOLLM2,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+            max_tokens=1,
+            temperature=0,
+        )
+
+
 @pytest.fixture(scope="module")
 def colocated_chat(
     tmp_path_factory: pytest.TempPathFactory, transformers_chat: Any
@@ -152,6 +170,7 @@ def colocated_chat(
     turns = []
     with running_mesh(spec, tmp_path_factory, "chat-colocated", timeout_s=300) as mesh:
         client = client_of(mesh)
+        warm_up(client)
         messages = [{"role": "system", "content": SYSTEM}]
         for question in QUESTIONS:
             messages = [*messages, {"role": "user", "content": question}]
@@ -200,6 +219,7 @@ def test_a_pd_chat_equals_transformers_and_reuses_on_decode(
     outs = []
     with running_mesh(spec, tmp_path_factory, "chat-pd", timeout_s=300) as mesh:
         client = client_of(mesh)
+        warm_up(client)
         for messages, _, _ in colocated_chat:
             outs.append(ask(client, messages))
     check_turns(colocated_chat, outs)
@@ -207,11 +227,9 @@ def test_a_pd_chat_equals_transformers_and_reuses_on_decode(
         usage = out.usage
         pd = usage.model_extra["disaggregation"]
         cached = usage.prompt_tokens_details.cached_tokens
-        assert cached == pd["decode_prefix_len"]  # what the response calls cached
+        assert cached == pd["decode_prefix_len"] > 0  # what the response calls cached
         assert pd["transferred_tokens"] == usage.prompt_tokens - pd["decode_prefix_len"]
-        if k == 0:
-            assert cached == 0
-        else:  # the decode engine kept turn k's history: only the new turn moved
+        if k > 0:  # the decode engine kept turn k's history: only the new turn moved
             before = outs[k - 1].usage.prompt_tokens
             assert cached >= before // PAGE * PAGE, (k, cached, before)
             assert pd["transferred_tokens"] < 200

@@ -5,13 +5,13 @@ restoring its own prefix), answers `decode_prefix_len`, writes each KV frame int
 reserved pages and ACKs it in order, and gives up (releasing everything) when neither frames
 nor progress come from the prefill engine for the request's transfer timeout.
 
-`PrefillSide` (role prefill): runs the prompt, tells the decode engine every `PROGRESS_S`
+`PrefillSide` (role prefill): runs the prompt, telling the decode engine every `PROGRESS_S`
 that it still works on it (`KVProgress`: a long prefill on a CPU is not a lost one), gets
-the packed KV past `decode_prefix_len`,
-and sends it as checksummed frames sized in bytes from the NATS server's `max_payload`
-(`pd_frames.py`), with a window of frames per transfer and of bytes per engine in flight,
-resending a NACKed frame; the staging buffer is dropped once the last frame is ACKed. A frame
-that cannot be published (any publish error) fails the transfer at once, naming the cause.
+the packed KV past `decode_prefix_len`, and sends it as checksummed frames sized in bytes
+from the NATS server's `max_payload` (`pd_frames.py`), with a window of frames per transfer
+and of bytes per engine in flight, resending a NACKed frame; the staging buffer is dropped
+once the last frame is ACKed. A frame that cannot be published (any publish error) fails the
+transfer at once, naming the cause.
 """
 
 from __future__ import annotations
