@@ -1,20 +1,28 @@
 """KV chunks on the bus: a binary frame with a small fixed header, then the KV bytes.
 
-Header (little-endian, 84 bytes):
-    magic b"HKV2" | request_id (32 bytes, ASCII, NUL-padded) | seq u32 | token_start u32 |
+Header (little-endian, 92 bytes):
+    magic b"HKV3" | request_id (32 bytes, ASCII, NUL-padded) | seq u32 | token_start u32 |
     token_end u32 | first_token i32 (-1 unless last) | last u8 | pad 3 | prefill_cached_device
     u32 | prefill_cached_host u32 | payload_len u32 | crc32 u32 | rank u16 | world_size u16 |
-    tp_size u16 | reserved 2 | prefill_cached_storage u32
-The payload holds KV of tokens `[token_start, token_end)` in whole pages, in the unified
-object order with one KV head per group (DESIGN.md 5): `(pages, kv_head, layer, K/V,
+    tp_size u16 | reserved 2 | prefill_cached_storage u32 | part_offset u32 | shard_len u32
+A rank's shard of a chunk is KV of tokens `[token_start, token_end)` in whole pages, in the
+unified object order with one KV head per group (DESIGN.md 5): `(pages, kv_head, layer, K/V,
 token_in_page, head_dim)` of the sending rank's heads and layers (MLA: one head, the latent
 row, and no V plane; every TP rank of a stage sends the same one), in the engines' KV dtype;
 the last page of a request may be partly filled. Both ends know the model's shapes from the
-namespace they share. The receiver checks `crc32` before writing anything.
+namespace they share. The receiver checks `crc32` before using anything.
 
-A multi-rank prefill engine sends one frame per rank for each chunk: `rank`'s own layers
-and KV heads; `world_size` and `tp_size` give the sender's TP x PP layout, so a decode engine
-of another layout can cut from the frames the heads and layers each of its ranks holds.
+A frame's payload is bytes `[part_offset, part_offset + payload_len)` of that shard of
+`shard_len` bytes: the whole shard (offset 0, `shard_len == payload_len`), or one part of a
+shard larger than the NATS server's `max_payload` allows in one message (a big page, or a
+small limit), which the receiver puts back together before writing it
+(`services/engine/pd_frames.py` cuts frames and reassembles shards).
+
+A multi-rank prefill engine sends its ranks' shards of each chunk: `rank`'s own layers and KV
+heads; `world_size` and `tp_size` give the sender's TP x PP layout, so a decode engine of
+another layout can cut from the shards the heads and layers each of its ranks holds.
+
+Versions: HKV2 had no parts (84 bytes); HKV1 another payload order. Both are refused.
 """
 
 from __future__ import annotations
@@ -25,8 +33,8 @@ from dataclasses import dataclass
 
 from bus_schemas.codec import SchemaError
 
-MAGIC = b"HKV2"
-_HEADER = struct.Struct("<4s32sIIIiB3xIIIIHHH2xI")
+MAGIC = b"HKV3"
+_HEADER = struct.Struct("<4s32sIIIiB3xIIIIHHH2xIII")
 HEADER_SIZE = _HEADER.size
 
 
@@ -44,6 +52,8 @@ class KVFrameHeader:
     world_size: int = 1  # ranks of the sending engine
     tp_size: int = 1  # of which per pipeline stage (world_size // tp_size stages)
     prefill_cached_storage: int = 0  # prompt tokens prefill read from external storage
+    part_offset: int = 0  # where this frame's payload starts in the rank's shard
+    shard_len: int = 0  # bytes of the rank's whole shard of the chunk (0: this payload's)
 
     def __post_init__(self) -> None:
         if len(self.request_id.encode()) > 32:
@@ -54,6 +64,8 @@ class KVFrameHeader:
             raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
         if self.tp_size < 1 or self.world_size % self.tp_size:
             raise ValueError(f"tp_size {self.tp_size} does not divide world {self.world_size}")
+        if not 0 <= self.part_offset <= 0xFFFFFFFF or not 0 <= self.shard_len <= 0xFFFFFFFF:
+            raise ValueError("part_offset and shard_len must fit 32 bits")
 
     @property
     def pp_size(self) -> int:
@@ -61,31 +73,40 @@ class KVFrameHeader:
 
 
 def encode_frame(header: KVFrameHeader, payload: bytes | memoryview) -> bytes:
-    body = bytes(payload)
-    return (
-        _HEADER.pack(
-            MAGIC,
-            header.request_id.encode(),
-            header.seq,
-            header.token_start,
-            header.token_end,
-            header.first_token,
-            int(header.last),
-            header.prefill_cached_device,
-            header.prefill_cached_host,
-            len(body),
-            zlib.crc32(body),
-            header.rank,
-            header.world_size,
-            header.tp_size,
-            header.prefill_cached_storage,
+    """The frame of `payload`: a part of `header.shard_len` bytes at `header.part_offset`, or
+    the whole shard when `shard_len` is 0."""
+    body = memoryview(payload).cast("B")
+    shard_len = header.shard_len or len(body)
+    if header.part_offset + len(body) > shard_len:
+        raise ValueError(
+            f"a part of {len(body)} bytes at {header.part_offset} overruns its shard of "
+            f"{shard_len} bytes"
         )
-        + body
+    head = _HEADER.pack(
+        MAGIC,
+        header.request_id.encode(),
+        header.seq,
+        header.token_start,
+        header.token_end,
+        header.first_token,
+        int(header.last),
+        header.prefill_cached_device,
+        header.prefill_cached_host,
+        len(body),
+        zlib.crc32(body),
+        header.rank,
+        header.world_size,
+        header.tp_size,
+        header.prefill_cached_storage,
+        header.part_offset,
+        shard_len,
     )
+    return b"".join((head, body))  # one copy of the payload
 
 
 def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
-    """Parse and verify a frame; SchemaError for a bad magic, length or checksum."""
+    """Parse and verify a frame; SchemaError for a bad magic (another version), length,
+    checksum or part. The header's `shard_len` is as sent (never 0)."""
     if len(data) < HEADER_SIZE:
         raise SchemaError(f"KV frame of {len(data)} bytes is shorter than its header")
     (
@@ -104,14 +125,21 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
         world,
         tp,
         cached_storage,
+        part_offset,
+        shard_len,
     ) = _HEADER.unpack_from(data)
     if magic != MAGIC:
-        raise SchemaError(f"not a KV frame (magic {magic!r})")
+        raise SchemaError(f"not a KV frame of this version (magic {magic!r}, want {MAGIC!r})")
     payload = memoryview(data)[HEADER_SIZE:]
     if len(payload) != length:
         raise SchemaError(f"KV frame payload is {len(payload)} bytes, header says {length}")
     if zlib.crc32(payload) != crc:
         raise SchemaError("KV frame checksum mismatch")
+    if part_offset + length > shard_len:
+        raise SchemaError(
+            f"KV frame part [{part_offset}, {part_offset + length}) overruns its shard of "
+            f"{shard_len} bytes"
+        )
     try:
         header = KVFrameHeader(
             rid.rstrip(b"\0").decode(),
@@ -126,6 +154,8 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
             world or 1,
             tp or 1,
             cached_storage,
+            part_offset,
+            shard_len,
         )
     except (ValueError, UnicodeDecodeError) as e:
         raise SchemaError(f"bad KV frame header: {e}") from None

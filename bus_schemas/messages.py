@@ -174,8 +174,8 @@ class Heartbeat(Message):
 
     TYPE: ClassVar[str] = "heartbeat"
     # 2: cache usage and counters; 3: eviction counters; 4: card; 5: external storage;
-    # 6: bus_reconnects
-    VERSION: ClassVar[int] = 6
+    # 6: bus_reconnects; 7: generation_tokens, gen_throughput
+    VERSION: ClassVar[int] = 7
 
     engine_id: str
     bucket: str
@@ -211,6 +211,11 @@ class Heartbeat(Message):
     # how often the engine's NATS connection came back: messages to it, or from it to a
     # router not yet resubscribed, may have been lost then (routers check their streams)
     bus_reconnects: int = 0
+    # output tokens streamed since the engine started (a P/D decode engine's include the
+    # first token, which prefill sampled; a prefill engine streams none), and their rate
+    # over the last heartbeat interval in tokens/s (SGLang's gen_throughput)
+    generation_tokens: int = 0
+    gen_throughput: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

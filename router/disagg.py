@@ -13,8 +13,8 @@ engine D, watching the prefill engine P):
 
 Retries (`retry_kind`), each kind at most once per request and only before the first chunk:
 "restore" (D could not restore the prefix it promised: the same engines again, with
-`reuse=False`), "prefill" (P failed or its KV never arrived: another prefill engine if one is
-live, else the same), "decode" (D refused or failed: another decode engine). Never retried:
+`reuse=False`), "prefill" (P failed, could not send its KV, or its KV never arrived: another
+prefill engine if one is live, else the same), "decode" (D refused or failed: another decode engine). Never retried:
 a request either engine was running when its step loop crashed ("engine_crashed": an error
 chunk so marked, or an admit refused with code 500), since it may be the cause.
 """
@@ -62,6 +62,11 @@ class PDInfo:
             decode_cached_device=chunk.cached_device,
             decode_cached_host=chunk.cached_host,
         )
+
+    @property
+    def prefill_cached_tokens(self) -> int:
+        """Prompt tokens the prefill engine did not compute (its own cache hit)."""
+        return self.prefill_cached_device + self.prefill_cached_host + self.prefill_cached_storage
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -262,9 +262,15 @@ class EngineCollector(Collector):
         ("sglang:num_queue_reqs", "queued requests", "waiting"),
         ("sglang:token_usage", "device KV pages in use (cache included) / pages", "token_usage"),
         ("hicache_engine_host_token_usage", "host KV pages in use / pages", "host_token_usage"),
+        (
+            "sglang:gen_throughput",
+            "output tokens/s the engine streamed over its last heartbeat interval",
+            "gen_throughput",
+        ),
     )
     COUNTERS = (
         ("hicache_engine_cached_tokens", "prompt tokens reused from cache", "cached_tokens"),
+        ("hicache_engine_generation_tokens", "output tokens streamed", "generation_tokens"),
         ("hicache_engine_cache_loads", "host -> device loads", "num_loads"),
         ("hicache_engine_cache_backups", "device -> host backups", "num_backups"),
         (

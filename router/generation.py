@@ -71,7 +71,9 @@ class Outcome:
     engine_id: str = ""  # the engine that generated (a P/D request's decode engine)
     model: str = ""  # the model that engine serves
     prompt_tokens: int = 0
-    cached_device: int = 0  # prompt tokens not computed (P/D: by the prefill engine)
+    # prompt tokens the engine reused from its cache, by tier (P/D: the decode engine's own
+    # reuse, whose KV did not move; what prefill skipped is in `disaggregation`)
+    cached_device: int = 0
     cached_host: int = 0
     cached_storage: int = 0  # ... read from external storage for this request
     output_ids: list[int] = field(default_factory=list)
@@ -80,8 +82,8 @@ class Outcome:
     ttft_s: float | None = None
     queue_s: float | None = None  # arrival until first sent to an engine (routing, lookup)
     route_reason: str = ""
-    # the prompt tokens the index said the chosen engine holds (P/D: the prefill engine);
-    # None when the router did not ask it (one candidate, Redis down)
+    # the prompt tokens the index said the chosen engine holds (P/D: the decode engine, whose
+    # reuse `cached_*` report); None when the router did not ask it (one candidate, Redis down)
     predicted_cached_tokens: int | None = None
     disaggregation: PDInfo | None = None  # set by a P/D request's first chunk
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked, one per output id
@@ -303,7 +305,7 @@ class Generation:
             decode, prefill = route[0].engine.engine_id, route[1].engine.engine_id
             self.outcome.engine_id, self.outcome.model = decode, route[0].engine.model
             self.outcome.route_reason = route[0].reason
-            self.outcome.predicted_cached_tokens = route[1].predicted_tokens(
+            self.outcome.predicted_cached_tokens = route[0].predicted_tokens(
                 len(self.spec.input_ids)
             )
             # the first attempt's request id is the response's; retries get fresh ones, so
@@ -453,10 +455,7 @@ class Generation:
         if self._pd is None:
             return
         info = PDInfo.from_first_chunk(chunk, self._pd.prefill_engine, self._pd.admitted)
-        out.disaggregation = info
-        out.cached_device = info.prefill_cached_device
-        out.cached_host = info.prefill_cached_host
-        out.cached_storage = info.prefill_cached_storage
+        out.disaggregation = info  # the cached tokens above are the decode engine's reuse
         self.metrics.pd_transferred_tokens.inc(max(info.transferred_tokens, 0))
         self.metrics.pd_transferred_bytes.inc(max(info.transferred_bytes, 0))
 
@@ -490,6 +489,7 @@ _CODES = {
     "bus": "bus_unavailable",
     "restore_failed": "restore_failed",
     "transfer_timeout": "kv_transfer_timeout",
+    "transfer_failed": "kv_transfer_failed",
     "engine_crashed": "engine_crashed",
 }
 

@@ -483,6 +483,9 @@ def _account(app: web.Application, choices: Choices, times: _TokenTimes) -> None
     child(metrics.cached_tokens, "host").inc(out.cached_host)
     child(metrics.cached_tokens, "storage").inc(out.cached_storage)
     app[keys.TABLE].account(out.engine_id, out.prompt_tokens, out.cached_tokens)
+    if out.disaggregation is not None:  # the prefill engine's own hit rate
+        pd = out.disaggregation
+        app[keys.TABLE].account(pd.prefill_engine, out.prompt_tokens, pd.prefill_cached_tokens)
     if out.predicted_cached_tokens is not None and out.finish_reason is not None:
         result = app[keys.AUDIT].observe(
             out.engine_id, out.predicted_cached_tokens, out.cached_tokens

@@ -2,9 +2,10 @@
 
 Extensions to the OpenAI shapes: every choice carries `token_ids` (the generated ids; in a
 stream chunk, the ids that arrived with it), and `usage.prompt_tokens_details` carries
-`cached_tokens_by_tier: {device, host, storage}`; a P/D request's cached tokens are the prefill
-engine's (the prompt compute it skipped), and its `usage.disaggregation` (`/generate`:
-`meta_info.disaggregation`) says what each side reused and what moved. With `n` choices,
+`cached_tokens_by_tier: {device, host, storage}`; a P/D request's cached tokens are the decode
+engine's own reuse (`decode_prefix_len`: prompt KV that neither moved nor was computed for
+it), and its `usage.disaggregation` (`/generate`: `meta_info.disaggregation`) says what each
+side reused (the prefill engine's skipped compute included) and what moved. With `n` choices,
 usage counts the prompt once (choice 0's, whose prefill the others reuse) and the
 completion tokens of all.
 

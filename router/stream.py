@@ -59,11 +59,14 @@ FAILURE_STATUS = {  # EngineFailure.kind -> the HTTP status the client sees
     "restore_failed": 502,  # P/D: decode could not restore the prefix it promised
     "transfer_timeout": 504,  # P/D: decode gave up waiting for the prefill engine's KV
     "engine_crashed": 500,  # the engine's step loop died with this request: never retried
+    "transfer_failed": 502,  # P/D: the prefill engine could not send the KV (it names why)
 }
 
 # error chunk's error_code -> EngineFailure.kind (anything else: "engine_error")
 ENGINE_ERRORS: Mapping[int, str] = {400: "rejected", 503: "unavailable"}
 DECODE_ERRORS: Mapping[int, str] = {400: "rejected", 409: "restore_failed", 503: "transfer_timeout"}
+# a watched P/D prefill engine's: 502 is a KV transfer that failed on its side
+PREFILL_ERRORS: Mapping[int, str] = {**ENGINE_ERRORS, 502: "transfer_failed"}
 
 Reply = tuple[str, bytes]  # (subject, payload) of one message to a ReplyHub subject
 # The subject of a ReplyHub marker (never a NATS subject): NATS reconnected, on the router's
@@ -478,7 +481,7 @@ class EngineStream:
             return False
         if chunk.request_id != self.request_id or chunk.error is None:
             return False
-        kind = ENGINE_ERRORS.get(chunk.error_code, "engine_error")
+        kind = PREFILL_ERRORS.get(chunk.error_code, "engine_error")
         if chunk.engine_crashed:
             kind = "engine_crashed"
         raise self._failure(kind, f"prefill engine {self._watched}: {chunk.error}", self._watched)

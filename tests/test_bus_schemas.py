@@ -180,7 +180,7 @@ def test_kv_frame_round_trip_and_corruption() -> None:
     header = KVFrameHeader("0123456789abcdef0123456789abcdef", 2, 16, 27, 99, True, 8, 4)
     frame = encode_frame(header, b"\x01\x02" * 50)
     got, payload = decode_frame(frame)
-    assert got == header and bytes(payload) == b"\x01\x02" * 50
+    assert got == dataclasses.replace(header, shard_len=100) and bytes(payload) == b"\x01\x02" * 50
     assert peek_request_id(frame) == header.request_id
     corrupt = bytearray(frame)
     corrupt[-3] ^= 0xFF
@@ -215,9 +215,22 @@ def test_kv_frame_carries_its_rank_and_layout() -> None:
     with pytest.raises(ValueError, match="does not divide"):
         KVFrameHeader("r", 0, 0, 8, rank=0, world_size=4, tp_size=3)
     older = bytearray(encode_frame(header, b"kv"))
-    older[:4] = b"HKV1"  # the previous payload order: refused, never misread
-    with pytest.raises(SchemaError, match="magic"):
-        decode_frame(bytes(older))
+    for magic in (b"HKV1", b"HKV2"):  # another payload order; no parts: refused, never misread
+        older[:4] = magic
+        with pytest.raises(SchemaError, match="magic"):
+            decode_frame(bytes(older))
+
+
+def test_kv_frame_carries_a_part_of_its_shard() -> None:
+    header = KVFrameHeader("r", 5, 16, 32, part_offset=4096, shard_len=10_000)
+    got, payload = decode_frame(encode_frame(header, b"\x07" * 3000))
+    assert got == header and bytes(payload) == b"\x07" * 3000
+    with pytest.raises(ValueError, match="overruns"):  # 4096 + 6000 > 10000
+        encode_frame(header, b"\x07" * 6000)
+    frame = bytearray(encode_frame(header, b"\x07" * 3000))
+    frame[88:92] = (5000).to_bytes(4, "little")  # a shard too short for the part: refused
+    with pytest.raises(SchemaError, match="overruns"):
+        decode_frame(bytes(frame))
 
 
 def all_message_classes() -> set[type[Message]]:

@@ -390,24 +390,26 @@ def test_a_latent_shard_from_a_tp_rank_other_than_0_is_refused() -> None:
 def test_prefill_frames_carry_the_exported_ranks_in_the_whole_world() -> None:
     """The P/D service frames a TP2 x PP2 MLA export as the shards of world ranks 0 and 2
     of a world of 4 (so the decode side knows the layout to cut), chunk by chunk."""
-    from bus_schemas.kv_frame import decode_frame
+    from bus_schemas.kv_frame import HEADER_SIZE, decode_frame
     from gpu_worker.scheduler.request import CachedTokens, KVExport
     from services.engine.pd import PDConfig, PrefillSide
 
+    page_bytes = 4 * PAGE * LATENT * 4  # one page of a stage's latent: 4 layers, float32
     side = PrefillSide(
         "prefill-0",
         mock.Mock(),
         mock.AsyncMock(),
-        PDConfig(chunk_pages=2),
+        PDConfig(frame_bytes=HEADER_SIZE + 2 * page_bytes + 100),  # two pages a frame
         mock.Mock(),
         mock.Mock(),
         mock.Mock(),
         tp_size=2,
+        max_payload=lambda: 8 << 20,
     )
     stage = torch.arange(3 * 4 * PAGE * LATENT, dtype=torch.float32)
     stagings = tuple(stage.view(3, 1, 4, 1, PAGE, 1, LATENT) + s for s in (0, 1))
     export = KVExport(stagings, 0, 3 * PAGE, 7, ranks=(0, 2), world_size=4)
-    frames = [decode_frame(f) for f in side._frames("r", export, CachedTokens())]
+    frames = [decode_frame(f) for f in side.plan("r", export, CachedTokens()).frames]
     got = [(h.seq, h.rank, h.world_size, h.tp_size, h.token_start, h.token_end) for h, _ in frames]
     assert got == [
         (0, 0, 4, 2, 0, 2 * PAGE),

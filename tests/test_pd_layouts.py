@@ -127,7 +127,7 @@ def cold() -> list[tuple[list[int], torch.Tensor]]:
 
 @pytest.mark.parametrize(
     ("prefill", "decode"),
-    [((2, 2), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (2, 1)), ((2, 1), (1, 2))],
+    [((2, 2), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (2, 1)), ((2, 1), (1, 2)), ((2, 1), (2, 2))],
     ids=lambda layout: f"TP{layout[0]}PP{layout[1]}",
 )
 def test_pd_across_layouts_equals_cold(

@@ -32,6 +32,7 @@ from bus_schemas import (
     TokenChunk,
 )
 from bus_schemas import subjects as subj
+from bus_schemas.kv_frame import HEADER_SIZE
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
@@ -49,8 +50,8 @@ COMMON = [
     "2048",
     "--heartbeat-interval",
     "0.2",
-    "--disaggregation-chunk-pages",
-    "3",
+    "--disaggregation-frame-bytes",
+    str(HEADER_SIZE + 3 * PAGE * 2048),  # 3 pages a frame: tiny's KV is 2,048 bytes a token
     "--disaggregation-window",
     "2",
 ]
@@ -115,6 +116,7 @@ async def pd_generate(
     reuse: bool = True,
     timeout_s: float = 30.0,
     asks: int = 1,
+    chunk_timeout_s: float = 60.0,
 ) -> tuple[DecodeAdmitReply, list[TokenChunk]]:
     """One P/D request; `asks` > 1 sends its DecodeAdmit that many times at once, as a router
     asks again after a NATS reconnect, and checks that every answer is the same."""
@@ -134,7 +136,7 @@ async def pd_generate(
     await nc.publish(subj.engine_prefill(prefill), req.encode())
     chunks = []
     while True:
-        chunk = await next_chunk(sub)
+        chunk = await next_chunk(sub, chunk_timeout_s)
         chunks.append(chunk)
         if chunk.finished:
             break
@@ -325,6 +327,34 @@ async def test_prefill_dying_mid_transfer_times_out_and_releases(
             dying.kill()
 
 
+async def test_a_prefill_longer_than_the_transfer_timeout_is_waited_for(
+    nats_server: ServerProcess, nc: NATS
+) -> None:
+    """A 4K-token prompt of SmolLM2-sized KV takes the prefill engine seconds on a CPU, more
+    than the 2 s the decode engine is told to wait for KV: the prefill engine's `Progress` on
+    the KV subject (once per heartbeat interval while it computes) keeps the transfer alive,
+    where the decode engine used to give up before the first frame."""
+    model = ("--model", "tiny-smollm2-kv", "--max-total-tokens", "8192", "--page-size", "16")
+    model += ("--heartbeat-interval", "0.2")
+    procs = [
+        spawn_engine(nats_server.url, "kv-prefill", *model, "--disaggregation-mode", "prefill"),
+        spawn_engine(nats_server.url, "kv-decode", *model, "--disaggregation-mode", "decode"),
+    ]
+    try:
+        await wait_engines(nc, {"kv-prefill", "kv-decode"})
+        prompt = [(7 * i + 3) % 256 for i in range(4000)]
+        reply, chunks = await pd_generate(
+            nc, "kv-prefill", "kv-decode", prompt, 2, timeout_s=2.0, chunk_timeout_s=300
+        )
+        assert chunks[-1].error is None, chunks[-1].error
+        assert chunks[0].transferred_tokens == len(prompt) and reply.decode_prefix_len == 0
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(30)
+
+
 async def test_prefill_sends_unacked_frames_again_after_a_nats_reconnect() -> None:
     """Frames (or their ACKs) lost while NATS reconnected: at the reconnect the prefill
     side sends its unACKed frames again, every `RESEND_S` until ACKed, instead of failing
@@ -338,12 +368,21 @@ async def test_prefill_sends_unacked_frames_again_after_a_nats_reconnect() -> No
     def fail(request_id: str, message: str, code: int, crashed: bool = False) -> None:
         raise AssertionError(f"the transfer failed: {message}")
 
-    config = PDConfig(chunk_pages=1, window=2, ack_timeout_s=30.0)
-    side = PrefillSide("p", None, publish, config, lambda *a: None, fail, closed.append)  # type: ignore[arg-type]
+    config = PDConfig(frame_bytes=HEADER_SIZE + 4096, window=2, ack_timeout_s=30.0)
+    side = PrefillSide(
+        "p",
+        None,  # type: ignore[arg-type]
+        publish,
+        config,
+        lambda *a: None,
+        fail,
+        closed.append,
+        max_payload=lambda: 1 << 20,
+    )
     rid = uuid.uuid4().hex
     req = PrefillRequest(rid, list(range(8)), Sampling(1), "", 0, "kv", "watch")
     side.jobs[rid] = _PrefillJob(req)
-    export = KVExport((torch.zeros(2, 1, 1, 2, 4, 1, 1),), 0, 8, 5)  # 2 pages: 2 frames
+    export = KVExport((torch.zeros(2, 1, 1, 2, 4, 1, 128),), 0, 8, 5)  # 2 pages of 4 KiB: 2 frames
     side.exported(rid, export, CachedTokens())
 
     async def until(pred: Callable[[], bool]) -> None:

@@ -100,8 +100,8 @@ async def test_pd_path_when_both_roles_are_live(
         assert body["choices"][0]["token_ids"] == want
         assert body["choices"][0]["text"] == text_of(want)
         assert body["usage"]["prompt_tokens_details"] == {
-            "cached_tokens": 16,  # the prefill engine's: the compute it skipped
-            "cached_tokens_by_tier": {"device": 12, "host": 4, "storage": 0},
+            "cached_tokens": 8,  # the decode engine's own reuse: KV that did not move
+            "cached_tokens_by_tier": {"device": 8, "host": 0, "storage": 0},
         }
         assert body["usage"]["disaggregation"] == want_pd
         (admit,) = dec.admits
@@ -123,7 +123,7 @@ async def test_pd_path_when_both_roles_are_live(
         assert done and events[-1]["choices"] == []
         assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == want
         assert events[-1]["usage"]["disaggregation"] == want_pd
-        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
 
         # /generate: meta_info.disaggregation, streaming or not
         for stream in (False, True):
@@ -131,13 +131,24 @@ async def test_pd_path_when_both_roles_are_live(
             events = (await read_sse(r))[0] if stream else [await r.json()]
             meta = events[-1]["meta_info"]
             assert meta["disaggregation"] == want_pd and meta["engine_id"] == dec.engine_id
-            assert meta["cached_tokens"] == 16 and meta["finish_reason"] == "length"
+            assert meta["cached_tokens"] == 8 and meta["finish_reason"] == "length"
 
         assert col.received == [] and no_generate_requests(mesh)
         assert await metric(mesh, "hicache_router_pd_requests_total") == 4
         assert await metric(mesh, "hicache_router_pd_transferred_tokens_total") == 4 * 26
         assert await metric(mesh, "hicache_router_pd_transferred_bytes_total") == 4 * 26 * 8
-        assert await metric(mesh, "hicache_router_cached_tokens_total", 'tier="device"') == 48
+        assert await metric(mesh, "hicache_router_cached_tokens_total", 'tier="device"') == 32
+        # each engine's hit rate is its own cache's: prefill skipped 16 of 34 prompt tokens,
+        # decode reused 8 (the prefill engine's used to read 0)
+        text = await (await mesh.client.get("/metrics")).text()
+        for engine, cached in ((pre, 16), (dec, 8)):
+            (line,) = [
+                line
+                for line in text.splitlines()
+                if line.startswith("sglang:cache_hit_rate{")
+                and f'engine_id="{engine.engine_id}"' in line
+            ]
+            assert float(line.rsplit(" ", 1)[1]) == cached / len(IDS), line
 
         # without a live prefill engine the colocated one serves, never the decode engine
         pre.silent = True
@@ -356,6 +367,45 @@ async def test_prefill_error_reports(
         events, done = await read_sse(r)
         assert done and "error" not in events[-1]
         assert len(bad.prefills) == 2 and len(good.prefills) == 1
+
+
+async def test_a_kv_transfer_that_failed_on_prefill_falls_back_then_names_its_cause(
+    nats_server: ServerProcess, redis_server: ServerProcess
+) -> None:
+    """A prefill engine that cannot send its KV (a frame the server refuses) says so at once
+    (error 502): the router retries the prefill once, on another prefill engine if one is
+    live, and only then answers 502 `kv_transfer_failed` with the cause, within seconds,
+    never after the decode engine's transfer timeout (it used to take 48 s and end in a
+    504 that blamed a timeout). The engine stays in routing: it is not broken."""
+    why = "KV transfer to decode failed: frame 0 of 3 (8,400,000 bytes) could not be sent"
+    why += ": MaxPayloadError: nats: maximum payload exceeded"
+    roles = ("prefill", "decode")
+    async with running_mesh(
+        nats_server.url, redis_server.url, roles=roles, pd_transfer_timeout_s=30.0
+    ) as mesh:
+        (pre,), (dec,) = mesh.prefills, mesh.decodes
+        pre.prefill_error = (502, why)
+        t0 = time.monotonic()
+        r = await mesh.client.post("/v1/completions", json={"prompt": PROMPT})
+        assert r.status == 502 and time.monotonic() - t0 < 10.0
+        err = (await r.json())["error"]
+        assert err["code"] == "kv_transfer_failed"
+        assert "MaxPayloadError" in err["message"] and pre.engine_id in err["message"]
+        assert len(pre.prefills) == len(dec.admits) == 2  # retried once, on the same pair
+        await wait_until(lambda: sorted(dec.aborts) == sorted(a.request_id for a in dec.admits))
+        assert await metric(mesh, "hicache_router_bus_errors_total", 'kind="transfer_failed"') == 2
+        pre.prefill_error = None
+        r = await mesh.client.post("/v1/completions", json={"prompt": PROMPT})
+        assert r.status == 200, await r.text()  # never marked failed
+    roles = ("prefill", "prefill", "decode")
+    async with running_mesh(nats_server.url, redis_server.url, roles=roles) as mesh:
+        bad, good = mesh.prefills
+        await set_load(mesh, good, 10_000)  # the failing one is chosen first
+        bad.prefill_error = (502, why)
+        r = await mesh.client.post("/v1/completions", json={"prompt": PROMPT})
+        assert r.status == 200, await r.text()
+        assert r.headers["X-Hicache-Prefill-Engine"] == good.engine_id
+        assert (len(bad.prefills), len(good.prefills)) == (1, 1)
 
 
 async def test_decode_admit_refusals(

@@ -15,7 +15,10 @@ from pathlib import Path
 
 from fault_helpers import kill_session
 
+from services.cli import build_parser, main
+from services.engine.__main__ import build_parser as build_engine_parser
 from services.launch.servers import free_port
+from services.launch.up import Mesh
 
 ALARM = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|Traceback")
 UP = [sys.executable, "-m", "services.cli", "up"]
@@ -107,3 +110,43 @@ def test_ctrl_c_stops_the_mesh_without_alarm(tmp_path: Path) -> None:
     alarming = [line for line in text.splitlines() if ALARM.search(line)]
     assert not alarming, "\n".join(alarming)
     assert not kill_session(proc.pid), "hicache-mesh up left processes behind"
+
+
+def test_up_passes_the_pd_transfer_settings_on(tmp_path: Path) -> None:
+    """`up --pd` exposes the transfer settings: the frame cap and windows go to its prefill
+    engines (which send), the timeouts to the router (which tells decode engines), the
+    payload limit to the nats-server it starts; a limit too small for any frame is refused."""
+    flags = [
+        "up",
+        "--pd",
+        "--disaggregation-frame-bytes",
+        "65536",
+        "--disaggregation-window",
+        "4",
+        "--disaggregation-window-bytes",
+        "1048576",
+        "--disaggregation-ack-timeout",
+        "3",
+        "--disaggregation-transfer-timeout",
+        "5",
+        "--disaggregation-admit-timeout",
+        "7",
+        "--nats-max-payload",
+        "2097152",
+    ]
+    mesh = Mesh(build_parser().parse_args(flags))
+    try:
+        engines = dict(mesh._engines())
+        sent = ["--disaggregation-frame-bytes", "65536", "--disaggregation-window", "4"]
+        sent += ["--disaggregation-window-bytes", "1048576", "--disaggregation-ack-timeout", "3.0"]
+        assert engines["prefill-0"] == ["--disaggregation-mode", "prefill", *sent]
+        assert not any(f.startswith("--disaggregation-w") for f in engines["decode-0"])
+        router = " ".join(mesh._router_argv("nats://n", "redis://r"))
+        assert "--pd-transfer-timeout 5.0" in router and "--pd-admit-timeout 7.0" in router
+        mesh.nats.argv(4222, str(tmp_path))
+        assert "max_payload: 2097152" in (tmp_path / "nats.conf").read_text()
+    finally:
+        mesh.workdir.cleanup()
+    engine = build_engine_parser().parse_args(["--engine-id", "p", *sent])
+    assert engine.disaggregation_window_bytes == 1048576  # the engine takes what up sends
+    assert main(["up", "--port", str(free_port()), "--nats-max-payload", "100"]) == 2

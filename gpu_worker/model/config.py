@@ -167,4 +167,20 @@ PRESETS: dict[str, ModelConfig] = {
         kv_lora_rank=16,
         qk_rope_head_dim=4,
     ),
+    # SmolLM2-135M's KV bytes per token on a small random model, for P/D and KV-size tests:
+    # 15 layers x 3 KV heads x head_dim 64 x K,V x 8 bytes (float64) = 46,080 bytes, what
+    # SmolLM2's 30 layers hold in float32; float64-exact like tiny, and cheap to compute.
+    "tiny-smollm2-kv": ModelConfig(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=15,
+        num_heads=3,
+        num_kv_heads=3,
+        head_dim=64,
+        context_len=8192,
+        eos_token_ids=(BYTE_EOS_ID,),
+        bos_token_id=BYTE_BOS_ID,
+        name="tiny-smollm2-kv",
+    ),
 }

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.engine.config import engine_config_from_args
-from services.engine.flags import add_engine_args
+from services.engine.flags import add_engine_args, add_pd_transfer_args
 from services.engine.pd import PDConfig
 from services.engine.service import EngineService, EngineServiceConfig
 
@@ -38,20 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running requests get to finish on SIGTERM",
     )
     parser.add_argument("--log-level", default="INFO")
-    pd = parser.add_argument_group("prefill/decode transfer")
-    pd.add_argument(
-        "--disaggregation-chunk-pages",
-        type=int,
-        default=16,
-        help="KV pages per frame sent prefill -> decode",
-    )
-    pd.add_argument(
-        "--disaggregation-window",
-        type=int,
-        default=8,
-        help="KV frames in flight before waiting for ACKs",
-    )
-    pd.add_argument("--disaggregation-ack-timeout", type=float, default=10.0)
+    add_pd_transfer_args(parser)
+    pd = parser.add_argument_group("P/D test hooks")
     pd.add_argument(
         "--debug-corrupt-kv-frames",
         type=int,
@@ -77,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace) -> int:
     """Run the engine until a signal (returns 0) or a crash of its step loop (returns 1)."""
     pd = PDConfig(
-        chunk_pages=args.disaggregation_chunk_pages,
+        frame_bytes=args.disaggregation_frame_bytes,
         window=args.disaggregation_window,
+        window_bytes=args.disaggregation_window_bytes,
         ack_timeout_s=args.disaggregation_ack_timeout,
         debug_corrupt_frames=args.debug_corrupt_kv_frames,
         debug_exit_after_frames=args.debug_exit_after_kv_frames,

@@ -289,6 +289,11 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     """
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_args(parser)
+    return _changed(parser, args)
+
+
+def _changed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """`parser`'s flags whose value in `args` is not their default, as a command line."""
     argv: list[str] = []
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
@@ -302,3 +307,46 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def add_pd_transfer_args(parser: argparse.ArgumentParser) -> None:
+    """How a P/D prefill engine sends KV to decode engines (`services/engine/pd.py`): the
+    engine service takes them, `hicache-mesh up` passes them on to its prefill engines."""
+    g = parser.add_argument_group("P/D KV transfer")
+    g.add_argument(
+        "--disaggregation-frame-bytes",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="largest KV frame on the bus, header included; 0: the NATS server's max_payload "
+        "(from its INFO). A page shard over it is sent in parts",
+    )
+    g.add_argument(
+        "--disaggregation-window",
+        type=int,
+        default=8,
+        metavar="N",
+        help="KV frames in flight per transfer before waiting for decode's ACKs",
+    )
+    g.add_argument(
+        "--disaggregation-window-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        metavar="BYTES",
+        help="KV bytes in flight per prefill engine, all its transfers together (keep it well "
+        "below the server's slow-consumer limit, 64 MiB by default)",
+    )
+    g.add_argument(
+        "--disaggregation-ack-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a transfer fails when decode ACKs none of its frames for this long",
+    )
+
+
+def pd_transfer_argv(args: argparse.Namespace) -> list[str]:
+    """The P/D transfer flags of `args` that are not at their default, as a command line."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_pd_transfer_args(parser)
+    return _changed(parser, args)

@@ -6,9 +6,12 @@ reserved pages and ACKs it in order, and gives up (releasing everything) when th
 engine goes quiet on the request for its transfer timeout: no frame, and no `Progress` (which
 the prefill engine sends on the same subject while it queues or computes the request).
 
-`PrefillSide` (role prefill): runs the prompt, gets the packed KV past `decode_prefix_len`,
-and sends it as checksummed frames with a window of frames in flight, resending a NACKed
-frame; the staging buffer is dropped once the last frame is ACKed.
+`PrefillSide` (role prefill): runs the prompt (the service tells the decode engine that it
+still works on it: a long prefill on a CPU is not a lost one), gets the packed KV past `decode_prefix_len`, and sends it as checksummed frames sized in bytes
+from the NATS server's `max_payload` (`pd_frames.py`), with a window of frames per transfer
+and of bytes per engine in flight, resending a NACKed frame; the staging buffer is dropped
+once the last frame is ACKed. A frame that cannot be published (any publish error) fails the
+transfer at once, naming the cause.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nats.aio.msg import Msg
+from nats.errors import MaxPayloadError
 
 from bus_schemas import (
     DecodeAdmit,
@@ -34,10 +38,19 @@ from bus_schemas import (
     SchemaError,
 )
 from bus_schemas import subjects as subj
-from bus_schemas.kv_frame import MAGIC, KVFrameHeader, decode_frame, encode_frame, peek_ids
+from bus_schemas.kv_frame import HEADER_SIZE, MAGIC, KVFrameHeader, decode_frame, peek_ids
 from gpu_worker.engine.engine import InvalidRequestError
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.request import CachedTokens, KVExport
+from services.engine.pd_frames import (
+    MIN_PAYLOAD,
+    ByteWindow,
+    FramePlan,
+    FrameSizeError,
+    ShardAssembler,
+    cut_frames,
+    payload_limit,
+)
 from services.engine.runner import Admission, EngineCrashedError, EngineRunner
 from services.engine.sampling import sampling_params
 from services.tasks import OwnedTasks
@@ -55,14 +68,32 @@ class FailStream(Protocol):
     def __call__(self, request_id: str, message: str, code: int, crashed: bool = False) -> None: ...
 
 
+TRANSFER_FAILED = 502  # error code of a transfer that failed on the prefill side
+
+
 @dataclass(frozen=True, slots=True)
 class PDConfig:
-    chunk_pages: int = 16  # pages of KV per frame
-    window: int = 8  # frames in flight before waiting for ACKs
+    """How a prefill engine sends KV (the decode side's transfer timeout comes with each
+    request from the router)."""
+
+    frame_bytes: int = 0  # largest KV frame, header included; 0: the server's max_payload
+    window: int = 8  # frames in flight per transfer before waiting for ACKs
+    window_bytes: int = 32 * 1024 * 1024  # KV bytes in flight per prefill engine
     ack_timeout_s: float = 10.0  # prefill: an ACK must come within this
     max_attempts: int = 3  # sends of one frame before the transfer fails
     debug_corrupt_frames: int = 0  # test hook: corrupt the first N frames this engine sends
     debug_exit_after_frames: int = 0  # test hook: the process dies after sending N frames
+
+    def __post_init__(self) -> None:
+        smallest = HEADER_SIZE + MIN_PAYLOAD
+        if self.frame_bytes and self.frame_bytes < smallest:
+            raise ValueError(f"--disaggregation-frame-bytes must be 0 or >= {smallest}")
+        if self.window < 1:
+            raise ValueError("--disaggregation-window must be >= 1")
+        if self.window_bytes < smallest:
+            raise ValueError(f"--disaggregation-window-bytes must be >= {smallest}")
+        if not self.ack_timeout_s > 0:
+            raise ValueError("--disaggregation-ack-timeout must be positive")
 
 
 @dataclass(slots=True)
@@ -78,10 +109,11 @@ class DecodeTransfer:
     complete: bool = False
     nacks: int = 0
     admitted: tuple[str, bytes] = ("", b"")  # (reply_to, DecodeAdmitReply): for a re-ask
-    # frame seqs written (ACKed ok) and being written: a copy (prefill sends the frames in
-    # flight again after a NATS reconnect) is ACKed again, or left to the first's ACK
+    # frame seqs written or held (ACKed ok) and being written: a copy (prefill sends the
+    # frames in flight again after a NATS reconnect) is ACKed again, or left to the first's ACK
     written: set[int] = field(default_factory=set)
     writing: set[int] = field(default_factory=set)
+    shards: ShardAssembler = field(default_factory=ShardAssembler)  # shards sent in parts
 
 
 def _done(data: bytes) -> asyncio.Future[bytes]:
@@ -199,8 +231,9 @@ class DecodeSide:
             await self.publish(msg.reply, data)
 
     async def on_frame(self, msg: Msg) -> None:
-        """Write one KV frame and ACK it; NACK (ok=False) a corrupt or out-of-order one. A
-        `Progress` of the prefill engine on the request (not a frame) keeps it waiting."""
+        """Write one KV frame and ACK it (a part of a shard: hold it and ACK it, the shard is
+        written once whole); NACK (ok=False) a corrupt or out-of-order one. A `Progress` of
+        the prefill engine on the request (not a frame) keeps it waiting."""
         if not msg.data.startswith(MAGIC):
             self._on_progress(msg.data)
             return
@@ -231,13 +264,25 @@ class DecodeSide:
                 header.prefill_cached_host,
                 header.prefill_cached_storage,
             )
+        try:
+            shard = transfer.shards.add(header, payload)
+        except ValueError as e:
+            transfer.writing.discard(header.seq)
+            transfer.nacks += 1
+            await self._ack(msg, header.request_id, header.seq, False, str(e))
+            return
+        if shard is None:  # a part held: the shard is written once its last part comes
+            transfer.writing.discard(header.seq)
+            transfer.written.add(header.seq)
+            await self._ack(msg, header.request_id, header.seq, True, "")
+            return
         first = header.first_token if header.last else None
         sender = ParallelConfig(header.tp_size, header.pp_size)  # any layout: cut on write
         written = self.runner.write_kv(
             header.request_id,
             header.token_start,
             header.token_end,
-            payload,
+            memoryview(shard),
             first,
             header.rank,
             sender,
@@ -270,6 +315,7 @@ class DecodeSide:
             return
         finally:
             transfer.writing.discard(header.seq)
+        transfer.shards.written(header)
         transfer.written.add(header.seq)
         transfer.transferred_bytes += size
         transfer.complete = transfer.complete or header.last
@@ -300,6 +346,20 @@ class DecodeSide:
         await self._writes.cancel_all()
 
 
+class TransferError(RuntimeError):
+    """A KV transfer failed on the prefill side; `code` is the error code its request gets:
+    503 (decode did not take the frames) or `TRANSFER_FAILED` (a frame could not be sent)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _brief(e: BaseException) -> str:
+    """An exception in one line (nats.py errors often have an empty str())."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 # put on every sending job's ACK queue when this engine's NATS connection came back
 _RECONNECTED = KVChunkAck("", -1, False, "NATS reconnected")
 RESEND_S = 0.5  # after a reconnect: frames in flight are sent again this often until ACKed
@@ -322,12 +382,18 @@ class PrefillSide:
         fail_stream: FailStream,
         close_stream: Callable[[str], None],
         tp_size: int = 1,
+        *,
+        max_payload: Callable[[], int],
     ) -> None:
+        """`max_payload`: the NATS server's limit on one message, now (the connection's, from
+        the server's INFO; read for every transfer, as a reconnect may reach another server)."""
         self.engine_id = engine_id
         self.tp_size = tp_size  # of this engine: its frames carry it (world = its stagings)
         self.runner = runner
         self.publish = publish
         self.config = config
+        self.max_payload = max_payload
+        self.window = ByteWindow(config.window_bytes)  # shared by this engine's transfers
         self.open_stream = open_stream
         self.fail_stream = fail_stream
         self.close_stream = close_stream
@@ -367,6 +433,10 @@ class PrefillSide:
             self.jobs.pop(req.request_id, None)
             self.fail_stream(req.request_id, str(e), 500 if e.held else 503, e.held)
 
+    def finished(self, request_id: str) -> None:
+        """The request ended without KV to send (an error, an abort): forget it."""
+        self.jobs.pop(request_id, None)
+
     async def on_ack(self, msg: Msg) -> None:
         try:
             ack = KVChunkAck.decode(msg.data)
@@ -390,51 +460,60 @@ class PrefillSide:
             return
         self._senders.spawn(self._send(job, export, cached), f"kv-send-{request_id}")
 
-    def _frames(self, rid: str, export: KVExport, cached: CachedTokens) -> list[bytes]:
-        """Chunk by chunk, one frame per exported rank (each rank's heads and layers of the
-        chunk, MLA's replicated latent once per stage; a decode engine of any layout cuts
-        its ranks' shards from them)."""
-        per, world = self.config.chunk_pages, export.world_size
-        ps, num_pages = export.page_size, export.num_pages
-        frames: list[bytes] = []
-        for lo in range(0, num_pages, per):
-            hi = min(lo + per, num_pages)
-            last = hi == num_pages
-            for rank, staging in zip(export.ranks, export.stagings, strict=True):
-                header = KVFrameHeader(
-                    rid,
-                    len(frames),
-                    export.token_start + lo * ps,
-                    min(export.token_start + hi * ps, export.token_end),
-                    export.first_token if last else -1,
-                    last,
-                    cached.device,
-                    cached.host,
-                    rank,
-                    world,
-                    self.tp_size,
-                    cached.storage,
-                )
-                payload = staging[lo:hi].contiguous().numpy().tobytes()
-                frames.append(encode_frame(header, payload))
-        return frames
+    def plan(self, rid: str, export: KVExport, cached: CachedTokens) -> FramePlan:
+        """The request's frames, sized for the server this engine is connected to now."""
+        cap = self.config.frame_bytes
+        server = self.max_payload()
+        frame_limit = min(server, cap) if cap else server
+        try:
+            limit = payload_limit(frame_limit, len(export.stagings), self.config.window_bytes)
+        except FrameSizeError as e:
+            raise TransferError(str(e), TRANSFER_FAILED) from None
+        return cut_frames(rid, export, cached, self.tp_size, limit)
 
     async def _send(self, job: _PrefillJob, export: KVExport, cached: CachedTokens) -> None:
         rid = job.request.request_id
-        frames = self._frames(rid, export, cached)
-        # decode writes a chunk once every rank's frame of it came: they must fit the window
-        window = max(self.config.window, len(export.stagings))
+        try:
+            await self._transfer(job, self.plan(rid, export, cached))
+        except TransferError as e:
+            log.warning("KV transfer of %s failed: %s", rid, e)
+            self.fail_stream(rid, f"KV transfer to decode failed: {e}", e.code)
+        except Exception as e:  # a bug: the request fails with it, the engine serves on
+            log.exception("KV transfer of %s failed", rid)
+            self.fail_stream(rid, f"KV transfer to decode failed: {_brief(e)}", 500)
+        else:
+            self.close_stream(rid)
+            self._delivered[rid] = job.request.reply_to
+            while len(self._delivered) > DELIVERED_MEMORY:
+                self._delivered.popitem(last=False)
+        finally:
+            self.jobs.pop(rid, None)  # the staging buffer goes with the job
+
+    async def _transfer(self, job: _PrefillJob, plan: FramePlan) -> None:
+        """Send `plan`'s frames unit by unit within both windows, until every frame is ACKed;
+        TransferError when a frame cannot be sent, is refused too often, or no ACK comes."""
+        frames = plan.frames
+        # decode writes a chunk once every rank's last part of it came: they must fit
+        window = max(self.config.window, plan.num_ranks)
         attempts = [0] * len(frames)
         inflight: set[int] = set()
-        next_seq = acked = 0
+        next_unit = next_seq = acked = 0
         loop = asyncio.get_running_loop()
         deadline = resend_until = 0.0  # for the next ACK; of re-sending after a reconnect
         try:
             while acked < len(frames):
-                while next_seq < len(frames) and len(inflight) < window:
-                    await self._send_frame(job, frames, attempts, next_seq)
-                    inflight.add(next_seq)
-                    next_seq += 1
+                while next_unit < len(plan.units):
+                    size = plan.units[next_unit]
+                    num_bytes = plan.unit_bytes(next_seq, size)
+                    if not inflight:  # nothing of ours to wait for: wait for the window
+                        await self.window.take(num_bytes)
+                    elif len(inflight) + size > window or not self.window.try_take(num_bytes):
+                        break
+                    seqs = range(next_seq, next_seq + size)
+                    inflight.update(seqs)  # in flight from here: released on the way out
+                    for seq in seqs:
+                        await self._send_frame(job, frames, attempts, seq)
+                    next_seq, next_unit = next_seq + size, next_unit + 1
                     deadline = loop.time() + self.config.ack_timeout_s
                 now = loop.time()
                 wait = deadline - now if now >= resend_until else min(RESEND_S, deadline - now)
@@ -442,7 +521,9 @@ class PrefillSide:
                     ack = await asyncio.wait_for(job.acks.get(), max(wait, 0.0))
                 except TimeoutError:
                     if loop.time() >= deadline:
-                        raise
+                        raise TransferError(
+                            f"no ACK within {self.config.ack_timeout_s:g} s", 503
+                        ) from None
                     await self._resend(job, frames, inflight)
                     continue
                 if ack is _RECONNECTED:
@@ -454,22 +535,14 @@ class PrefillSide:
                 deadline = loop.time() + self.config.ack_timeout_s
                 if ack.ok:
                     inflight.discard(ack.seq)
+                    self.window.release(len(frames[ack.seq]))
                     acked += 1
                 elif attempts[ack.seq] >= self.config.max_attempts:
-                    raise RuntimeError(f"frame {ack.seq} refused: {ack.error}")
+                    raise TransferError(f"frame {ack.seq} refused: {ack.error}", 503)
                 else:
                     await self._send_frame(job, frames, attempts, ack.seq)
-        except (TimeoutError, RuntimeError) as e:
-            why = str(e) or f"no ACK within {self.config.ack_timeout_s:g} s"
-            log.warning("KV transfer of %s failed: %s", rid, why)
-            self.fail_stream(rid, f"KV transfer to decode failed: {why}", 503)
-        else:
-            self.close_stream(rid)
-            self._delivered[rid] = job.request.reply_to
-            while len(self._delivered) > DELIVERED_MEMORY:
-                self._delivered.popitem(last=False)
         finally:
-            self.jobs.pop(rid, None)  # the staging buffer goes with the job
+            self.window.release(sum(len(frames[seq]) for seq in inflight))
 
     def kv_subject(self, request_id: str) -> str | None:
         """Where the request's KV goes (its decode engine), while this engine holds it."""
@@ -484,9 +557,7 @@ class PrefillSide:
     async def _resend(self, job: _PrefillJob, frames: list[bytes], seqs: set[int]) -> None:
         """Send the frames in flight again (not counted as attempts: none was refused)."""
         for seq in sorted(seqs):
-            await self.publish(
-                job.request.kv_subject, frames[seq], subj.engine_kv_ack(self.engine_id)
-            )
+            await self._publish(job, frames, seq, frames[seq])
 
     async def _send_frame(
         self, job: _PrefillJob, frames: list[bytes], attempts: list[int], seq: int
@@ -496,7 +567,7 @@ class PrefillSide:
             self._corrupt_left -= 1
             data = data[:-1] + bytes([data[-1] ^ 0xFF])
         attempts[seq] += 1
-        await self.publish(job.request.kv_subject, data, subj.engine_kv_ack(self.engine_id))
+        await self._publish(job, frames, seq, data)
         self._frames_sent += 1
         if self.config.debug_exit_after_frames and (
             self._frames_sent >= self.config.debug_exit_after_frames
@@ -504,6 +575,21 @@ class PrefillSide:
             log.error("debug: exiting after %d frames", self._frames_sent)
             await asyncio.sleep(0.2)  # let the client flush what was published
             os._exit(1)
+
+    async def _publish(self, job: _PrefillJob, frames: list[bytes], seq: int, data: bytes) -> None:
+        """Publish one frame; any error fails the transfer now, naming it (waiting for an ACK
+        that cannot come would only delay the router's retry)."""
+        try:
+            await self.publish(job.request.kv_subject, data, subj.engine_kv_ack(self.engine_id))
+        except Exception as e:
+            why = _brief(e)
+            if isinstance(e, MaxPayloadError):
+                why += f" (the server's max_payload is {self.max_payload():,} bytes)"
+            raise TransferError(
+                f"frame {seq} of {len(frames)} ({len(data):,} bytes) could not be sent to "
+                f"{job.request.kv_subject}: {why}",
+                TRANSFER_FAILED,
+            ) from e
 
     async def stop(self) -> None:
         await self._senders.cancel_all()

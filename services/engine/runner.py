@@ -194,6 +194,7 @@ class EngineRunner:
         # (service thread) and after every step (runner thread), read by the service
         self._holding: dict[str, Holding] = {}
         self._holding_lock = threading.Lock()
+        self.generated_tokens = 0  # output tokens reported so far (read by heartbeats)
         self.engine: Engine | None = None
         self.ranks: RankProcesses | None = None  # ranks 1..N-1 of a multi-rank engine
         # KV writes answered once the step that applies them ran: (command, bytes, future)
@@ -487,6 +488,7 @@ class EngineRunner:
                 continue
             logprobs = tuple(req.logprobs[t.sent : t.sent + len(new)])
             t.sent += len(new)
+            self.generated_tokens += len(new)
             updates.append(
                 TokenUpdate(
                     t.request_id,

@@ -231,6 +231,7 @@ class EngineService:
                 self._fail_stream,
                 self._close_stream,
                 self.engine_config.parallel.tp_size,
+                max_payload=self._max_payload,
             )
             return [
                 await nc.subscribe(subj.engine_prefill(eid), cb=self._prefill.on_prefill),
@@ -244,6 +245,11 @@ class EngineService:
                 cb=self._on_generate,
             ),
         ]
+
+    def _max_payload(self) -> int:
+        """The largest message the NATS server takes (its INFO, as of the last connect)."""
+        assert self._nc is not None
+        return self._nc.max_payload
 
     async def _publish_raw(self, subject: str, data: bytes, reply: str = "") -> None:
         assert self._nc is not None
@@ -436,6 +442,8 @@ class EngineService:
                 del self._streams[u.request_id]
                 if self._decode is not None:
                     self._decode.finished(u.request_id)
+                if self._prefill is not None:  # it failed or was aborted: no KV to send
+                    self._prefill.finished(u.request_id)
 
     def _send_chunk(
         self,
@@ -563,8 +571,12 @@ class EngineService:
     async def _heartbeats(self) -> None:
         assert self._nc is not None and self._runner is not None
         cfg = self.config
+        since, generated = time.monotonic(), self._runner.generated_tokens
         while self.crashed_reason is None:  # a crashed engine never announces itself
             load = self._runner.load
+            now, total = time.monotonic(), self._runner.generated_tokens
+            throughput = (total - generated) / max(now - since, 1e-6)
+            since, generated = now, total
             hb = Heartbeat(
                 cfg.engine_id,
                 cfg.bucket,
@@ -584,6 +596,8 @@ class EngineService:
                 card_digest=self._card_digest,
                 store_id=self._store_id,
                 bus_reconnects=self._bus_reconnects,
+                generation_tokens=total,
+                gen_throughput=throughput,
             )
             with contextlib.suppress(Exception):
                 await self._nc.publish(subj.HEARTBEAT, hb.encode())

