@@ -84,8 +84,11 @@ def test_bad_sampling_is_rejected(engine: Engine, kwargs: dict[str, Any], messag
 
 
 def test_pool_too_small_for_request() -> None:
+    """A request reserves pages for every token it may write: the device pool bounds the
+    context length, and the error says so."""
     eng = Engine(EngineConfig(cache=CacheConfig(page_size=4, num_device_pages=4)))
-    with pytest.raises(InvalidRequestError, match="KV pages"):
+    assert eng.context_len == 16
+    with pytest.raises(InvalidRequestError, match=r"context length 16 \(its device pool: 4 pages"):
         eng.generate(list(range(20)), OK)
     assert eng.cache.num_free_device_pages == 4
 

@@ -32,7 +32,7 @@ def mesh(
 
 
 async def test_pd_between_tp2_engines_equals_tp1(mesh: UpMesh) -> None:
-    model = mesh.spec.extra[mesh.spec.extra.index("--model") + 1]
+    model = mesh.spec.model
     reqs = workload()
     got = await baseline(mesh.url, reqs)  # plain and streamed, 8 clients at a time
     assert got == cold_reference(reqs, model, exact=True)

@@ -166,7 +166,13 @@ class Engine:
         # a request reserves pages for every token it may write, so the longest one this
         # engine serves is also bounded by its device pool (SGLang's max request length)
         pool_len = self.cache.device_pool.num_pages * config.cache.page_size
-        self.context_len = min(self.context_len, pool_len)
+        self._context_bound = ""  # what bounds the context length, when it is not the model
+        if pool_len < self.context_len:
+            self.context_len = pool_len
+            self._context_bound = (
+                f" (its device pool: {self.cache.device_pool.num_pages} pages of "
+                f"{config.cache.page_size} tokens)"
+            )
         self.consensus = consensus.recorder_for(groups)  # None unless HICACHE_RANK_CONSENSUS
         consensus.attach(self.consensus)
         self.sync = StepSync(groups, config.debug.disable_agreement)
@@ -258,13 +264,7 @@ class Engine:
         if total > self.context_len:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-                f"exceeds the context length {self.context_len}"
-            )
-        pages = self.kv_spec.pages_for(total)
-        if pages > self.cache.device_pool.num_pages:
-            raise InvalidRequestError(
-                f"the request needs {pages} KV pages, the device pool has "
-                f"{self.cache.device_pool.num_pages}"
+                f"exceeds the context length {self.context_len}{self._context_bound}"
             )
         return ids
 
