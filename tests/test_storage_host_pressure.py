@@ -6,7 +6,8 @@ that eviction could have made: the pages read for a request still waiting for de
 were held outside the tree (uncounted), or attached unpinned and then evicted by the next
 request's read; and a write to the store pinned its pages until the store took them. Each
 test fills the host pool with cache (40 of 40 pages) first; every stored request must then
-read its whole hit from the store, and give the cold run's tokens and logits.
+read its whole hit from the store, and give the cold run's tokens and logits. The fall-back
+to a shorter prefix when pins leave too little room is test_storage_grant_fallback.py's.
 """
 
 from __future__ import annotations
