@@ -97,7 +97,9 @@ def test_the_lock_is_closed_under_dependencies() -> None:
         if name in NO_DEPS:
             continue
         dist = importlib.metadata.distribution(name)
-        assert Version(dist.version) == version, f"{name}: installed {dist.version}, locked {version}"
+        assert Version(dist.version) == version, (
+            f"{name}: installed {dist.version}, locked {version}"
+        )
         for raw in dist.requires or []:
             dep = Requirement(raw)
             dep_name = canonicalize_name(dep.name)
