@@ -68,15 +68,19 @@ DEFAULT_QUARANTINE_MAX_OBJECTS = 64
 DEFAULT_QUARANTINE_MAX_BYTES = 256 << 20
 
 
-def default_capacity_bytes(directory: Path | str, store_bytes: int = 0) -> int:
+def default_capacity_bytes(directory: Path | str, store_bytes: int | None) -> int:
     """The default cap for a store in `directory` that holds `store_bytes` already (see
-    DEFAULT_CAPACITY_FRACTION); measured on the nearest existing ancestor."""
+    DEFAULT_CAPACITY_FRACTION), measured on the nearest existing ancestor; with
+    `store_bytes` None (not known yet), the filesystem fraction alone."""
     path = os.path.abspath(directory)
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     st = os.statvfs(path)
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    return max(1, min(int(size * DEFAULT_CAPACITY_FRACTION), (free + store_bytes) // 2))
+    cap = int(size * DEFAULT_CAPACITY_FRACTION)
+    if store_bytes is not None:
+        cap = min(cap, (free + store_bytes) // 2)
+    return max(1, cap)
 
 
 def default_storage_dir() -> Path:

@@ -49,7 +49,7 @@ counted in the stats.
 
 Capacity: capacity_bytes None (the default) is `default_capacity_bytes`: a tenth of the
 filesystem, at most half of the space free for the store; it is fixed once the start-up
-scan knows what the store holds (until then, half the free space bounds it). Each process keeps an LRU (key -> on-disk size) of the objects it knows and, when
+scan knows what the store holds (until then, the tenth alone bounds it). Each process keeps an LRU (key -> on-disk size) of the objects it knows and, when
 a put would exceed capacity_bytes, deletes its least recently used files first. The cap is
 enforced by each process on its own view: other processes' objects count only once this
 process has seen them (start-up scan, exists, get), and a file another process evicted is
@@ -309,7 +309,9 @@ class FileBackend(StorageBackend):
         self._closed = False
         self._capacity = config.capacity_bytes  # None: the default, set by the scan
         if self._capacity is None:
-            self._capacity = default_capacity_bytes(self.root)  # until the scan: store_bytes 0
+            # until the scan knows the store's size: the bound without the free-space term,
+            # so that nothing is evicted or refused for a size not yet known
+            self._capacity = default_capacity_bytes(self.root, None)
         self._quarantine_objects = self._quarantine_bytes = self._quarantine_dropped = 0
         self._make_root()
         key_file = config.key_file
