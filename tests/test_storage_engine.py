@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_engine_oracle import Cold, assert_matches_cold, traced
+from test_storage_auth import forge
 
 from bus_schemas.page_hash import chain_hashes, root_hash
 from gpu_worker.cache.hicache import CacheConfig
@@ -269,6 +270,7 @@ def damage(directory: Path, page: int, how: str) -> None:
     by reading the engine's own keys)."""
     eng = Engine(config(directory))
     hashes = chain_hashes(root_hash(eng.namespace, ""), PROMPT[:HIT], PAGE)
+    payload_bytes = eng.kv_spec.bytes_per_page
     eng.close()
     key = f"{hashes[page].hex()}_tp0of1pp0of1"
     path = directory / key[:2] / key
@@ -277,12 +279,15 @@ def damage(directory: Path, page: int, how: str) -> None:
         path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
     elif how == "truncated":
         path.write_bytes(data[: len(data) // 2])
-    else:  # misnamed: another page's object under this page's name
+    elif how == "misnamed":  # another page's object under this page's name
         other = f"{hashes[page + 1].hex()}_tp0of1pp0of1"
         path.write_bytes((directory / other[:2] / other).read_bytes())
+    else:  # forged: another page's KV as this page's payload, its digest made to fit
+        other = f"{hashes[page + 1].hex()}_tp0of1pp0of1"
+        forge(path, (directory / other[:2] / other).read_bytes()[len(data) - payload_bytes :])
 
 
-@pytest.mark.parametrize("how", ["corrupt", "truncated", "misnamed"])
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "misnamed", "forged"])
 def test_a_damaged_object_is_a_miss_from_there_on(tmp_path: Path, cold: Cold, how: str) -> None:
     write_prompt(tmp_path)
     damage(tmp_path, 9, how)
@@ -394,3 +399,52 @@ def test_engines_of_different_models_never_read_each_others_objects(tmp_path: Pa
         assert out.output_ids == want[m], m
         eng.close()
     assert not (store / ".quarantine").exists()
+
+
+def test_the_same_model_name_with_other_weights_never_reads_their_objects(
+    tmp_path: Path,
+) -> None:
+    """Issue 20, finding 5: the namespace carries a digest of the weights, not only the
+    `--model` string. Two `tiny` engines with other `--model-seed`s share a store and read
+    none of each other's objects; a checkpoint directory whose files were replaced under the
+    same path reads none of the old weights' objects. The same weights do read theirs."""
+    write_prompt(tmp_path)  # tiny, seed 0
+    other_seed = dataclasses.replace(config(tmp_path), seed=1)
+    eng = Engine(other_seed)
+    out = eng.generate(PROMPT, GREEDY)
+    assert out.cached.total == 0 and eng.cache.stats.storage_pages_read == 0
+    eng.drain()
+    eng.close()
+    for cfg in (config(tmp_path), other_seed):  # each seed reads its own objects back
+        eng = Engine(cfg)
+        assert eng.generate(PROMPT, GREEDY).cached == CachedTokens(0, 0, HIT), cfg.seed
+        eng.close()
+    assert not (tmp_path / ".quarantine").exists()
+
+    from test_hf_loader import corrupt_copy, save_hf_model
+
+    def perturb(tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            if name.endswith("v_proj.weight"):
+                t.mul_(1.5)
+
+    model, spare = tmp_path / "model", tmp_path / "spare"
+    save_hf_model("llama", model)
+    store = tmp_path / "hf-store"
+    prompt = [t % 128 for t in PROMPT]  # within the checkpoint's vocabulary
+    cfg = dataclasses.replace(config(store), model=str(model), dtype="float64")
+    eng = Engine(cfg)
+    first = eng.generate(prompt, GREEDY)
+    eng.drain()
+    eng.close()
+    corrupt_copy(model, spare, edit_tensors=perturb)
+    (spare / "model.safetensors").replace(model / "model.safetensors")  # new weights, same path
+    eng = Engine(cfg)
+    out = eng.generate(prompt, GREEDY)
+    assert out.cached.total == 0  # the old weights' KV is not these weights' KV
+    assert out.output_ids != first.output_ids
+    eng.drain()
+    eng.close()
+    eng = Engine(cfg)
+    assert eng.generate(prompt, GREEDY).cached == CachedTokens(0, 0, HIT)
+    eng.close()

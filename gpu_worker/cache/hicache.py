@@ -80,7 +80,9 @@ class CacheConfig:
     # external storage (L3): a backend name ("file") turns it on (needs the host tier)
     hicache_storage_backend: str | None = None
     hicache_storage_dir: str = ""  # "" -> the per-user default (gpu_worker.storage)
-    hicache_storage_size_gb: float = 0.0  # 0: no cap
+    # None: the default cap (`gpu_worker.storage.default_capacity_bytes`); 0: no cap
+    hicache_storage_size_gb: float | None = None
+    hicache_storage_key_file: str = ""  # the objects' MAC key; "": DIR/.key, made if missing
     hicache_storage_prefetch_policy: PrefetchPolicy = "timeout"
     prefetch_timeout: PrefetchTimeout = field(default_factory=PrefetchTimeout)
     hicache_storage_write_policy: StorageWritePolicy = "write_through"
@@ -126,7 +128,8 @@ class CacheConfig:
                 f"unknown --hicache-storage-write-policy {self.hicache_storage_write_policy!r}; "
                 f"choose one of {STORAGE_WRITE_POLICIES}"
             )
-        if self.hicache_storage_size_gb < 0 or self.storage_batch_pages < 1:
+        size = self.hicache_storage_size_gb
+        if (size is not None and not size >= 0) or self.storage_batch_pages < 1:
             raise ValueError("--hicache-storage-size must be >= 0 and batch pages >= 1")
         if self.hicache_storage_key_scheme not in KEY_SCHEMES:
             raise ValueError(

@@ -49,7 +49,7 @@ from gpu_worker.model.config import PRESETS, ModelConfig, parse_dtype, resolve_d
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.shard import ModelShard
 from gpu_worker.model.tokenizer import load_tokenizer
-from gpu_worker.model.weights import build_model
+from gpu_worker.model.weights import build_model, weights_digest
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.parallel.groups import ParallelGroups, rank_device
 from gpu_worker.parallel.sync import StepSync, agree_min
@@ -144,7 +144,9 @@ class Engine:
             dtype,
             local.num_kv,
         )
-        self.namespace = make_namespace(config.model, config.dtype, config.cache.page_size)
+        # the weights digest: KV of other weights under the same --model name never matches
+        weights = weights_digest(config.model, config.seed)
+        self.namespace = make_namespace(config.model, config.dtype, config.cache.page_size, weights)
         host_pages = None
         if config.cache.enable_hierarchical_cache:  # bytes per page differ between stages
             host_pages = agree_min(groups, config.cache.num_host_pages(self.kv_spec))
@@ -241,7 +243,10 @@ class Engine:
             StorageConfig(
                 backend=cc.hicache_storage_backend,
                 directory=Path(cc.hicache_storage_dir or default_storage_dir()),
-                capacity_bytes=int(cc.hicache_storage_size_gb * 1e9),
+                capacity_bytes=None
+                if cc.hicache_storage_size_gb is None
+                else int(cc.hicache_storage_size_gb * 1e9),
+                key_file=Path(cc.hicache_storage_key_file) if cc.hicache_storage_key_file else None,
             )
         )
 

@@ -17,6 +17,7 @@ from gpu_worker.model.weights import (
     config_from_hf,
     init_random_weights,
     load_hf_checkpoint,
+    weights_digest,
 )
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "load_tokenizer",
     "parse_dtype",
     "sample",
+    "weights_digest",
 ]

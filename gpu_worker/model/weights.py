@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -11,7 +13,13 @@ import torch
 from safetensors import safe_open
 
 from gpu_worker.model.config import PRESETS, ModelConfig
-from gpu_worker.model.gguf import GGUF_PRESETS, gguf_path, load_gguf, read_gguf_meta
+from gpu_worker.model.gguf import (
+    GGUF_PRESETS,
+    file_digest,
+    gguf_path,
+    load_gguf,
+    read_gguf_meta,
+)
 from gpu_worker.model.llama import LlamaModel, create_model
 from gpu_worker.model.shard import ModelShard, shard_model
 from gpu_worker.parallel.config import ParallelConfig
@@ -92,6 +100,34 @@ def model_config_of(name_or_path: str | Path, context_len: int | None = None) ->
         f"{str(name_or_path)!r} is neither a preset ({sorted(PRESETS) + sorted(GGUF_PRESETS)}), "
         "a *.gguf file nor a Hugging Face checkpoint directory"
     )
+
+
+def weights_digest(name_or_path: str | Path, seed: int = 0) -> str:
+    """16 hex characters naming the weights `build_model(name_or_path, seed=seed)` fills
+    in, for the page-hash namespace (`bus_schemas.make_namespace`): KV made by other weights
+    must never be read as these weights' KV, whatever `--model` string both were given.
+
+    A preset (seeded random weights): the preset's config, without its context length (the
+    weights do not depend on it), and the seed. A GGUF file: the content digest the GGUF
+    cache already keeps (`gguf.file_digest`, computed once per file). A Hugging Face
+    directory: `config.json` and every weights file (`*.safetensors`, `*.bin`), each by its
+    content digest, remembered the same way. Nothing about TP/PP or the device."""
+    h = hashlib.blake2b(digest_size=8)
+    if str(name_or_path) in PRESETS:
+        config = dataclasses.asdict(PRESETS[str(name_or_path)])
+        del config["context_len"]
+        text = json.dumps({"random": config, "seed": seed}, sort_keys=True, default=str)
+        h.update(text.encode())
+    elif (gguf := gguf_path(name_or_path)) is not None:
+        h.update(b"gguf:" + file_digest(gguf).encode())
+    elif (path := Path(name_or_path)).is_dir():
+        weights = (f for pattern in ("*.safetensors", "*.bin") for f in path.glob(pattern))
+        files = [path / "config.json", *sorted(weights)]
+        for f in files:
+            h.update(f"{f.name}:{file_digest(f)}\n".encode())
+    else:
+        h.update(str(name_or_path).encode())  # build_model refuses it; the name is all we have
+    return h.hexdigest()
 
 
 @torch.no_grad()

@@ -27,12 +27,13 @@ STORAGE_DIR_ENV = env.STORAGE_DIR  # see default_storage_dir
 MAX_KEY_LEN = 200
 _KEY_RE = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_KEY_LEN}}}")
 
-QuarantineReason = Literal["corrupt", "truncated", "misnamed", "wrong_size"]
+QuarantineReason = Literal["corrupt", "truncated", "misnamed", "wrong_size", "unauthenticated"]
 QUARANTINE_REASONS: tuple[QuarantineReason, ...] = (
     "corrupt",
     "truncated",
     "misnamed",
     "wrong_size",
+    "unauthenticated",  # a well-formed object whose MAC is not this deployment's key's
 )
 WriteFailure = Literal["full", "read_only", "other"]
 WRITE_FAILURES: tuple[WriteFailure, ...] = ("full", "read_only", "other")
@@ -59,6 +60,29 @@ def check_keys(keys: Sequence[str]) -> None:
             )
 
 
+# The default cap (`capacity_bytes` None): this fraction of the size of the filesystem that
+# holds the directory, and never more than half of what is free for the store at start-up
+# (free space plus the store's own objects), so the default never fills a disk.
+DEFAULT_CAPACITY_FRACTION = 0.1
+DEFAULT_QUARANTINE_MAX_OBJECTS = 64
+DEFAULT_QUARANTINE_MAX_BYTES = 256 << 20
+
+
+def default_capacity_bytes(directory: Path | str, store_bytes: int | None) -> int:
+    """The default cap for a store in `directory` that holds `store_bytes` already (see
+    DEFAULT_CAPACITY_FRACTION), measured on the nearest existing ancestor; with
+    `store_bytes` None (not known yet), the filesystem fraction alone."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    cap = int(size * DEFAULT_CAPACITY_FRACTION)
+    if store_bytes is not None:
+        cap = min(cap, (free + store_bytes) // 2)
+    return max(1, cap)
+
+
 def default_storage_dir() -> Path:
     """`$HICACHE_STORAGE_DIR` if set, else `$XDG_CACHE_HOME/hicache-mesh/storage`, else
     `~/.cache/hicache-mesh/storage` (read in `gpu_worker/env.py`)."""
@@ -72,7 +96,15 @@ class StorageConfig:
 
     backend: str = "file"  # a name in BACKENDS
     directory: Path = field(default_factory=default_storage_dir)
-    capacity_bytes: int = 0  # on-disk bytes (headers included) this process keeps; 0 = no cap
+    # on-disk bytes (headers included) this process keeps; 0 = no cap; None = the default
+    # (`default_capacity_bytes`, fixed once the start-up scan knows the store's size)
+    capacity_bytes: int | None = None
+    # the MAC key of the objects (a per-deployment secret); None = `DIR/.key`, made on first
+    # use (32 random bytes, mode 0600), so restarts on the same directory keep their objects
+    key_file: Path | None = None
+    # `.quarantine/` keeps at most this many objects and bytes (the oldest go first)
+    quarantine_max_objects: int = DEFAULT_QUARANTINE_MAX_OBJECTS
+    quarantine_max_bytes: int = DEFAULT_QUARANTINE_MAX_BYTES
     # Test hooks (fault injection), never set in production:
     delay_s_per_get: float = 0.0  # sleep this long before reading each object (a slow store)
     fail_get_after: int | None = None  # after this many objects read, every read is a miss
@@ -81,10 +113,15 @@ class StorageConfig:
         check_backend_name(self.backend)
         if not isinstance(self.directory, Path):
             object.__setattr__(self, "directory", Path(self.directory))
-        if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int):
-            raise ValueError(f"capacity_bytes must be an int, got {self.capacity_bytes!r}")
-        if self.capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0 (0 = no cap), got {self.capacity_bytes}")
+        if self.key_file is not None and not isinstance(self.key_file, Path):
+            object.__setattr__(self, "key_file", Path(self.key_file))
+        cap = self.capacity_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int)):
+            raise ValueError(f"capacity_bytes must be an int or None, got {cap!r}")
+        if cap is not None and cap < 0:
+            raise ValueError(f"capacity_bytes must be >= 0 (0 = no cap), got {cap}")
+        if self.quarantine_max_objects < 0 or self.quarantine_max_bytes < 0:
+            raise ValueError("quarantine_max_objects and quarantine_max_bytes must be >= 0")
         if self.delay_s_per_get < 0:
             raise ValueError(f"delay_s_per_get must be >= 0, got {self.delay_s_per_get}")
         if self.fail_get_after is not None and self.fail_get_after < 0:
@@ -109,6 +146,10 @@ class StorageStats:
     num_evictions: int  # objects this process removed to respect capacity_bytes
     quarantined: Mapping[QuarantineReason, int]  # objects that failed verification, by reason
     write_failures: Mapping[WriteFailure, int]  # put calls that stopped early, by reason
+    capacity_bytes: int = 0  # the cap in force (0: none)
+    quarantine_objects: int = 0  # what `.quarantine/` holds now (bounded, oldest dropped)
+    quarantine_bytes: int = 0
+    quarantine_dropped: int = 0  # quarantined objects deleted to keep it within its bounds
 
     @property
     def num_quarantined(self) -> int:

@@ -7,14 +7,29 @@ so none of the backend's own names can collide with an object.
 
 Object file: HEADER, then the key (ASCII), then the payload.
 
-    HEADER = "<8sHHQ16s": magic, format version, key length, payload length, checksum
+    HEADER = "<8sHHQ32s16s": magic, format version, key length, payload length, digest, MAC
 
-The checksum is blake2b (digest_size=16) of the payload. hashlib's blake2b runs at about a
-GB/s per core and releases the GIL on large buffers, so it costs little next to the disk
-read, and unlike crc32 it makes an undetected corruption (or a foreign file that happens to
-parse) practically impossible, which matters because a wrong page silently changes outputs.
-The key is stored so that a file copied or renamed under another key's name is caught
-("misnamed") instead of served as that key's KV.
+The digest is blake2b-256 of the payload. hashlib's blake2b runs at about a GB/s per core
+and releases the GIL on large buffers, so it costs little next to the disk read, and unlike
+crc32 it makes an undetected corruption practically impossible, which matters because a
+wrong page silently changes outputs. The MAC is keyed blake2b-128 over the header before it
+(the digest included) and the key, under the deployment's secret (`load_key`): whoever can
+write into the directory but lacks the key cannot make an object that is served, e.g. one
+whose payload is another page's KV with a matching digest. One pass over the payload
+serves both checks. A failing MAC is "unauthenticated" (forged, or written under another
+key: a deployment sharing the directory with another key file, or an old format), a
+failing digest "corrupt". The key is stored so that a file copied or renamed under another
+key's name is caught ("misnamed") instead of served as that key's KV.
+
+The MAC key: `StorageConfig.key_file`, or by default `DIR/.key`, made on first use (32
+random bytes as hex, mode 0600, published with a hard link so ranks starting together agree
+on one). Kept beside the objects, it survives restarts, so a restarted engine reads what it
+wrote. It guards against writers who cannot read it; in a directory others may write, give
+a key file outside it (`--hicache-storage-key-file`), since they could replace `DIR/.key`.
+
+Permissions: object and key files are 0600, the directories this backend makes 0700, and a
+root this user owns is tightened to 0700 (set explicitly, whatever the umask): stored KV is
+derived from users' prompts.
 
 Writes are atomic and write-once: the object is written and fsynced under a temp name in its
 final directory, then hard-linked to the final name. `link` fails if the name exists, so
@@ -28,9 +43,13 @@ buffer) and checksum. A failing object is moved to `.quarantine/` rather than de
 rename removes it from its key's path in one atomic step (no reader can see it again, and a
 fresh put may replace it), while the bad bytes stay available to tell bit rot from a bug.
 If the rename fails the file is deleted instead. `clear()` empties the quarantine;
-quarantined bytes do not count against capacity_bytes.
+quarantined bytes do not count against capacity_bytes, but the quarantine is bounded by
+`quarantine_max_objects` and `quarantine_max_bytes` (the oldest quarantined go first) and
+counted in the stats.
 
-Capacity: each process keeps an LRU (key -> on-disk size) of the objects it knows and, when
+Capacity: capacity_bytes None (the default) is `default_capacity_bytes`: a tenth of the
+filesystem, at most half of the space free for the store; it is fixed once the start-up
+scan knows what the store holds (until then, the tenth alone bounds it). Each process keeps an LRU (key -> on-disk size) of the objects it knows and, when
 a put would exceed capacity_bytes, deletes its least recently used files first. The cap is
 enforced by each process on its own view: other processes' objects count only once this
 process has seen them (start-up scan, exists, get), and a file another process evicted is
@@ -48,10 +67,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import hmac
 import io
 import logging
 import os
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -69,16 +90,24 @@ from gpu_worker.storage.base import (
     StorageStats,
     WriteFailure,
     check_keys,
+    default_capacity_bytes,
     is_valid_key,
 )
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"HICKV\x00\x01\x00"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<8sHHQ16s")  # magic, version, key_len, payload_len, blake2b-128
-DIGEST_SIZE = 16
+FORMAT_VERSION = 2  # 2: a payload digest of 32 bytes and a keyed MAC
+PREFIX = struct.Struct("<8sHHQ32s")  # magic, version, key_len, payload_len, blake2b-256
+HEADER = struct.Struct("<8sHHQ32s16s")  # PREFIX, then the MAC (keyed blake2b-128)
+DIGEST_SIZE = 32
+MAC_SIZE = 16
+MAC_PERSON = b"hicache-l3-mac"
 QUARANTINE_DIR = ".quarantine"
+KEY_FILE = ".key"  # the default MAC key, in the storage directory
+MIN_KEY_BYTES = 16
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 3600.0  # the start-up scan deletes temp files older than this (crashed writers)
 WARN_INTERVAL_S = 60.0  # at most one write-failure warning per reason per interval
@@ -93,10 +122,86 @@ def file_size(key: str, payload_nbytes: int) -> int:
     return HEADER.size + len(key) + payload_nbytes
 
 
-def encode_header(key: str, payload: memoryview) -> bytes:
+def object_mac(mac_key: bytes, prefix: bytes, key_bytes: bytes) -> bytes:
+    """The MAC of an object: keyed blake2b over its header's PREFIX (which holds the
+    payload's digest) and its key."""
+    h = hashlib.blake2b(key=mac_key, digest_size=MAC_SIZE, person=MAC_PERSON)
+    h.update(prefix)
+    h.update(key_bytes)
+    return h.digest()
+
+
+def encode_header(key: str, payload: memoryview, mac_key: bytes) -> bytes:
     digest = hashlib.blake2b(payload, digest_size=DIGEST_SIZE).digest()
     key_bytes = key.encode("ascii")
-    return HEADER.pack(MAGIC, FORMAT_VERSION, len(key_bytes), payload.nbytes, digest) + key_bytes
+    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, len(key_bytes), payload.nbytes, digest)
+    return prefix + object_mac(mac_key, prefix, key_bytes) + key_bytes
+
+
+def load_key(path: str, create: bool) -> bytes:
+    """The MAC key in file `path`: blake2b-512 of its content (surrounding whitespace
+    stripped), so any secret of at least MIN_KEY_BYTES bytes serves. With `create`, a
+    missing file is made first: 32 random bytes as hex, mode 0600, published with a hard
+    link so that processes starting together all read the one that won. ValueError, naming
+    the file, when it is missing (and not to be made), unreadable or too short."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        if not create:
+            raise ValueError(
+                f"no storage key file at {path} (make one: `umask 077; openssl rand -hex 32 "
+                f"> {path}`)"
+            ) from None
+        try:
+            raw = _create_key(path)
+        except OSError as exc:
+            raise ValueError(
+                f"the storage key {path} could not be made ({exc}); give a key file with "
+                "--hicache-storage-key-file"
+            ) from None
+    except OSError as exc:
+        raise ValueError(f"the storage key file {path} cannot be read: {exc}") from None
+    secret = raw.strip()
+    if len(secret) < MIN_KEY_BYTES:
+        raise ValueError(
+            f"the storage key file {path} holds {len(secret)} bytes; at least "
+            f"{MIN_KEY_BYTES} are needed (e.g. `openssl rand -hex 32`)"
+        )
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_mode & 0o077:
+            log.warning("the storage key file %s is readable by others: chmod 600 it", path)
+    return hashlib.blake2b(secret, digest_size=64, person=b"hicache-l3-key").digest()
+
+
+def _create_key(path: str) -> bytes:
+    """Write a fresh key to `path` unless another process got there first; its content."""
+    tmp = f"{path}{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        with open(fd, "wb") as f:
+            f.write(secrets.token_hex(32).encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def make_private_dir(path: str) -> bool:
+    """mkdir `path` with mode 0700 (set explicitly: the umask does not decide); False when
+    it exists already."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        return False
+    os.chmod(path, DIR_MODE)
+    return True
 
 
 def write_failure_reason(exc: OSError) -> WriteFailure:
@@ -143,16 +248,21 @@ def _readinto_exact(f: io.FileIO, buf: memoryview) -> int:
     return done
 
 
-def verify_into(f: io.FileIO, size: int, key: str, out: memoryview) -> QuarantineReason | None:
+def verify_into(
+    f: io.FileIO, size: int, key: str, out: memoryview, mac_key: bytes
+) -> QuarantineReason | None:
     """Read the object file `f` (`size` bytes on disk) for `key` into `out`; None when every
-    check passes, else why it failed."""
+    check passes, else why it failed. The MAC is checked before the payload is read: a
+    forged object's bytes never reach `out`."""
     key_bytes = key.encode("ascii")
     head = _read_exact(f, HEADER.size + len(key_bytes))  # header and key in one read
     if len(head) < HEADER.size:
         return "truncated"
-    magic, version, key_len, payload_len, digest = HEADER.unpack_from(head)
-    if magic != MAGIC or version != FORMAT_VERSION:
+    magic, version, key_len, payload_len, digest, mac = HEADER.unpack_from(head)
+    if magic != MAGIC:
         return "corrupt"
+    if version != FORMAT_VERSION:
+        return "unauthenticated"  # an older format: no MAC of this deployment's key
     if key_len != len(key_bytes):
         return "misnamed"
     if len(head) < HEADER.size + key_len:
@@ -162,6 +272,8 @@ def verify_into(f: io.FileIO, size: int, key: str, out: memoryview) -> Quarantin
     expected = HEADER.size + key_len + payload_len
     if size != expected:
         return "truncated" if size < expected else "corrupt"
+    if not hmac.compare_digest(object_mac(mac_key, head[: PREFIX.size], key_bytes), mac):
+        return "unauthenticated"
     if payload_len != out.nbytes:
         return "wrong_size"
     if _readinto_exact(f, out) < payload_len:
@@ -195,10 +307,17 @@ class FileBackend(StorageBackend):
         self._write_failures = dict.fromkeys(WRITE_FAILURES, 0)
         self._last_warned: dict[str, float] = {}  # reason -> time.monotonic() of its warning
         self._closed = False
-        try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as exc:  # a read-only store may still be read
-            log.warning("storage directory %s could not be created: %s", self.root, exc)
+        self._capacity = config.capacity_bytes  # None: the default, set by the scan
+        if self._capacity is None:
+            # until the scan knows the store's size: the bound without the free-space term,
+            # so that nothing is evicted or refused for a size not yet known
+            self._capacity = default_capacity_bytes(self.root, None)
+        self._quarantine_objects = self._quarantine_bytes = self._quarantine_dropped = 0
+        self._make_root()
+        key_file = config.key_file
+        self._mac_key = load_key(
+            str(key_file or os.path.join(self.root, KEY_FILE)), create=key_file is None
+        )
         self._scanned = threading.Event()
         self._cancel_scan = threading.Event()
         self._scan_thread = threading.Thread(
@@ -263,6 +382,10 @@ class FileBackend(StorageBackend):
                 num_evictions=c.num_evictions,
                 quarantined=MappingProxyType(dict(self._quarantined)),
                 write_failures=MappingProxyType(dict(self._write_failures)),
+                capacity_bytes=self._capacity or 0,
+                quarantine_objects=self._quarantine_objects,
+                quarantine_bytes=self._quarantine_bytes,
+                quarantine_dropped=self._quarantine_dropped,
             )
 
     def clear(self) -> None:
@@ -281,6 +404,7 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._lru.clear()
             self._used_bytes = 0
+            self._quarantine_objects = self._quarantine_bytes = 0
 
     def close(self) -> None:
         if self._closed:
@@ -322,7 +446,7 @@ class FileBackend(StorageBackend):
         try:
             with open(path, "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())
-                failure = verify_into(f, st.st_size, key, out)
+                failure = verify_into(f, st.st_size, key, out, self._mac_key)
         except FileNotFoundError:
             self._forget(key, miss=True)  # never stored, or removed by another process
             return False
@@ -347,8 +471,10 @@ class FileBackend(StorageBackend):
         try:
             now = os.stat(path)
             if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-                os.makedirs(os.path.dirname(target), exist_ok=True)
+                make_private_dir(os.path.dirname(target))
                 os.replace(path, target)
+                now_ns = time.time_ns()  # its age in the quarantine counts from now (to the
+                os.utime(target, ns=(now_ns, now_ns))  # ns: the clock, not the coarse fs one)
         except FileNotFoundError:
             pass  # another process quarantined or evicted it first
         except OSError as exc:
@@ -360,6 +486,31 @@ class FileBackend(StorageBackend):
             self._counters.num_misses += 1
             self._forget_locked(key)
         log.warning("storage object %s failed verification (%s): moved to %s", key, reason, target)
+        self._trim_quarantine()
+
+    def _trim_quarantine(self) -> None:
+        """Drop the oldest quarantined objects beyond the quarantine's bounds; count it."""
+        quarantine = os.path.join(self.root, QUARANTINE_DIR)
+        entries: list[tuple[int, str, int]] = []  # (mtime_ns, name, size)
+        for name in self._listdir(quarantine):
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(quarantine, name), follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    entries.append((st.st_mtime_ns, name, st.st_size))
+        entries.sort()
+        count, total, dropped = len(entries), sum(e[2] for e in entries), 0
+        max_objects, max_bytes = (
+            self.config.quarantine_max_objects,
+            self.config.quarantine_max_bytes,
+        )
+        for _, name, size in entries:
+            if count <= max_objects and total <= max_bytes:
+                break
+            self._unlink(os.path.join(quarantine, name))
+            count, total, dropped = count - 1, total - size, dropped + 1
+        with self._lock:
+            self._quarantine_objects, self._quarantine_bytes = count, total
+            self._quarantine_dropped += dropped
 
     # ---------------------------------------------------------------- writes
 
@@ -403,7 +554,7 @@ class FileBackend(StorageBackend):
         """Make room for `size` bytes: pick and forget least recently used objects (never
         ones this put already stored), reserve the bytes, and return the victims to delete.
         None (nothing changed) when the object cannot fit."""
-        cap = self.config.capacity_bytes
+        cap = self._capacity or 0
         excess = self._used_bytes + self._pending_bytes + size - cap
         victims: list[str] = []
         if cap > 0 and excess > 0:
@@ -425,15 +576,14 @@ class FileBackend(StorageBackend):
     def _write_file(self, key: str, path: str, payload: memoryview, new_dirs: set[str]) -> bool:
         """Write the object atomically; False when another writer published it first."""
         fan = os.path.dirname(path)
-        if not os.path.isdir(fan):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(fan)
-                new_dirs.add(self.root)
+        if not os.path.isdir(fan) and make_private_dir(fan):
+            new_dirs.add(self.root)
         tmp = os.path.join(fan, f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
         try:
+            os.fchmod(fd, FILE_MODE)  # whatever the umask
             with open(fd, "wb") as f:
-                f.write(encode_header(key, payload))
+                f.write(encode_header(key, payload, self._mac_key))
                 f.write(payload)
                 f.flush()
                 os.fsync(f.fileno())
@@ -539,6 +689,7 @@ class FileBackend(StorageBackend):
         finally:
             if not self._cancel_scan.is_set():
                 self._merge_scan(found)
+                self._trim_quarantine()
             self._scanned.set()
 
     @staticmethod
@@ -559,7 +710,8 @@ class FileBackend(StorageBackend):
             found.append((st.st_mtime_ns, entry.name, st.st_size))
 
     def _merge_scan(self, found: list[tuple[int, str, int]]) -> None:
-        """Put scanned objects behind everything touched while the scan ran."""
+        """Put scanned objects behind everything touched while the scan ran; fix the
+        default cap now that the store's size is known."""
         found.sort(reverse=True)  # newest first, each moved to the front in turn
         with self._lock:
             for _, key, size in found:
@@ -567,12 +719,32 @@ class FileBackend(StorageBackend):
                     self._lru[key] = size
                     self._used_bytes += size
                     self._lru.move_to_end(key, last=False)
+            used = self._used_bytes
+        if self.config.capacity_bytes is None:
+            with contextlib.suppress(OSError):
+                cap = default_capacity_bytes(self.root, used)
+                with self._lock:
+                    self._capacity = cap
 
     def _stop_scan(self) -> None:
         self._cancel_scan.set()
         self._scan_thread.join()
 
     # ---------------------------------------------------------------- paths
+
+    def _make_root(self) -> None:
+        """Create the directory (0700); tighten it to 0700 when this user owns it."""
+        try:
+            parent = os.path.dirname(os.path.abspath(self.root))
+            os.makedirs(parent, exist_ok=True)
+            if make_private_dir(self.root):
+                return
+            st = os.stat(self.root)
+            if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != DIR_MODE:
+                os.chmod(self.root, DIR_MODE)
+                log.info("storage directory %s: mode set to 0700", self.root)
+        except OSError as exc:  # a read-only store may still be read
+            log.warning("storage directory %s could not be created: %s", self.root, exc)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key[:2], key)

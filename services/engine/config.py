@@ -60,6 +60,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         hicache_storage_backend=storage,
         hicache_storage_dir=args.hicache_storage_dir,
         hicache_storage_size_gb=args.hicache_storage_size,
+        hicache_storage_key_file=args.hicache_storage_key_file,
         hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
         prefetch_timeout=PrefetchTimeout(
             args.hicache_storage_prefetch_timeout_base,

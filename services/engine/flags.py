@@ -204,9 +204,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--hicache-storage-size",
         type=float,
-        default=0.0,
+        default=None,
         metavar="GB",
-        help="cap on the store's bytes (least recently used objects go first); 0: no cap",
+        help="cap on the store's bytes (least recently used objects go first); 0: no cap "
+        "(default: a tenth of the directory's filesystem, at most half the space free for "
+        "the store at start-up)",
+    )
+    s.add_argument(
+        "--hicache-storage-key-file",
+        default="",
+        metavar="FILE",
+        help="the secret that authenticates stored objects (keyed blake2b; objects with "
+        "another key's MAC are quarantined, not served); engines sharing a store share it "
+        "(default: DIR/.key, made with mode 0600 on first use and kept across restarts)",
     )
     s.add_argument(
         "--hicache-storage-prefetch-policy",

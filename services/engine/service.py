@@ -50,7 +50,6 @@ from bus_schemas import (
     StreamCheck,
     StreamState,
     TokenChunk,
-    make_namespace,
 )
 from bus_schemas import subjects as subj
 from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
@@ -105,9 +104,7 @@ class EngineService:
         self.config = config
         self.engine_config = engine_config
         self.epoch = str(time.time_ns())
-        self.namespace = make_namespace(
-            engine_config.model, engine_config.dtype, engine_config.cache.page_size
-        )
+        self.namespace = ""  # the engine's (with its weights digest), once started
         self._nc: NATS | None = None
         self._runner: EngineRunner | None = None
         self._streams: dict[str, _Stream] = {}
@@ -137,6 +134,7 @@ class EngineService:
         )
         await asyncio.wrap_future(self._runner.start())
         engine = self._engine_now()
+        self.namespace = engine.namespace
         mc = engine.model_config
         self._meta = {"context_len": engine.context_len, "vocab_size": mc.vocab_size}
         self._eos = list(mc.eos_token_ids)
