@@ -18,7 +18,6 @@ import pytest
 from fake_engine import running_mesh
 
 from router.__main__ import build_parser, config_from_args
-from router.auth import TenantKey, load_tenant_keys, shared_salt, tenant_salt
 from services.launch.servers import ServerProcess, free_port
 
 API, ADMIN = {"Authorization": "Bearer user-key"}, {"Authorization": "Bearer admin-key"}
@@ -103,6 +102,8 @@ async def test_probes_can_be_put_behind_a_key(
 
 
 def test_tenant_key_files_are_checked(tmp_path: Path) -> None:
+    from router.auth import load_tenant_keys
+
     good = tmp_path / "tenants"
     good.write_text("# key tenant [shared=...]\n\nka alice shared=docs,team\nkb bob\n")
     keys = load_tenant_keys(good)
@@ -189,6 +190,8 @@ async def test_tenant_keys_derive_the_salt_and_guard_shared_namespaces(
 ) -> None:
     """Each tenant's requests reach the engine under a salt of its own (whatever salt the
     client sends), a shared namespace only for the tenants allowed it (403 otherwise)."""
+    from router.auth import TenantKey, shared_salt, tenant_salt
+
     tenants = (TenantKey("ka", "alice", ("team",)), TenantKey("kb", "bob"))
     async with running_mesh(
         nats_server.url,
