@@ -237,10 +237,10 @@ def open_bind_warning(host: str, config: RouterConfig) -> str | None:
     """The warning for a router that anyone who can reach `host` may use, else None."""
     if is_loopback(host) or config.api_key or config.tenant_keys:
         return None
+    admin = "" if config.admin_api_key else ", read /stats and flush the cache"
     return (
         f"the router listens on {host}, beyond loopback, and asks for no API key: anyone who "
-        f"reaches it can generate, read /stats and flush the cache; give ${API_KEY_ENV}, "
-        "--api-key-file or --tenant-keys"
+        f"reaches it can generate{admin}; give ${API_KEY_ENV}, --api-key-file or --tenant-keys"
     )
 
 

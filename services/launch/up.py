@@ -108,7 +108,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         help="record the traffic as JSON lines for `hicache-mesh replay` (docs/recording.md)",
     )
     parser.add_argument(
-        "--record-redact", action="store_true", help="records keep token ids and drop text"
+        "--record-redact",
+        action="store_true",
+        help="records keep only known-safe request fields (sampling numbers), no text",
     )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     add_router_flags(parser)
