@@ -1,7 +1,8 @@
 """`python -m router`: the HTTP front of the mesh.
 
     python -m router --port 8000 --nats-url nats://127.0.0.1:4222 \\
-        --redis-url redis://127.0.0.1:6379/0 [--api-key-file FILE] [--record FILE] \\
+        --redis-url redis://127.0.0.1:6379/0 [--api-key-file FILE] \\
+        [--admin-api-key-file FILE] [--tenant-keys FILE] [--hide-cache-stats] [--record FILE] \\
         [--request-timeout S] [--bucket NAME[:max_len=N] ...] \\
         [--pd-admit-timeout S] [--pd-transfer-timeout S] [--read-timeout S] \\
         [--max-connections N]
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -27,12 +29,21 @@ from typing import Any
 from aiohttp import web
 
 from router.app import init
+from router.auth import PROBE_AUTH, load_tenant_keys
 from router.buckets import DEFAULT, parse_bucket
 from router.config import RouterConfig
+from router.record import TOKEN_IDS
 from router.server import GUARD, GuardedSite, serve_kwargs
 
 API_KEY_ENV = "HICACHE_ROUTER_API_KEY"
 API_KEY_FILE_ENV = "HICACHE_ROUTER_API_KEY_FILE"
+ADMIN_KEY_ENV = "HICACHE_ROUTER_ADMIN_API_KEY"
+ADMIN_KEY_FILE_ENV = "HICACHE_ROUTER_ADMIN_API_KEY_FILE"
+TENANT_KEYS_ENV = "HICACHE_ROUTER_TENANT_KEYS"
+KEY_ON_ARGV = (
+    "--api-key on the command line shows in `ps` and /proc/PID/cmdline to every local user: "
+    f"it is deprecated; give ${API_KEY_ENV} or --api-key-file FILE instead"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; a key on the "
-        "command line shows in `ps`: prefer the variable or --api-key-file)",
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}); deprecated on "
+        "the command line, where `ps` shows it: give the variable or --api-key-file",
     )
     p.add_argument(
         "--api-key-file",
@@ -58,13 +69,68 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"read the API key from FILE, e.g. a secret (default: ${API_KEY_FILE_ENV})",
     )
     p.add_argument(
+        "--admin-api-key-file",
+        metavar="FILE",
+        default=os.environ.get(ADMIN_KEY_FILE_ENV),
+        help="read the admin API key from FILE: then only it opens /flush_cache and /stats "
+        f"(it opens every other endpoint too; default: ${ADMIN_KEY_FILE_ENV}, or the key "
+        f"itself in ${ADMIN_KEY_ENV})",
+    )
+    p.add_argument(
+        "--tenant-keys",
+        metavar="FILE",
+        default=os.environ.get(TENANT_KEYS_ENV),
+        help="API keys of tenants, one 'KEY TENANT [shared=NS,...]' per line: a tenant's "
+        "cache salt is derived from its name, so tenants never share (or see) prefix hits "
+        f"unless a request names an allowed shared 'cache_namespace' (default: ${TENANT_KEYS_ENV})",
+    )
+    p.add_argument(
+        "--shared-cache-namespace",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="a 'cache_namespace' every tenant may name (repeat for several)",
+    )
+    p.add_argument(
+        "--probe-auth",
+        choices=PROBE_AUTH,
+        default="open",
+        help="which probes need a key: 'metrics' (/metrics needs the admin key, or any key "
+        "without one), 'all' (/health and /ready need a key too); default open",
+    )
+    p.add_argument(
+        "--hide-cache-stats",
+        action="store_true",
+        help="responses carry no cached-token figures, engine ids or Server-Timing (they tell "
+        "whether a prompt prefix was seen before)",
+    )
+    p.add_argument(
         "--record",
         metavar="FILE",
         default=None,
         help="append the traffic as JSON lines, one per request (docs/recording.md)",
     )
     p.add_argument(
-        "--record-redact", action="store_true", help="records keep token ids and drop text"
+        "--record-redact",
+        action="store_true",
+        help="records keep only known-safe request fields (sampling numbers), no text",
+    )
+    p.add_argument(
+        "--record-token-ids",
+        choices=TOKEN_IDS,
+        default="keep",
+        help="prompt and output ids in records: keep, hash (keyed digests per page) or drop "
+        "(counts only); replay needs keep",
+    )
+    p.add_argument(
+        "--record-max-bytes",
+        metavar="N",
+        type=int,
+        default=1 << 30,
+        help="rotate the record file past N bytes (FILE.1, FILE.2, ...; 0: never; default 1 GiB)",
+    )
+    p.add_argument(
+        "--record-backups", metavar="N", type=int, default=3, help="rotated record files kept"
     )
     p.add_argument(
         "--record-queue",
@@ -132,14 +198,50 @@ def api_key_of(args: argparse.Namespace) -> str | None:
         raise ValueError("give the API key once: --api-key or --api-key-file, not both")
     if not args.api_key_file:
         return args.api_key or None
+    return read_key_file("--api-key-file", args.api_key_file)
+
+
+def admin_key_of(args: argparse.Namespace) -> str | None:
+    """The admin key: --admin-api-key-file (or its variable), else $HICACHE_ROUTER_ADMIN_API_KEY."""
+    if args.admin_api_key_file:
+        return read_key_file("--admin-api-key-file", args.admin_api_key_file)
+    return os.environ.get(ADMIN_KEY_ENV) or None
+
+
+def read_key_file(flag: str, path: str) -> str:
     try:
-        text = Path(args.api_key_file).read_text()
+        text = Path(path).read_text()
     except OSError as e:
-        raise ValueError(f"--api-key-file {args.api_key_file}: {e.strerror}") from None
+        raise ValueError(f"{flag} {path}: {e.strerror}") from None
     key = text.strip()
     if not key or "\n" in key:
-        raise ValueError(f"--api-key-file {args.api_key_file}: not one line holding the key")
+        raise ValueError(f"{flag} {path}: not one line holding the key")
     return key
+
+
+def key_on_command_line(argv: list[str]) -> bool:
+    """Whether `argv` itself holds --api-key (its variable is fine)."""
+    return any(a == "--api-key" or a.startswith("--api-key=") for a in argv)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def open_bind_warning(host: str, config: RouterConfig) -> str | None:
+    """The warning for a router that anyone who can reach `host` may use, else None."""
+    if is_loopback(host) or config.api_key or config.tenant_keys:
+        return None
+    admin = "" if config.admin_api_key else ", read /stats and flush the cache"
+    return (
+        f"the router listens on {host}, beyond loopback, and asks for no API key: anyone who "
+        f"reaches it can generate{admin}; give ${API_KEY_ENV}, --api-key-file or --tenant-keys"
+    )
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> RouterConfig:
@@ -153,8 +255,16 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         nats_url=args.nats_url,
         redis_url=args.redis_url,
         api_key=api_key_of(args),
+        admin_api_key=admin_key_of(args),
+        tenant_keys=load_tenant_keys(args.tenant_keys) if args.tenant_keys else (),
+        shared_cache_namespaces=tuple(args.shared_cache_namespace),
+        probe_auth=args.probe_auth,
+        hide_cache_stats=args.hide_cache_stats,
         record_path=args.record,
         record_redact=args.record_redact,
+        record_token_ids=args.record_token_ids,
+        record_max_bytes=args.record_max_bytes,
+        record_backups=args.record_backups,
         record_queue=args.record_queue,
         record_meta=args.record_meta,
         router_argv=tuple(sys.argv[1:] if argv is None else argv),
@@ -222,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    log = logging.getLogger("router")
+    if key_on_command_line(sys.argv[1:] if argv is None else argv):
+        log.warning(KEY_ON_ARGV)
+    warning = open_bind_warning(args.host, config)
+    if warning is not None:
+        log.warning("%s", warning)
     import uvloop
 
     uvloop.run(serve(config, args.host, args.port, args.access_log))

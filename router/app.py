@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from bus_schemas import subjects
 from router import keys
 from router.audit import PredictionAudit
+from router.auth import KeyRing
 from router.config import RouterConfig
 from router.engines import EngineTable
 from router.handlers import add_routes, auth_middleware, body_middleware, errors_middleware
@@ -43,6 +44,9 @@ def init(config: RouterConfig) -> web.Application:
         middlewares=[errors_middleware, auth_middleware, body_middleware],
     )
     app[keys.CONFIG] = config
+    app[keys.KEYRING] = KeyRing(
+        config.api_key, config.admin_api_key, config.tenant_keys, config.probe_auth
+    )
     app[keys.METRICS] = RouterMetrics()
     app[keys.AUDIT] = PredictionAudit()
     app[GUARD] = ConnectionGuard(config.max_connections, app[keys.METRICS])
@@ -143,11 +147,17 @@ async def recorder_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     config = app[keys.CONFIG]
-    first_line = header(orjson.loads(config.record_meta), config.router_argv, config.record_redact)
+    meta = orjson.loads(config.record_meta)
+    first_line = header(meta, config.router_argv, config.record_redact, config.record_token_ids)
     recorder = Recorder(
         path,
         first_line,
         redacted=config.record_redact,
+        token_ids=config.record_token_ids,
+        max_bytes=config.record_max_bytes,
+        backups=config.record_backups,
+        page_size=meta.get("page_size") or 16,
+        served_models={m for m in (meta.get("model"), meta.get("served_model_name")) if m},
         max_queue=config.record_queue,
         on_drop=app[keys.METRICS].record_dropped.inc,
     )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from router.auth import PROBE_AUTH, TENANT_NAME, TenantKey
 from router.buckets import DEFAULT, Bucket, order
+from router.record import TOKEN_IDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,8 +15,18 @@ class RouterConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379/0"
     api_key: str | None = None  # when set, every endpoint but /health and /metrics needs it
+    # when set, only it opens /flush_cache and /stats (router/auth.py); it opens the rest too
+    admin_api_key: str | None = None
+    # keys of tenants: each tenant's cache salt is derived from its name (router/auth.py)
+    tenant_keys: tuple[TenantKey, ...] = ()
+    shared_cache_namespaces: tuple[str, ...] = ()  # `cache_namespace` values any tenant may use
+    probe_auth: str = "open"  # "open" | "metrics" | "all": which probes need a key
+    hide_cache_stats: bool = False  # responses carry no cached-token figures or timing headers
     record_path: str | None = None  # JSON lines, one per request (docs/recording.md)
-    record_redact: bool = False  # records keep token ids, drop text
+    record_redact: bool = False  # records keep only known-safe fields (router/record.py)
+    record_token_ids: str = "keep"  # "keep" | "hash" | "drop": prompt and output ids in records
+    record_max_bytes: int = 1 << 30  # the file is rotated (FILE.1, ...) beyond this; 0: never
+    record_backups: int = 3  # rotated files kept
     record_queue: int = 10_000  # records waiting for the writer; beyond it they are dropped
     # the header's description of the mesh (from `up`: model, dtype, page size, flags), JSON
     record_meta: str = "{}"
@@ -109,6 +121,23 @@ class RouterConfig:
         object.__setattr__(self, "buckets", order(self.buckets))
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty when given")
+        if self.admin_api_key is not None and not self.admin_api_key:
+            raise ValueError("admin_api_key must not be empty when given")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("the admin API key must differ from the API key")
+        if any(t.key in (self.admin_api_key, self.api_key) for t in self.tenant_keys):
+            raise ValueError("a tenant key must differ from the API key and the admin key")
+        if self.probe_auth not in PROBE_AUTH:
+            raise ValueError(f"probe_auth must be one of {PROBE_AUTH}, got {self.probe_auth!r}")
+        for name in self.shared_cache_namespaces:
+            if not TENANT_NAME.fullmatch(name):
+                raise ValueError(f"shared cache namespaces are 1-64 of [A-Za-z0-9._-]: {name!r}")
+        if self.record_token_ids not in TOKEN_IDS:
+            raise ValueError(f"record_token_ids must be one of {TOKEN_IDS}")
+        if self.record_max_bytes < 0 or 0 < self.record_max_bytes < 64 * 1024:
+            raise ValueError("record_max_bytes must be 0 (no cap) or at least 65536")
+        if self.record_backups < 1:
+            raise ValueError("record_backups must be >= 1")
 
     @property
     def bucket(self) -> str:

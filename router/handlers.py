@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import os
 import secrets
@@ -29,9 +28,10 @@ from bus_schemas import (
     subjects,
 )
 from router import keys
+from router.auth import ANONYMOUS, shared_salt, tenant_salt
 from router.choices import Choices
 from router.engines import EngineView, can_serve
-from router.errors import ApiError, json_response
+from router.errors import ApiError, bad_request, json_response
 from router.generation import Generation, Timings, no_engine_error
 from router.models import ServedModel
 from router.protocol import (
@@ -117,16 +117,46 @@ async def body_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With an API key configured, everything but /health and /metrics needs it."""
-    api_key = request.app[keys.CONFIG].api_key
-    if api_key is not None and request.path not in OPEN_PATHS:
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise ApiError(401, "missing or incorrect API key", code="invalid_api_key")
+    """The request's key, checked against what its path needs (router/auth.py): 401 for a
+    missing or wrong key, 403 for a valid key that is not the admin key on an admin path."""
+    ring = request.app[keys.KEYRING]
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    identity = ring.identify(token.strip() if scheme.lower() == "bearer" else None)
+    need = ring.required(request.path)
+    if need != "none" and identity is None:
+        raise ApiError(401, "missing or incorrect API key", code="invalid_api_key")
+    if need == "admin" and identity is not None and not identity.admin:
+        raise ApiError(403, "this endpoint needs the admin API key", code="permission_denied")
+    request[keys.IDENTITY] = identity or ANONYMOUS
     return await handler(request)
+
+
+def _tenancy(request: web.Request, spec: GenerationSpec) -> GenerationSpec:
+    """The spec with its cache salt derived from the tenant (router/auth.py) when the router
+    has tenants: a tenant's own salt, or the shared namespace it names and may use."""
+    config = request.app[keys.CONFIG]
+    name = spec.cache_namespace
+    if not config.tenant_keys:
+        if name is not None:
+            raise bad_request(
+                "'cache_namespace' needs tenants (the router's --tenant-keys)",
+                "cache_namespace",
+                "cache_namespace_unavailable",
+            )
+        return spec
+    tenant = request[keys.IDENTITY].tenant
+    if name is None:
+        salt = tenant_salt(tenant.tenant if tenant is not None else "", spec.cache_salt)
+        return dataclasses.replace(spec, cache_salt=salt)
+    allowed = config.shared_cache_namespaces + (tenant.shared if tenant is not None else ())
+    if name not in allowed:
+        raise ApiError(
+            403,
+            "this key may not use that cache namespace",
+            param="cache_namespace",
+            code="permission_denied",
+        )
+    return dataclasses.replace(spec, cache_salt=shared_salt(name, spec.cache_salt))
 
 
 def _http_error(e: web.HTTPException) -> web.Response:
@@ -165,7 +195,7 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
     try:
         body = await read_json(request)
         model = _served_model(app, body)
-        spec = _seeded(parse(body, model, config.max_stop_strings))
+        spec = _tenancy(request, _seeded(parse(body, model, config.max_stop_strings)))
         choices = _choices(app, spec, model, timings)
     except ApiError as e:
         if body is None:
@@ -372,6 +402,7 @@ def _shape(choices: Choices) -> OpenAIShape:
         int(time.time()),
         gen.model.tokenizer,
         gen.spec.include_usage,
+        _hide_cache(choices.first),
     )
 
 
@@ -384,7 +415,11 @@ async def _whole(request: web.Request, choices: Choices, times: _TokenTimes) -> 
                 break  # the client left: closing the iterator aborts the engines
     spec = choices.first.spec
     if spec.endpoint == "generate":
-        body = generate_body(choices.first.outcome, logprobs=spec.logprobs is not None)
+        body = generate_body(
+            choices.first.outcome,
+            logprobs=spec.logprobs is not None,
+            hide_cache=_hide_cache(choices.first),
+        )
     else:
         outs = [gen.outcome for gen in choices.gens]
         body = _shape(choices).whole(outs, spec.logprobs is not None)
@@ -419,7 +454,9 @@ async def _stream(request: web.Request, choices: Choices, times: _TokenTimes) ->
                 if not (delta.text or delta.token_ids or final):
                     continue
                 if shape is None:
-                    event = generate_body(out, released, spec.logprobs is not None)
+                    event = generate_body(
+                        out, released, spec.logprobs is not None, _hide_cache(choices.first)
+                    )
                 else:
                     lps = None
                     if spec.logprobs is not None:
@@ -441,9 +478,16 @@ async def _stream(request: web.Request, choices: Choices, times: _TokenTimes) ->
     return resp
 
 
+def _hide_cache(gen: Generation) -> bool:
+    return gen.config.hide_cache_stats
+
+
 def _engine_headers(gen: Generation) -> dict[str, str]:
     """The engine(s) that served, and the router's time so far (a stream's headers leave
-    with its first chunk: its `engine` stage is not over yet)."""
+    with its first chunk: its `engine` stage is not over yet). None with --hide-cache-stats:
+    the engine a cache-aware router chose, and the time it took, tell of a prefix hit."""
+    if _hide_cache(gen):
+        return {}
     out = gen.outcome
     headers = {ENGINE_HEADER: out.engine_id}
     if out.disaggregation is not None:

@@ -6,6 +6,7 @@ from aiohttp import web
 from nats.aio.client import Client as NatsClient
 
 from router.audit import PredictionAudit
+from router.auth import Identity, KeyRing
 from router.config import RouterConfig
 from router.engines import EngineTable
 from router.metrics import RouterMetrics
@@ -16,6 +17,8 @@ from router.routing import Router
 from router.stream import ReplyHub
 
 CONFIG = web.AppKey("config", RouterConfig)
+KEYRING = web.AppKey("keyring", KeyRing)  # the API, admin and tenant keys
+IDENTITY = web.RequestKey("identity", Identity)  # what the request's key proved (auth)
 METRICS = web.AppKey("metrics", RouterMetrics)
 MODELS = web.AppKey("models", ModelCards)  # the served models, from engines' model cards
 NATS = web.AppKey("nats", NatsClient)

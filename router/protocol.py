@@ -66,6 +66,7 @@ GENERATE_FIELDS = frozenset(
         "sampling_params",
         "stream",
         "cache_salt",
+        "cache_namespace",
         "return_logprob",
         "top_logprobs_num",
     }
@@ -129,6 +130,8 @@ class GenerationSpec:
     stream: bool = False
     include_usage: bool = False  # a stream ends with a usage chunk (stream_options)
     cache_salt: str = ""
+    # a shared cache namespace the request names (router/auth.py: tenants); None: its own
+    cache_namespace: str | None = None
     model: str | None = None  # the model the client asked for, if any
     # max(input_ids) when parsing had it cheaply (max over the decoded JSON list costs half
     # of max over the array); None: check_limits computes it
@@ -233,6 +236,7 @@ def parse_generate(body: Mapping[str, Any], model: ServedModel, max_stop: int) -
         logprobs=(num or 0) if want else None,
         stream=top.bool_("stream", False),
         cache_salt=top.salt("cache_salt"),
+        cache_namespace=top.salt("cache_namespace") or None,
         max_input_id=max_id,
     )
 
@@ -327,6 +331,7 @@ def _openai_spec(
         stream=stream,
         include_usage=_include_usage(body, stream),
         cache_salt=cache_salt,
+        cache_namespace=f.salt("cache_namespace") or None,
         model=model or None,
         max_input_id=max_input_id,
     )

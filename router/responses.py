@@ -44,13 +44,19 @@ def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def usage(outs: Sequence[Outcome]) -> dict[str, Any]:
+def usage(outs: Sequence[Outcome], hide_cache: bool = False) -> dict[str, Any]:
+    """OpenAI's usage; `hide_cache` (the router's --hide-cache-stats) leaves out every cache
+    figure (`prompt_tokens_details`, `disaggregation`): they tell whether a prompt was seen."""
     first = outs[0]
     completion = sum(len(out.output_ids) for out in outs)
     body: dict[str, Any] = {
         "prompt_tokens": first.prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": first.prompt_tokens + completion,
+    }
+    if hide_cache:
+        return body
+    body |= {
         "prompt_tokens_details": {
             "cached_tokens": first.cached_tokens,
             "cached_tokens_by_tier": {
@@ -76,8 +82,10 @@ class OpenAIShape:
         created: int,
         tokenizer: Tokenizer,
         include_usage: bool = False,
+        hide_cache: bool = False,
     ) -> None:
         self.chat = chat
+        self.hide_cache = hide_cache
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = created
@@ -98,7 +106,7 @@ class OpenAIShape:
             choice["finish_reason"] = out.finish_reason
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return self._envelope(obj, choices) | {"usage": usage(outs)}
+        return self._envelope(obj, choices) | {"usage": usage(outs, self.hide_cache)}
 
     def chunk(
         self,
@@ -130,7 +138,7 @@ class OpenAIShape:
     def usage_chunk(self, outs: Sequence[Outcome]) -> dict[str, Any]:
         """A stream's last chunk when usage was asked for: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(obj, []) | {"usage": usage(outs)}
+        return self._envelope(obj, []) | {"usage": usage(outs, self.hide_cache)}
 
     def _logprobs(self, index: int, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
         if self.chat:
@@ -176,20 +184,26 @@ def _chat_entry(tok: Tokenizer, token_id: int, logprob: float | None) -> dict[st
     }
 
 
-def generate_body(out: Outcome, text: str | None = None, logprobs: bool = False) -> dict[str, Any]:
-    """The `/generate` body; a stream passes the `text` released so far."""
+def generate_body(
+    out: Outcome, text: str | None = None, logprobs: bool = False, hide_cache: bool = False
+) -> dict[str, Any]:
+    """The `/generate` body; a stream passes the `text` released so far. `hide_cache`: no
+    cached-token figures, engine or disaggregation (as `usage`)."""
     meta: dict[str, Any] = {
         "id": out.request_id,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": len(out.output_ids),
-        "cached_tokens": out.cached_tokens,
-        "cached_tokens_device": out.cached_device,
-        "cached_tokens_host": out.cached_host,
-        "cached_tokens_storage": out.cached_storage,
         "finish_reason": out.finish_reason,
-        "engine_id": out.engine_id,
     }
-    if out.disaggregation is not None:
+    if not hide_cache:
+        meta |= {
+            "cached_tokens": out.cached_tokens,
+            "cached_tokens_device": out.cached_device,
+            "cached_tokens_host": out.cached_host,
+            "cached_tokens_storage": out.cached_storage,
+            "engine_id": out.engine_id,
+        }
+    if out.disaggregation is not None and not hide_cache:
         meta["disaggregation"] = out.disaggregation.as_dict()
     if logprobs:
         meta["output_token_logprobs"] = [[lp.logprob, lp.token_id, None] for lp in out.logprobs]

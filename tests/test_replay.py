@@ -127,6 +127,33 @@ def sample_lines() -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- reading
 
 
+def test_redacted_fields_decide_what_a_redacted_request_is_compared_on(tmp_path: Path) -> None:
+    """Issue 20, finding 3: a record whose `stop` strings were redacted is sent and its
+    status compared, not its outputs; a refused one that lost fields, or whose oversized body
+    was left out, is sent and not compared (without them it may be served)."""
+    from services.replay.compare import replays_exactly
+
+    redacted = HEADER | {"redacted": True, "token_ids": "keep"}
+    lines = [
+        redacted,
+        request_line(0.0, [1, 2], extra={"redacted_fields": ["prompt"]}),
+        request_line(0.1, [1, 2], extra={"redacted_fields": ["prompt", "stop"]}),
+        request_line(0.2, [3], status=400, extra={"redacted_fields": ["..."]}),
+        request_line(0.3, [3], status=400, extra={"omitted_bytes": 3 << 20}),
+    ]
+    for line in lines[1:]:  # the record's own fields, not the body's
+        for key in ("redacted_fields", "omitted_bytes"):
+            if key in line["request"]:
+                line[key] = line["request"].pop(key)
+    rec = read_recording(write_records(tmp_path / "r.jsonl", lines))
+    assert rec.headers[0].token_ids == "keep"
+    plain, stopped, refused, omitted = rec.requests
+    assert stopped.redacted_fields == ("prompt", "stop")
+    assert [replays_exactly(r) for r in (plain, stopped)] == [True, False]
+    assert plain.reference is not None and stopped.reference is not None
+    assert refused.reference is None and omitted.reference is None
+
+
 def test_a_recording_reads_into_segments_requests_and_drops(tmp_path: Path) -> None:
     redacted = HEADER | {"redacted": True}
     lines = [*sample_lines(), redacted, request_line(2.0, [3, 3])]

@@ -743,7 +743,7 @@ async def test_record_writes_a_header_and_every_request_rejected_ones_too(
     assert len(drawn["choices"]) == 2
 
 
-async def test_record_redact_keeps_ids_and_drops_text(
+async def test_record_redact_keeps_ids_and_only_safe_fields(
     nats_server: ServerProcess, redis_server: ServerProcess, tmp_path: Path
 ) -> None:
     path = tmp_path / "redacted.jsonl"
@@ -754,7 +754,8 @@ async def test_record_redact_keeps_ids_and_drops_text(
         await mesh.client.post("/v1/completions", json=body)
     head, rec = (orjson.loads(line) for line in path.read_bytes().splitlines())
     assert head["redacted"] is True
-    assert rec["request"] == {"max_tokens": 2, "stop": ["zz"]}
+    assert rec["request"] == {"max_tokens": 2}  # stop strings are text: dropped, and named
+    assert rec["redacted_fields"] == ["prompt", "stop"]
     assert rec["input_ids"] == list(b"secret words")
     assert rec["choices"][0]["text"] is None and rec["choices"][0]["output_ids"]
     assert "secret" not in path.read_text()

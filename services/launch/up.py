@@ -32,6 +32,7 @@ from services.engine.flags import (
     pd_transfer_argv,
 )
 from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
+from services.launch.router_flags import add_router_flags, router_flags_argv
 from services.launch.servers import NATS_MAX_PAYLOAD, REDIS, ServerKind, free_port, nats_kind
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
 
@@ -86,7 +87,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=os.environ.get("HICACHE_ROUTER_API_KEY"),
         help="the router requires it (default: $HICACHE_ROUTER_API_KEY); it reaches the router "
-        "in a 0600 file, never on its command line",
+        "in a 0600 file, never on its command line. Deprecated as a flag (`ps` shows up's own "
+        "command line): give the variable or --api-key-file",
     )
     parser.add_argument(
         "--api-key-file", default=None, metavar="FILE", help="the router reads its key here"
@@ -106,9 +108,12 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         help="record the traffic as JSON lines for `hicache-mesh replay` (docs/recording.md)",
     )
     parser.add_argument(
-        "--record-redact", action="store_true", help="records keep token ids and drop text"
+        "--record-redact",
+        action="store_true",
+        help="records keep only known-safe request fields (sampling numbers), no text",
     )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
+    add_router_flags(parser)
     add_router_timeout_args(parser)
     parser.add_argument("--startup-timeout", type=float, default=120.0)
     parser.add_argument(
@@ -279,7 +284,7 @@ class Mesh:
         if a.record:
             argv += ["--record", a.record, "--record-meta", json.dumps(self._record_meta())]
             argv += ["--record-redact"] if a.record_redact else []
-        return argv
+        return argv + router_flags_argv(a)
 
     def _record_meta(self) -> dict[str, object]:
         """What the record header says about this mesh (docs/recording.md)."""
@@ -378,6 +383,12 @@ def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    command_line = getattr(args, "command_line", None) or sys.argv[1:]
+    if any(f == "--api-key" or f.startswith("--api-key=") for f in command_line):
+        logging.getLogger("up").warning(
+            "--api-key on the command line shows in `ps` to every local user: it is "
+            "deprecated; give $HICACHE_ROUTER_API_KEY or --api-key-file FILE instead"
+        )
     try:
         check_port_free(args.host, args.port)  # before anything starts: nothing to undo
     except PortInUseError as e:

@@ -272,6 +272,13 @@ def run_replay(args: argparse.Namespace) -> int:
             recording = read_source(args.file, args.format)
     except OSError as e:
         raise ValueError(f"cannot read {args.file}: {e.strerror or e}") from None
+    for h in recording.headers:
+        if h.token_ids != "keep":
+            raise ValueError(
+                f"{args.file}:{h.line}: recorded with --record-token-ids {h.token_ids}: it holds "
+                "no token ids to send or compare; replay needs a recording made with "
+                "--record-token-ids keep"
+            )
     arms, recorded = arms_from_args(args, recording)
     with contextlib.ExitStack() as stack:
         if recorded is not None:

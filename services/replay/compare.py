@@ -20,6 +20,7 @@ from typing import Any
 from services.replay.observation import CachedTokens, Observation
 from services.replay.recording import RecordedRequest
 
+OUTPUT_FIELDS = frozenset({"stop"})  # redacted fields without which outputs may differ
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (router/protocol.py)
 END = "<end>"  # the token shown where one output ended before the other
 
@@ -87,7 +88,10 @@ def _sampling_params(body: Any, endpoint: str) -> Mapping[str, Any]:
 
 
 def replays_exactly(rec: RecordedRequest) -> bool:
-    """Whether `rec`'s outputs must come back token for token: greedy or seeded."""
+    """Whether `rec`'s outputs must come back token for token: greedy or seeded, and no
+    field that changes the output was redacted (`stop` strings)."""
+    if any(f.rsplit(".", 1)[-1] in OUTPUT_FIELDS for f in rec.redacted_fields):
+        return False
     if rec.seed is not None:
         return True
     if rec.sampling:

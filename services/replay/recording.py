@@ -46,6 +46,8 @@ class RecordHeader:
     git_revision: str | None
     created: float | None
     mesh_flags: tuple[str, ...] | None  # `hicache-mesh up` flags; None: a router on its own
+    # "keep", or "hash"/"drop" (--record-token-ids): then there are no ids to send or compare
+    token_ids: str = "keep"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,8 @@ class RecordedRequest:
     predicted_cached_tokens: int | None  # what the index promised when the router routed
     engine_id: str | None
     route_reason: str | None
+    # request fields a redacted record dropped (`stop` strings change the output)
+    redacted_fields: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +148,7 @@ def _header(f: _Fields) -> RecordHeader:
         git_revision=f.optional_string("git_revision"),
         created=created,
         mesh_flags=None if flags is None else tuple(flags),
+        token_ids=f.optional_string("token_ids") or "keep",
     )
 
 
@@ -161,11 +166,20 @@ def _request(f: _Fields, segment: int, redacted: bool) -> RecordedRequest:
         seed=seed,
         sampling=tuple(f.optional_list("sampling", dict) or ()),
         redacted=redacted,
-        reference=_reference(f),
+        reference=_reference(f) if _comparable(f) else None,
         predicted_cached_tokens=f.optional_integer("predicted_cached_tokens"),
         engine_id=f.optional_string("engine_id"),
         route_reason=f.optional_string("route_reason"),
+        redacted_fields=tuple(f.optional_list("redacted_fields", str) or ()),
     )
+
+
+def _comparable(f: _Fields) -> bool:
+    """False for a refused request whose body is not all there (too large to keep, or
+    redacted): sent without what was left out, it may be refused otherwise or served."""
+    if "omitted_bytes" in f.obj:
+        return False
+    return f.obj.get("status") == 200 or not f.obj.get("redacted_fields")
 
 
 def _reference(f: _Fields) -> Observation:
