@@ -10,6 +10,7 @@ from router.config import RouterConfig
 from router.engines import EngineTable
 from router.metrics import RouterMetrics
 from router.models import ModelCards
+from router.prompt_workers import PromptWorkers
 from router.record import Recorder
 from router.resp import RespClient
 from router.routing import Router
@@ -19,6 +20,7 @@ CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", RouterMetrics)
 MODELS = web.AppKey("models", ModelCards)  # the served models, from engines' model cards
 NATS = web.AppKey("nats", NatsClient)
+PROMPTS = web.AppKey("prompts", PromptWorkers)  # tokenize and render off the event loop
 REPLIES = web.AppKey("replies", ReplyHub)  # the shared reply inbox
 REDIS = web.AppKey("redis", RespClient)
 TABLE = web.AppKey("engines", EngineTable)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jinja2
@@ -55,14 +55,14 @@ class ServedModel:
     def digest(self) -> str:
         return self.card.digest
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
-        """Raises `ChatTemplateError` when the template refuses the messages, and
-        `ValueError` when the model's template does not compile."""
+    def render_chat(self, messages: Sequence[ChatMessage], max_chars: int | None = None) -> str:
+        """Raises `ChatTemplateError` when the template refuses the messages (or writes more
+        than `max_chars`), and `ValueError` when the model's template does not compile."""
         if self.chat_template is None:
             raise ValueError(
                 f"model {self.name!r} has no usable chat template: {self.template_error}"
             )
-        return self.chat_template.render(messages)
+        return self.chat_template.render(messages, max_chars)
 
 
 def served_model(card: ModelCard) -> ServedModel:
