@@ -144,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="a prompt's rendering and tokenizing must finish in this (else its worker is "
         "killed and the request gets 400)",
     )
+    p.add_argument(
+        "--max-engines",
+        metavar="N",
+        type=int,
+        default=512,
+        help="engines tracked from heartbeats; a new engine beyond N is ignored while all "
+        "are live (bounds /metrics, /v1/models and routing state)",
+    )
+    p.add_argument(
+        "--max-model-cards",
+        metavar="N",
+        type=int,
+        default=64,
+        help="model cards (tokenizer, chat template) held; the least recently used goes first",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -193,6 +208,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         max_prompt_chars=args.max_prompt_chars,
         tokenizer_worker_num=args.tokenizer_worker_num,
         tokenize_timeout_s=args.tokenize_timeout,
+        max_engines=args.max_engines,
+        max_model_cards=args.max_model_cards,
     )
 
 

@@ -97,7 +97,10 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     loop = asyncio.get_running_loop()
     table = EngineTable(app[keys.CONFIG], app[keys.METRICS], loop.time)
     app[keys.TABLE] = table
-    cards = ModelCards(app[keys.NATS], app[keys.METRICS], loop.time)
+    config = app[keys.CONFIG]
+    cards = ModelCards(
+        app[keys.NATS], app[keys.METRICS], loop.time, max_cards=config.max_model_cards
+    )
     app[keys.MODELS] = cards
 
     reconnects: dict[str, tuple[str, int]] = {}  # engine -> (epoch, its bus_reconnects)
@@ -107,6 +110,9 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
         if hb is not None:
             cards.observe(hb.engine_id, hb.card_digest)
             seen = reconnects.get(hb.engine_id)
+            if seen is None and len(reconnects) >= 2 * config.max_engines:
+                for gone in [e for e in reconnects if not table.knows(e)]:
+                    del reconnects[gone]  # forgotten engines (bounded with the table)
             reconnects[hb.engine_id] = (hb.epoch, hb.bus_reconnects)
             if seen is not None and seen != (hb.epoch, hb.bus_reconnects) and seen[0] == hb.epoch:
                 app[keys.REPLIES].reconnected(hb.engine_id)  # its streams may have lost replies

@@ -56,6 +56,11 @@ class RouterConfig:
     # each job's time limit there (a template that runs longer is killed: a 400)
     tokenizer_worker_num: int = 2
     tokenize_timeout_s: float = 5.0
+    # bus-fed state is bounded (DESIGN.md 7b): engines tracked (a heartbeat of a new engine
+    # beyond it is dropped, unless a gone engine can make room) and model cards held (the
+    # least recently named goes first)
+    max_engines: int = 512
+    max_model_cards: int = 64
     # completions and chat without max_tokens generate up to what the context leaves after
     # the prompt (OpenAI's rule), at most this many tokens when set (engines reserve pages
     # for every token a request may write, so an uncapped default holds a context's worth)
@@ -116,6 +121,8 @@ class RouterConfig:
             raise ValueError("max_prompt_chars must be >= 1")
         if self.tokenizer_worker_num < 1:
             raise ValueError("tokenizer_worker_num must be >= 1")
+        if self.max_engines < 1 or self.max_model_cards < 1:
+            raise ValueError("max_engines and max_model_cards must be >= 1")
         if not self.buckets:
             raise ValueError("at least one bucket")
         object.__setattr__(self, "buckets", order(self.buckets))

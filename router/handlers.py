@@ -316,12 +316,14 @@ def _served_model(app: web.Application, body: Mapping[str, Any]) -> ServedModel:
     if not engines:
         raise ApiError(
             404,
-            f"model {name!r} is not served here (served: {served})",
+            f"model {name!r} is not served here (served: {_names(served)})",
             param="model",
             code="model_not_found",
         )
     if not name and len(served) > 1:
-        raise ApiError(400, f"'model' is required: this router serves {served}", param="model")
+        raise ApiError(
+            400, f"'model' is required: this router serves {_names(served)}", param="model"
+        )
     cards = app[keys.MODELS]
     for digest, _ in Counter(e.card_digest for e in engines).most_common():
         model = cards.get(digest)
@@ -333,6 +335,12 @@ def _served_model(app: web.Application, body: Mapping[str, Any]) -> ServedModel:
         code="model_loading",
         retry_after_s=1,
     )
+
+
+def _names(models: list[str], shown: int = 10) -> str:
+    """At most `shown` model names for an error message (engines name their models)."""
+    more = f" and {len(models) - shown} more" if len(models) > shown else ""
+    return f"{models[:shown]}{more}"
 
 
 def _choices(

@@ -8,6 +8,13 @@ or raise IndexError. Each request to them is a 400 naming the template, and mean
 speed). A 30 MB prompt is refused by its length before anything tokenizes it.
 
 Finding 10: `stop_token_ids` is bounded in count.
+
+Finding 2: bus-fed state is bounded. A rogue client floods the bus with 3,000 heartbeats of
+engines that do not exist (each its own model and card digest; some with `interval_s=100`,
+past the schema's bound): the router tracks at most `--max-engines`, `/v1/models` and
+`/metrics` stay small, the index keeps at most three `hc:engine:*` keys per engine it takes,
+the log does not grow a line per fake engine, and the real engine keeps serving. It runs
+last: its fake engines fill the table for a few heartbeat intervals.
 """
 
 from __future__ import annotations
@@ -21,9 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import nats
+import orjson
 import pytest
+import redis.asyncio as aioredis
+from bus_helpers import barrier
 from fake_engine import FakeEngine
 from fault_helpers import MeshSpec, UpMesh, _flag
+
+from bus_schemas import Heartbeat, subjects
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,13 +45,15 @@ BOMB = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% end
 WRITER = "{{ 'a' * 10**8 }}"
 INDEX_ERROR = '{{ "{0}{1}".format_map({}) }}'
 MAX_STOP_TOKEN_IDS = 1024  # router.protocol's
+MAX_ENGINES = 64  # the mesh's --max-engines (router and index)
+NUM_FAKE = 3000
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
     log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp("security")))
     log_dir.mkdir(parents=True, exist_ok=True)
-    up = UpMesh(MeshSpec(engines=1), log_dir)
+    up = UpMesh(MeshSpec(engines=1, extra=("--max-engines", str(MAX_ENGINES))), log_dir)
     up.start()
     try:
         yield up
@@ -172,3 +187,86 @@ async def test_stop_token_ids_are_bounded_in_count(mesh: UpMesh) -> None:
         body = {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [7] * 10**6}}
         status, answer = await post(http, f"{mesh.url}/generate", body)
         assert status == 400 and answer["error"]["param"] == "sampling_params.stop_token_ids"
+
+
+def fake_heartbeat(i: int, interval_s: float) -> bytes:
+    hb = Heartbeat(
+        engine_id=f"flood-{i}",
+        bucket="default",
+        epoch="1",
+        model=f"flood-model-{i}",
+        namespace="flood",
+        page_size=4,
+        context_len=256,
+        vocab_size=260,
+        eos_token_ids=[1],
+        running=0,
+        waiting=0,
+        inflight_tokens=0,
+        interval_s=1.0,
+        card_digest=uuid.uuid4().hex[:24],
+    )
+    body = orjson.loads(hb.encode())
+    body["interval_s"] = interval_s  # past the schema's bound too, as a rogue client may
+    return orjson.dumps(body)
+
+
+async def settled(read: Any, timeout_s: float = 30.0) -> Any:
+    """`await read()` until two readings 0.5 s apart agree."""
+    last = await read()
+    async with asyncio.timeout(timeout_s):
+        while True:
+            await asyncio.sleep(0.5)
+            now = await read()
+            if now == last:
+                return now
+            last = now
+
+
+async def test_a_heartbeat_flood_leaves_bus_fed_state_bounded(mesh: UpMesh) -> None:
+    r = aioredis.Redis.from_url(mesh.redis_url())
+    async with aiohttp.ClientSession() as http:
+
+        async def metrics_size() -> int:
+            return len(await (await http.get(f"{mesh.url}/metrics")).read())
+
+        async def live() -> list[str]:
+            body = await (await http.get(f"{mesh.url}/health")).json()
+            return sorted(body["live_engines"])
+
+        async def engine_keys() -> int:
+            return len([k async for k in r.scan_iter("hc:engine:*", count=1000)])
+
+        metrics_before = await metrics_size()
+        keys_before = await engine_keys()
+        log_before = len(mesh.log_path.read_bytes().splitlines())
+
+        nc = await nats.connect(nats_url(mesh), name="rogue")
+        for i in range(NUM_FAKE):
+            await nc.publish(subjects.HEARTBEAT, fake_heartbeat(i, 100.0 if i % 10 == 0 else 30.0))
+        await barrier(nc)
+        await nc.close()
+
+        tracked = await settled(live)
+        assert len(tracked) <= MAX_ENGINES, len(tracked)
+        assert "engine-0" in tracked
+        assert not [e for e in tracked if e.startswith("flood-") and int(e[6:]) % 10 == 0]
+        models = await (await http.get(f"{mesh.url}/v1/models")).json()
+        assert len(models["data"]) <= MAX_ENGINES
+        # a request naming no model: refused, and the message lists a bounded few
+        status, body = await post(http, f"{mesh.url}/v1/completions", {"prompt": [1, 2]})
+        assert status == 400 and len(body["error"]["message"]) < 2000, body
+        # per-engine series for at most MAX_ENGINES engines: ~2 KB each
+        assert await metrics_size() < metrics_before + MAX_ENGINES * 4096
+        keys = await settled(engine_keys)
+        assert keys <= keys_before + 3 * MAX_ENGINES, keys
+        await asyncio.sleep(2)  # card fetches and their failures, at their bounded rate
+        lines = mesh.log_path.read_bytes().splitlines()[log_before:]
+        flood_lines = [ln for ln in lines if b"flood-" in ln]
+        assert len(flood_lines) <= 4 * MAX_ENGINES + 50, b"\n".join(flood_lines[-20:])
+
+        # the real engine serves as before
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        status, body = await post(http, f"{mesh.url}/v1/chat/completions", chat)
+        assert status == 200, body
+    await r.aclose()
