@@ -302,7 +302,7 @@ class IndexService:
             batch = KVEventBatch.decode(msg.data)
             epoch = check_batch(batch)
         except SchemaError as e:
-            self._invalid(msg, e)
+            self._invalid("kv_events", msg, e)
             return
         if self._admit(batch.engine_id):
             self._lanes.submit(batch.engine_id, lambda: self._apply_batch(batch, epoch))
@@ -324,7 +324,7 @@ class IndexService:
             hb = Heartbeat.decode(msg.data)
             epoch = check_heartbeat(hb)
         except SchemaError as e:
-            self._invalid(msg, e)
+            self._invalid("heartbeat", msg, e)
             return
         if self._admit(hb.engine_id):
             self._lanes.submit(hb.engine_id, lambda: self._apply_heartbeat(hb, epoch))
@@ -510,9 +510,9 @@ class IndexService:
             raise RuntimeError("IndexService is not started")
         return self._store
 
-    def _invalid(self, msg: Msg, error: SchemaError) -> None:
+    def _invalid(self, kind: str, msg: Msg, error: SchemaError) -> None:
         self.stats.invalid_messages += 1
-        self._throttle.warning("invalid", "invalid message on %s: %.300s", msg.subject, error)
+        self._throttle.warning(kind, "invalid message on %s: %.300s", msg.subject, error)
 
     def _redis_failed(self, error: RedisError) -> None:
         self.stats.redis_errors += 1
