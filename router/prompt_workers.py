@@ -35,15 +35,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import os
 import resource
+import signal
+import socket
+import subprocess
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
+from pathlib import Path
+from subprocess import DEVNULL
 from typing import Any
 
 from bus_schemas.token_ids import TokenIds, as_token_ids
@@ -214,31 +218,34 @@ def _failed_error(model: ServedModel, prompt: PromptText, why: str) -> ApiError:
 
 
 class _Worker:
-    """One worker process and the parent's end of its pipe."""
+    """One worker process (`python -m router.prompt_workers`) and the router's end of the
+    socket pair it serves on. A plain subprocess, not a `multiprocessing` spawn: that would
+    re-import whatever main module the embedding program has."""
 
     def __init__(self, index: int, memory_bytes: int) -> None:
         self.index = index
         self.memory_bytes = memory_bytes
-        self.process: BaseProcess | None = None
+        self.process: subprocess.Popen[bytes] | None = None
         self.conn: Connection | None = None
 
     @property
     def alive(self) -> bool:
-        return self.process is not None and self.process.is_alive()
+        return self.process is not None and self.process.poll() is None
 
     def start(self) -> None:
         self.reap()
-        ctx = multiprocessing.get_context("spawn")  # not fork: the parent runs an event loop
-        parent, child = ctx.Pipe()
-        process = ctx.Process(
-            target=_serve_jobs,
-            args=(child, self.memory_bytes),
-            name=f"hicache-prompt-{self.index}",
-            daemon=True,
-        )
-        process.start()
-        child.close()
-        self.process, self.conn = process, parent
+        ours, theirs = socket.socketpair()
+        argv = [sys.executable, "-m", __name__, str(theirs.fileno()), str(self.memory_bytes)]
+        root = str(Path(__file__).resolve().parents[1])  # where `router` is, wherever we run
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        env = os.environ | {"PYTHONPATH": path}
+        try:
+            self.process = subprocess.Popen(
+                argv, pass_fds=(theirs.fileno(),), stdin=DEVNULL, env=env
+            )
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
 
     def ask(self, job: tuple[Any, ...]) -> tuple[Any, ...]:
         """Send one job and block for its reply (in an I/O thread)."""
@@ -248,13 +255,15 @@ class _Worker:
         return reply
 
     def kill(self) -> None:
-        if self.process is not None and self.process.is_alive():
+        if self.alive:
+            assert self.process is not None
             self.process.kill()
 
     def reap(self) -> None:
         """Wait for a killed process and drop it (blocking: run in a thread)."""
         if self.process is not None:
-            self.process.join(5)
+            self.kill()
+            self.process.wait(5)
             self.process = None
         if self.conn is not None:
             self.conn.close()
@@ -267,6 +276,7 @@ class _Worker:
 def _serve_jobs(conn: Connection, memory_bytes: int) -> None:
     """A worker's loop: (speech digest, card or None, PromptText, max_chars) -> a reply tuple:
     ("ok", id bytes) | ("need_card",) | ("template" | "unusable" | "error", message)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the router's to handle
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread: the pool is the parallelism
     os.environ["RAYON_NUM_THREADS"] = "1"
     _limit_memory(memory_bytes)
@@ -323,3 +333,7 @@ def _limit_memory(extra_bytes: int) -> None:
         return  # not Linux: no cap (the time limit still holds)
     limit = vm_kb * 1024 + extra_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+if __name__ == "__main__":
+    _serve_jobs(Connection(int(sys.argv[1])), int(sys.argv[2]))
