@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         "killed and the request gets 400)",
     )
     p.add_argument(
+        "--refuse-special-tokens",
+        action="store_true",
+        help="a prompt or message whose text holds a special token's string (e.g. "
+        "<|im_end|>) gets 400, instead of being tokenized as that control token",
+    )
+    p.add_argument(
         "--max-engines",
         metavar="N",
         type=int,
@@ -208,6 +214,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         max_prompt_chars=args.max_prompt_chars,
         tokenizer_worker_num=args.tokenizer_worker_num,
         tokenize_timeout_s=args.tokenize_timeout,
+        refuse_special_tokens=args.refuse_special_tokens,
         max_engines=args.max_engines,
         max_model_cards=args.max_model_cards,
     )

@@ -56,6 +56,9 @@ class RouterConfig:
     # each job's time limit there (a template that runs longer is killed: a 400)
     tokenizer_worker_num: int = 2
     tokenize_timeout_s: float = 5.0
+    # a text prompt or message holding a special token's string (`<|im_end|>`) is a 400;
+    # else it is tokenized as that control token, as Hugging Face's apply_chat_template does
+    refuse_special_tokens: bool = False
     # bus-fed state is bounded (DESIGN.md 7b): engines tracked (a heartbeat of a new engine
     # beyond it is dropped, unless a gone engine can make room) and model cards held (the
     # least recently named goes first)

@@ -205,8 +205,9 @@ async def _encode(
 ) -> TokenIds | None:
     """A text prompt's ids, checked by length first, then tokenized (a chat request's
     messages rendered first) in a worker process, never on this loop (DESIGN.md 7b)."""
-    max_chars = min(app[keys.CONFIG].max_prompt_chars, CHARS_PER_TOKEN * model.card.context_len)
-    prompt = prompt_text(endpoint, body, max_chars)
+    config = app[keys.CONFIG]
+    max_chars = min(config.max_prompt_chars, CHARS_PER_TOKEN * model.card.context_len)
+    prompt = prompt_text(endpoint, body, max_chars, config.refuse_special_tokens)
     if prompt is None:
         return None
     return await app[keys.PROMPTS].encode(model, prompt, max_chars)

@@ -58,6 +58,10 @@ from router.models import ServedModel, served_model
 log = logging.getLogger(__name__)
 
 MODELS_PER_WORKER = 8  # model cards a worker keeps built (most recently used)
+# a worker's start (Python and its imports) and a card's build (a large vocabulary) are not
+# the request's doing, and take seconds on a loaded machine: they have limits of their own
+START_TIMEOUT_S = 60.0
+CARD_TIMEOUT_S = 30.0
 WORKER_MEMORY_BYTES = 2 * 1024**3  # address space a worker may add after it started
 TEMPLATE_OVERHEAD_CHARS = 64 * 1024  # a rendered chat prompt may exceed its messages by this
 
@@ -69,21 +73,43 @@ class PromptText:
     param: str  # the field it came from: "prompt", "text" or "messages"
     text: str = ""  # completions and /generate
     messages: tuple[ChatMessage, ...] = ()  # chat: rendered by the model's template first
+    # refuse text holding a special token's string (`--refuse-special-tokens`): else it is
+    # tokenized as that control token, as Hugging Face does
+    refuse_special: bool = False
 
     @property
     def chat(self) -> bool:
         return self.param == "messages"
 
 
+class SpecialTokenInText(ValueError):
+    """The prompt's text holds a special token's string, and the router refuses those."""
+
+
 def encode_prompt(model: ServedModel, prompt: PromptText, max_chars: int | None) -> TokenIds:
     """`prompt`'s token ids under `model`. Raises `ChatTemplateError` (the template refused,
-    failed, or wrote more than `max_chars` + `TEMPLATE_OVERHEAD_CHARS`) and ValueError (the
-    template does not compile). Runs in a worker (`PromptWorkers`), or inline in tests."""
+    failed, or wrote more than `max_chars` + `TEMPLATE_OVERHEAD_CHARS`), `SpecialTokenInText`
+    and ValueError (the template does not compile). Runs in a worker (`PromptWorkers`), or
+    inline in tests."""
+    if prompt.refuse_special:
+        _check_no_special(model, prompt)
     if prompt.chat:
         budget = None if max_chars is None else max_chars + TEMPLATE_OVERHEAD_CHARS
         text = model.render_chat(prompt.messages, budget)
         return as_token_ids(model.tokenizer.encode(text, add_special_tokens=False))
     return as_token_ids(model.tokenizer.encode(prompt.text))
+
+
+def _check_no_special(model: ServedModel, prompt: PromptText) -> None:
+    texts = [m.content for m in prompt.messages] if prompt.chat else [prompt.text]
+    for special in model.tokenizer.special_texts():
+        for i, text in enumerate(texts):
+            if special in text:
+                where = f"messages[{i}].content" if prompt.chat else f"'{prompt.param}'"
+                raise SpecialTokenInText(
+                    f"{where} holds {special!r}, a special token of model {model.name!r}: "
+                    "this server refuses special tokens in text (--refuse-special-tokens)"
+                )
 
 
 class PromptWorkers:
@@ -139,9 +165,11 @@ class PromptWorkers:
         try:
             if not worker.alive:
                 await loop.run_in_executor(None, worker.start)
+                await self._ask(worker, None, START_TIMEOUT_S)  # its ("ready",)
             reply = await self._ask(worker, (key, None, prompt, max_chars))
             if reply[0] == "need_card":
-                reply = await self._ask(worker, (key, model.card, prompt, max_chars))
+                timeout_s = max(self.timeout_s, CARD_TIMEOUT_S)
+                reply = await self._ask(worker, (key, model.card, prompt, max_chars), timeout_s)
         except asyncio.CancelledError:
             worker.kill()
             raise
@@ -155,11 +183,14 @@ class PromptWorkers:
             self._idle.put_nowait(worker)
         return _result(model, prompt, reply)
 
-    async def _ask(self, worker: _Worker, job: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Send `job`, wait at most `timeout_s` for the reply (TimeoutError past it)."""
+    async def _ask(
+        self, worker: _Worker, job: tuple[Any, ...] | None, timeout_s: float | None = None
+    ) -> tuple[Any, ...]:
+        """Send `job` (None: nothing, only wait), wait at most `timeout_s` (default: the
+        job limit) for the reply (TimeoutError past it)."""
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._io, worker.ask, job)
-        done, _ = await asyncio.wait({fut}, timeout=self.timeout_s)
+        done, _ = await asyncio.wait({fut}, timeout=timeout_s or self.timeout_s)
         if not done:
             worker.kill()  # the blocked thread sees the pipe close and returns
             with contextlib.suppress(EOFError, OSError):
@@ -185,6 +216,8 @@ def _result(model: ServedModel, prompt: PromptText, reply: Sequence[Any]) -> Tok
             "messages",
             "chat_template_error",
         )
+    if kind == "special":
+        raise bad_request(message, prompt.param, "special_token_in_text")
     if kind == "unusable":
         raise ApiError(500, message, code="chat_template_unusable")
     raise _failed_error(model, prompt, message)
@@ -247,10 +280,11 @@ class _Worker:
             theirs.close()
         self.conn = Connection(ours.detach())
 
-    def ask(self, job: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Send one job and block for its reply (in an I/O thread)."""
+    def ask(self, job: tuple[Any, ...] | None) -> tuple[Any, ...]:
+        """Send one job (unless None) and block for its reply (in an I/O thread)."""
         assert self.conn is not None
-        self.conn.send(job)
+        if job is not None:
+            self.conn.send(job)
         reply: tuple[Any, ...] = self.conn.recv()
         return reply
 
@@ -280,6 +314,7 @@ def _serve_jobs(conn: Connection, memory_bytes: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread: the pool is the parallelism
     os.environ["RAYON_NUM_THREADS"] = "1"
     _limit_memory(memory_bytes)
+    conn.send(("ready",))
     models: OrderedDict[str, ServedModel] = OrderedDict()
     while True:
         try:
@@ -314,6 +349,8 @@ def _job(
     models.move_to_end(digest)
     try:
         return ("ok", encode_prompt(model, prompt, max_chars).tobytes())
+    except SpecialTokenInText as e:
+        return ("special", str(e))
     except ChatTemplateError as e:
         return ("template", str(e))
     except ValueError as e:
@@ -335,5 +372,7 @@ def _limit_memory(extra_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-if __name__ == "__main__":
-    _serve_jobs(Connection(int(sys.argv[1])), int(sys.argv[2]))
+if __name__ == "__main__":  # the worker: run this module's own copy, not __main__'s
+    from router import prompt_workers
+
+    prompt_workers._serve_jobs(Connection(int(sys.argv[1])), int(sys.argv[2]))

@@ -175,7 +175,9 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def prompt_text(endpoint: str, body: Mapping[str, Any], max_chars: int) -> PromptText | None:
+def prompt_text(
+    endpoint: str, body: Mapping[str, Any], max_chars: int, refuse_special: bool = False
+) -> PromptText | None:
     """The request's prompt when it is text, checked against `max_chars` (its characters; a
     chat request's message contents together) before anything tokenizes it: 400
     `prompt_too_long` beyond. None when the prompt is token ids, or missing or malformed
@@ -186,7 +188,7 @@ def prompt_text(endpoint: str, body: Mapping[str, Any], max_chars: int) -> Promp
             return None
         messages = tuple(_messages(value))
         _check_chars("messages", sum(len(m.content) for m in messages), max_chars)
-        return PromptText("messages", messages=messages)
+        return PromptText("messages", messages=messages, refuse_special=refuse_special)
     param = "text" if endpoint == "generate" else "prompt"
     value = body.get(param)
     if endpoint == "completions":
@@ -194,7 +196,7 @@ def prompt_text(endpoint: str, body: Mapping[str, Any], max_chars: int) -> Promp
     if not isinstance(value, str):
         return None
     _check_chars(param, len(value), max_chars)
-    return PromptText(param, text=value)
+    return PromptText(param, text=value, refuse_special=refuse_special)
 
 
 def _check_chars(param: str, num_chars: int, max_chars: int) -> None:
