@@ -167,6 +167,13 @@ class KVChunkAck(Message):
     error: str = ""
 
 
+# a heartbeat's interval must lie in this range: liveness (and every key and table entry an
+# engine holds) lasts a few intervals, so a huge one would pin a fake engine for hours
+MIN_HEARTBEAT_INTERVAL_S = 0.01
+MAX_HEARTBEAT_INTERVAL_S = 60.0
+MAX_NAME_LEN = 256  # model, bucket and namespace names in heartbeats
+
+
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
     """Engine -> everyone, every `interval_s`: alive, how loaded, and its cache counters
@@ -216,6 +223,16 @@ class Heartbeat(Message):
     # over the last heartbeat interval in tokens/s (SGLang's gen_throughput)
     generation_tokens: int = 0
     gen_throughput: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not MIN_HEARTBEAT_INTERVAL_S <= self.interval_s <= MAX_HEARTBEAT_INTERVAL_S:
+            raise ValueError(
+                f"interval_s must be in [{MIN_HEARTBEAT_INTERVAL_S}, "
+                f"{MAX_HEARTBEAT_INTERVAL_S}], got {self.interval_s}"
+            )
+        for name in ("model", "bucket", "namespace", "card_digest", "store_id"):
+            if len(getattr(self, name)) > MAX_NAME_LEN:
+                raise ValueError(f"{name} is longer than {MAX_NAME_LEN} characters")
 
 
 @dataclass(frozen=True, slots=True)

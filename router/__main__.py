@@ -5,7 +5,8 @@
         [--admin-api-key-file FILE] [--tenant-keys FILE] [--hide-cache-stats] [--record FILE] \\
         [--request-timeout S] [--bucket NAME[:max_len=N] ...] \\
         [--pd-admit-timeout S] [--pd-transfer-timeout S] [--read-timeout S] \\
-        [--max-connections N]
+        [--max-connections N] [--max-prompt-chars N] [--tokenizer-worker-num N] \\
+        [--tokenize-timeout S]
 
 SIGINT/SIGTERM stop it gracefully: it stops accepting, lets in-flight requests finish (for
 at most --shutdown-timeout seconds), drains NATS and closes Redis.
@@ -186,6 +187,50 @@ def build_parser() -> argparse.ArgumentParser:
         default=4096,
         help="open client connections; beyond it the oldest non-serving one is closed",
     )
+    p.add_argument(
+        "--max-prompt-chars",
+        metavar="N",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="a text prompt (a chat request's messages together) over N characters, or over "
+        "32 per token of the model's context, is refused before tokenizing (400)",
+    )
+    p.add_argument(
+        "--tokenizer-worker-num",
+        metavar="N",
+        type=int,
+        default=2,
+        help="worker processes that render chat templates and tokenize prompts",
+    )
+    p.add_argument(
+        "--tokenize-timeout",
+        metavar="S",
+        type=float,
+        default=5.0,
+        help="a prompt's rendering and tokenizing must finish in this (else its worker is "
+        "killed and the request gets 400)",
+    )
+    p.add_argument(
+        "--refuse-special-tokens",
+        action="store_true",
+        help="a prompt or message whose text holds a special token's string (e.g. "
+        "<|im_end|>) gets 400, instead of being tokenized as that control token",
+    )
+    p.add_argument(
+        "--max-engines",
+        metavar="N",
+        type=int,
+        default=512,
+        help="engines tracked from heartbeats; a new engine beyond N is ignored while all "
+        "are live (bounds /metrics, /v1/models and routing state)",
+    )
+    p.add_argument(
+        "--max-model-cards",
+        metavar="N",
+        type=int,
+        default=64,
+        help="model cards (tokenizer, chat template) held; the least recently used goes first",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -276,6 +321,12 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         pd_transfer_timeout_s=args.pd_transfer_timeout,
         read_timeout_s=args.read_timeout,
         max_connections=args.max_connections,
+        max_prompt_chars=args.max_prompt_chars,
+        tokenizer_worker_num=args.tokenizer_worker_num,
+        tokenize_timeout_s=args.tokenize_timeout,
+        refuse_special_tokens=args.refuse_special_tokens,
+        max_engines=args.max_engines,
+        max_model_cards=args.max_model_cards,
     )
 
 

@@ -1,7 +1,8 @@
 """The router app: `init(config)` builds it; its cleanup_ctx owns every connection and task.
 
 Startup order (teardown is the reverse): NATS, the engine table (heartbeat subscription and
-sweeper task), Redis (the prefix index), the recorder. At shutdown the runner first stops
+sweeper task), Redis (the prefix index), the recorder, the prompt workers (processes that
+start on first use). At shutdown the runner first stops
 accepting and lets in-flight requests finish (bounded by its shutdown timeout), then the
 contexts unwind: the recorder closes, Redis closes, the table unsubscribes, NATS drains.
 """
@@ -28,6 +29,7 @@ from router.handlers import add_routes, auth_middleware, body_middleware, errors
 from router.metrics import RouterMetrics
 from router.models import ModelCards
 from router.natsconn import connect_nats
+from router.prompt_workers import PromptWorkers
 from router.record import Recorder, header
 from router.resp import RespClient
 from router.routing import PrefixIndex, Router
@@ -50,7 +52,7 @@ def init(config: RouterConfig) -> web.Application:
     app[keys.METRICS] = RouterMetrics()
     app[keys.AUDIT] = PredictionAudit()
     app[GUARD] = ConnectionGuard(config.max_connections, app[keys.METRICS])
-    app.cleanup_ctx.extend([nats_ctx, engines_ctx, redis_ctx, recorder_ctx])
+    app.cleanup_ctx.extend([nats_ctx, engines_ctx, redis_ctx, recorder_ctx, prompts_ctx])
     add_routes(app)
     return app
 
@@ -99,7 +101,10 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     loop = asyncio.get_running_loop()
     table = EngineTable(app[keys.CONFIG], app[keys.METRICS], loop.time)
     app[keys.TABLE] = table
-    cards = ModelCards(app[keys.NATS], app[keys.METRICS], loop.time)
+    config = app[keys.CONFIG]
+    cards = ModelCards(
+        app[keys.NATS], app[keys.METRICS], loop.time, max_cards=config.max_model_cards
+    )
     app[keys.MODELS] = cards
 
     reconnects: dict[str, tuple[str, int]] = {}  # engine -> (epoch, its bus_reconnects)
@@ -109,6 +114,9 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
         if hb is not None:
             cards.observe(hb.engine_id, hb.card_digest)
             seen = reconnects.get(hb.engine_id)
+            if seen is None and len(reconnects) >= 2 * config.max_engines:
+                for gone in [e for e in reconnects if not table.knows(e)]:
+                    del reconnects[gone]  # forgotten engines (bounded with the table)
             reconnects[hb.engine_id] = (hb.epoch, hb.bus_reconnects)
             if seen is not None and seen != (hb.epoch, hb.bus_reconnects) and seen[0] == hb.epoch:
                 app[keys.REPLIES].reconnected(hb.engine_id)  # its streams may have lost replies
@@ -166,3 +174,13 @@ async def recorder_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await asyncio.to_thread(recorder.close)
+
+
+async def prompts_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[keys.CONFIG]
+    workers = PromptWorkers(config.tokenizer_worker_num, config.tokenize_timeout_s)
+    app[keys.PROMPTS] = workers
+    try:
+        yield
+    finally:
+        await workers.close()

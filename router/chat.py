@@ -58,16 +58,40 @@ class ChatTemplate:
         self._template = _environment().from_string(self.source)
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn opened."""
+    def render(self, messages: Sequence[ChatMessage], max_chars: int | None = None) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn opened.
+
+        Raises `ChatTemplateError` for anything the template raises (its `raise_exception`,
+        an IndexError of `format_map`, a sandbox refusal, a MemoryError) and when its output
+        passes `max_chars`: the output is taken chunk by chunk (`generate`), so a template
+        that writes without end stops at the budget. What bounds a template that loops
+        without writing is the process it runs in (`router.prompt_workers`)."""
+        chunks = self._template.generate(
+            messages=[{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=True,
+            **self._tokens,
+        )
+        out: list[str] = []
+        size = 0
         try:
-            return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=True,
-                **self._tokens,
-            )
+            for chunk in chunks:
+                size += len(chunk)
+                if max_chars is not None and size > max_chars:
+                    raise ChatTemplateError(
+                        f"the model's chat template wrote more than {max_chars} characters"
+                    )
+                out.append(chunk)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the model's chat template refused the messages: {e}") from e
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # a template may raise anything; it is the request's 400
+            raise ChatTemplateError(
+                f"the model's chat template failed: {type(e).__name__}: {e}"
+            ) from e
+        finally:
+            getattr(chunks, "close", lambda: None)()  # a generator: ends the render
+        return "".join(out)
 
 
 @cache

@@ -61,6 +61,21 @@ class RouterConfig:
     # again (router.page_chains); 0 turns it off
     page_chain_cache_bytes: int = 64 * 1024 * 1024
     max_stop_strings: int = 16
+    # a text prompt (a chat request's messages together) over this many characters is a 400
+    # before anything tokenizes it; a model's own limit is 32 per token of its context
+    max_prompt_chars: int = 4 * 1024 * 1024
+    # worker processes that render chat templates and tokenize (router.prompt_workers), and
+    # each job's time limit there (a template that runs longer is killed: a 400)
+    tokenizer_worker_num: int = 2
+    tokenize_timeout_s: float = 5.0
+    # a text prompt or message holding a special token's string (`<|im_end|>`) is a 400;
+    # else it is tokenized as that control token, as Hugging Face's apply_chat_template does
+    refuse_special_tokens: bool = False
+    # bus-fed state is bounded (DESIGN.md 7b): engines tracked (a heartbeat of a new engine
+    # beyond it is dropped, unless a gone engine can make room) and model cards held (the
+    # least recently named goes first)
+    max_engines: int = 512
+    max_model_cards: int = 64
     # completions and chat without max_tokens generate up to what the context leaves after
     # the prompt (OpenAI's rule), at most this many tokens when set (engines reserve pages
     # for every token a request may write, so an uncapped default holds a context's worth)
@@ -83,6 +98,7 @@ class RouterConfig:
             "shutdown_timeout_s": self.shutdown_timeout_s,
             "pd_admit_timeout_s": self.pd_admit_timeout_s,
             "pd_transfer_timeout_s": self.transfer_timeout_s,
+            "tokenize_timeout_s": self.tokenize_timeout_s,
         }
         for name, value in positive.items():
             if not (math.isfinite(value) and value > 0):
@@ -116,6 +132,12 @@ class RouterConfig:
             raise ValueError("default_max_tokens must be >= 1 when given")
         if self.max_stop_strings < 1:
             raise ValueError("max_stop_strings must be >= 1")
+        if self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars must be >= 1")
+        if self.tokenizer_worker_num < 1:
+            raise ValueError("tokenizer_worker_num must be >= 1")
+        if self.max_engines < 1 or self.max_model_cards < 1:
+            raise ValueError("max_engines and max_model_cards must be >= 1")
         if not self.buckets:
             raise ValueError("at least one bucket")
         object.__setattr__(self, "buckets", order(self.buckets))

@@ -20,6 +20,12 @@ Every engine has a role from its heartbeats: "colocated" (serves `GenerateReques
 by P/D when it has a live engine of each of those two roles (`pd_ready`), else by its
 colocated engines.
 
+The table holds at most `max_engines` engines (DESIGN.md 7b: whoever reaches the bus can
+announce engines): a heartbeat of a new engine beyond it takes the place of the engine gone
+longest, or, when every engine is live, is dropped (counted as `bus_errors{kind=
+"engine_cap"}`, logged once per interval). Everything built from the table (routing,
+`/v1/models`, `/health`, the per-engine series of `/metrics`) is bounded with it.
+
 Load is the in-flight tokens (prompt + max_tokens) of the engine: the larger of what this
 router has running there and what the engine's last heartbeat reported (which also counts
 other routers' requests, but lags).
@@ -37,6 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from bus_schemas import Heartbeat, SchemaError, subjects
+from bus_schemas.throttle import LogThrottle
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 
@@ -99,6 +106,7 @@ class EngineTable:
         self.metrics = metrics
         self.clock = clock
         self._entries: dict[str, _Entry] = {}
+        self._throttle = LogThrottle(log)
         metrics.registry.register(EngineCollector(self))
 
     # ------------------------------------------------------------ updates
@@ -116,21 +124,46 @@ class EngineTable:
         if bad or not subjects.valid_token(hb.engine_id):
             self.metrics.bus_errors.labels("bad_heartbeat").inc()
             return None
-        self.observe(hb)
-        return hb
+        return hb if self.observe(hb) else None
 
-    def observe(self, hb: Heartbeat) -> None:
+    def observe(self, hb: Heartbeat) -> bool:
+        """Apply `hb`; False when its engine is new and the table is full."""
         now = self.clock()
         entry = self._entries.get(hb.engine_id)
         if entry is None:
+            if len(self._entries) >= self.config.max_engines and not self._make_room(now):
+                self.metrics.bus_errors.labels("engine_cap").inc()
+                self._throttle.warning(
+                    "engine_cap",
+                    "heartbeat of engine %s dropped: %d engines are live (--max-engines)",
+                    hb.engine_id,
+                    len(self._entries),
+                )
+                return False
             self._entries[hb.engine_id] = _Entry(hb, now, was_live=False)
-            return
+            return True
         if entry.heartbeat.epoch != hb.epoch:
             entry.failed_until, entry.failed, entry.strikes = 0.0, False, 0  # restarted
         elif entry.failed:
             self._readmit(hb.engine_id, entry, now)
         entry.heartbeat = hb
         entry.last_seen = now
+        return True
+
+    def _make_room(self, now: float) -> bool:
+        """Forget the engine gone longest (not live, nothing of ours in flight there)."""
+        gone = [
+            (e.last_seen, engine_id)
+            for engine_id, e in self._entries.items()
+            if not self._live(e, now) and e.local_tokens == 0
+        ]
+        if not gone:
+            return False
+        del self._entries[min(gone)[1]]
+        return True
+
+    def knows(self, engine_id: str) -> bool:
+        return engine_id in self._entries
 
     def epoch_of(self, engine_id: str) -> str:
         """The epoch of the engine's last heartbeat ("" for an unknown engine)."""

@@ -27,6 +27,7 @@ from bus_schemas import (
     StatsRequest,
     subjects,
 )
+from bus_schemas.token_ids import TokenIds
 from router import keys
 from router.auth import ANONYMOUS, shared_salt, tenant_salt
 from router.choices import Choices
@@ -35,12 +36,14 @@ from router.errors import ApiError, bad_request, json_response
 from router.generation import Generation, Timings, no_engine_error
 from router.models import ServedModel
 from router.protocol import (
+    CHARS_PER_TOKEN,
     MAX_SEED,
     GenerationSpec,
     check_limits,
     parse_chat,
     parse_completion,
     parse_generate,
+    prompt_text,
     read_json,
 )
 from router.readiness import bucket_readiness
@@ -50,7 +53,7 @@ from router.server import GUARD, read_body
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Parser = Callable[[Mapping[str, Any], ServedModel, int], GenerationSpec]
+Parser = Callable[[Mapping[str, Any], ServedModel, int, TokenIds | None], GenerationSpec]
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes: no key, not counted
 ENGINE_HEADER = "X-Hicache-Engine"  # the engine that generated (P/D: the decode engine)
 TIMING_HEADER = "Server-Timing"  # the router's own time per stage (`Timings.server_timing`)
@@ -173,18 +176,18 @@ def _http_error(e: web.HTTPException) -> web.Response:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, parse_completion)
+    return await _serve(request, "completions", parse_completion)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, parse_chat)
+    return await _serve(request, "chat", parse_chat)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, parse_generate)
+    return await _serve(request, "generate", parse_generate)
 
 
-async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
+async def _serve(request: web.Request, endpoint: str, parse: Parser) -> web.StreamResponse:
     app = request.app
     config, metrics = app[keys.CONFIG], app[keys.METRICS]
     timings, time_s = Timings(time.perf_counter()), time.time()
@@ -195,7 +198,8 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
     try:
         body = await read_json(request)
         model = _served_model(app, body)
-        spec = _tenancy(request, _seeded(parse(body, model, config.max_stop_strings)))
+        encoded = await _encode(app, endpoint, body, model)
+        spec = _tenancy(request, _seeded(parse(body, model, config.max_stop_strings, encoded)))
         choices = _choices(app, spec, model, timings)
     except ApiError as e:
         if body is None:
@@ -224,6 +228,19 @@ async def _serve(request: web.Request, parse: Parser) -> web.StreamResponse:
         _after_response, app, choices, times, request.path, resp.status, time_s, body
     )
     return resp
+
+
+async def _encode(
+    app: web.Application, endpoint: str, body: Mapping[str, Any], model: ServedModel
+) -> TokenIds | None:
+    """A text prompt's ids, checked by length first, then tokenized (a chat request's
+    messages rendered first) in a worker process, never on this loop (DESIGN.md 7b)."""
+    config = app[keys.CONFIG]
+    max_chars = min(config.max_prompt_chars, CHARS_PER_TOKEN * model.card.context_len)
+    prompt = prompt_text(endpoint, body, max_chars, config.refuse_special_tokens)
+    if prompt is None:
+        return None
+    return await app[keys.PROMPTS].encode(model, prompt, max_chars)
 
 
 def _seeded(spec: GenerationSpec) -> GenerationSpec:
@@ -330,12 +347,14 @@ def _served_model(app: web.Application, body: Mapping[str, Any]) -> ServedModel:
     if not engines:
         raise ApiError(
             404,
-            f"model {name!r} is not served here (served: {served})",
+            f"model {name!r} is not served here (served: {_names(served)})",
             param="model",
             code="model_not_found",
         )
     if not name and len(served) > 1:
-        raise ApiError(400, f"'model' is required: this router serves {served}", param="model")
+        raise ApiError(
+            400, f"'model' is required: this router serves {_names(served)}", param="model"
+        )
     cards = app[keys.MODELS]
     for digest, _ in Counter(e.card_digest for e in engines).most_common():
         model = cards.get(digest)
@@ -347,6 +366,12 @@ def _served_model(app: web.Application, body: Mapping[str, Any]) -> ServedModel:
         code="model_loading",
         retry_after_s=1,
     )
+
+
+def _names(models: list[str], shown: int = 10) -> str:
+    """At most `shown` model names for an error message (engines name their models)."""
+    more = f" and {len(models) - shown} more" if len(models) > shown else ""
+    return f"{models[:shown]}{more}"
 
 
 def _choices(

@@ -11,6 +11,7 @@ from router.config import RouterConfig
 from router.engines import EngineTable
 from router.metrics import RouterMetrics
 from router.models import ModelCards
+from router.prompt_workers import PromptWorkers
 from router.record import Recorder
 from router.resp import RespClient
 from router.routing import Router
@@ -22,6 +23,7 @@ IDENTITY = web.RequestKey("identity", Identity)  # what the request's key proved
 METRICS = web.AppKey("metrics", RouterMetrics)
 MODELS = web.AppKey("models", ModelCards)  # the served models, from engines' model cards
 NATS = web.AppKey("nats", NatsClient)
+PROMPTS = web.AppKey("prompts", PromptWorkers)  # tokenize and render off the event loop
 REPLIES = web.AppKey("replies", ReplyHub)  # the shared reply inbox
 REDIS = web.AppKey("redis", RespClient)
 TABLE = web.AppKey("engines", EngineTable)

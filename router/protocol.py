@@ -25,8 +25,8 @@ function calling, `response_format` other than text, `echo`, `suffix`, `best_of`
 
 Sampling parameters, each as OpenAI or SGLang name it: `temperature`, `top_p`, `top_k`
 (0 or -1: off), `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`,
-`logit_bias` (token id -> bias in [-100, 100]), `seed`, `stop`, `stop_token_ids`,
-`ignore_eos`; `n` choices (up to `MAX_N`); `logprobs` (completions: the number of top
+`logit_bias` (token id -> bias in [-100, 100]), `seed`, `stop`, `stop_token_ids` (up to
+`MAX_STOP_TOKEN_IDS`), `ignore_eos`; `n` choices (up to `MAX_N`); `logprobs` (completions: the number of top
 logprobs; chat: `logprobs` true and `top_logprobs`; `/generate`: `return_logprob` and
 `top_logprobs_num`, up to `MAX_LOGPROBS`). Streams send usage only when asked
 (`stream_options.include_usage`).
@@ -49,6 +49,7 @@ from bus_schemas.token_ids import TokenIds, as_token_ids
 from router.chat import ROLES, ChatMessage, ChatTemplateError
 from router.errors import ApiError, bad_request
 from router.models import ServedModel
+from router.prompt_workers import PromptText, encode_prompt
 
 DEFAULT_MAX_NEW_TOKENS = 128  # /generate without sampling_params.max_new_tokens (SGLang's)
 MAX_SEED = 2**63  # seeds are in [0, 2**63): they seed a 64-bit generator
@@ -58,6 +59,10 @@ MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs (the engine's too)
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 1024  # the engine checks every output token against them
+# a text prompt longer than this many characters per token of the model's context cannot
+# fit it with any tokenizer we know (the byte tokenizer: 1; BPE vocabularies: about 4)
+CHARS_PER_TOKEN = 32
 
 GENERATE_FIELDS = frozenset(
     {
@@ -173,36 +178,90 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def prompt_text(
+    endpoint: str, body: Mapping[str, Any], max_chars: int, refuse_special: bool = False
+) -> PromptText | None:
+    """The request's prompt when it is text, checked against `max_chars` (its characters; a
+    chat request's message contents together) before anything tokenizes it: 400
+    `prompt_too_long` beyond. None when the prompt is token ids, or missing or malformed
+    (the endpoint's parser says how)."""
+    if endpoint == "chat":
+        value = body.get("messages")
+        if not isinstance(value, list) or not value:
+            return None
+        messages = tuple(_messages(value))
+        _check_chars("messages", sum(len(m.content) for m in messages), max_chars)
+        return PromptText("messages", messages=messages, refuse_special=refuse_special)
+    param = "text" if endpoint == "generate" else "prompt"
+    value = body.get(param)
+    if endpoint == "completions":
+        value = _unbatched(value)
+    if not isinstance(value, str):
+        return None
+    _check_chars(param, len(value), max_chars)
+    return PromptText(param, text=value, refuse_special=refuse_special)
+
+
+def _check_chars(param: str, num_chars: int, max_chars: int) -> None:
+    if num_chars > max_chars:
+        raise bad_request(
+            f"'{param}' has {num_chars} characters; this server takes at most {max_chars} "
+            f"(--max-prompt-chars, and {CHARS_PER_TOKEN} per token of the model's context)",
+            param,
+            "prompt_too_long",
+        )
+
+
 # ------------------------------------------------------------------ endpoints
 
 
-def parse_completion(body: Mapping[str, Any], model: ServedModel, max_stop: int) -> GenerationSpec:
+def parse_completion(
+    body: Mapping[str, Any],
+    model: ServedModel,
+    max_stop: int,
+    encoded: TokenIds | None = None,
+) -> GenerationSpec:
+    """`encoded`: the ids of a text prompt, tokenized already (`router.prompt_workers`);
+    None: tokenized here (tests)."""
     _reject_unsupported(body)
-    ids, max_id = _prompt_ids(body.get("prompt"), model)
+    ids, max_id = _prompt_ids(body.get("prompt"), model, encoded)
     logprobs = _Fields(body).int_("logprobs", 0, MAX_LOGPROBS)
     return _openai_spec("completions", body, ids, max_stop, logprobs, max_id)
 
 
-def parse_chat(body: Mapping[str, Any], model: ServedModel, max_stop: int) -> GenerationSpec:
+def parse_chat(
+    body: Mapping[str, Any],
+    model: ServedModel,
+    max_stop: int,
+    encoded: TokenIds | None = None,
+) -> GenerationSpec:
+    """`encoded`: the rendered and tokenized messages (`router.prompt_workers`); None: done
+    here (tests)."""
     _reject_unsupported(body)
     f = _Fields(body)
     want = f.bool_("logprobs", False)
     top = f.int_("top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not want:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    messages = _messages(body.get("messages"))
-    try:
-        text = model.render_chat(messages)
-    except ChatTemplateError as e:
-        raise bad_request(str(e), "messages", "chat_template_error") from None
-    except ValueError as e:
-        raise ApiError(500, str(e), code="chat_template_unusable") from None
-    ids = as_token_ids(model.tokenizer.encode(text, add_special_tokens=False))
-    ids = _nonempty(ids, "messages")
+    if encoded is None:
+        messages = tuple(_messages(body.get("messages")))
+        try:
+            encoded = encode_prompt(model, PromptText("messages", messages=messages), None)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages", "chat_template_error") from None
+        except ValueError as e:
+            raise ApiError(500, str(e), code="chat_template_unusable") from None
+    ids = _nonempty(encoded, "messages")
     return _openai_spec("chat", body, ids, max_stop, (top or 0) if want else None)
 
 
-def parse_generate(body: Mapping[str, Any], model: ServedModel, max_stop: int) -> GenerationSpec:
+def parse_generate(
+    body: Mapping[str, Any],
+    model: ServedModel,
+    max_stop: int,
+    encoded: TokenIds | None = None,
+) -> GenerationSpec:
+    """`encoded`: the ids of `text`, tokenized already; None: tokenized here (tests)."""
     tok = model.tokenizer
     unknown = sorted(set(body) - GENERATE_FIELDS)
     if unknown:
@@ -213,7 +272,9 @@ def parse_generate(body: Mapping[str, Any], model: ServedModel, max_stop: int) -
     if text is not None:
         if not isinstance(text, str):
             raise bad_request("'text' must be a string", "text", "invalid_type")
-        input_ids, max_id = _nonempty(as_token_ids(tok.encode(text)), "text"), None
+        if encoded is None:
+            encoded = as_token_ids(tok.encode(text))
+        input_ids, max_id = _nonempty(encoded, "text"), None
     else:
         input_ids, max_id = _token_ids(ids, "input_ids")
     sp = body.get("sampling_params")
@@ -341,6 +402,9 @@ def _sampling(body: Mapping[str, Any], prefix: str, max_stop: int) -> dict[str, 
     """The sampling fields every endpoint shares, as GenerationSpec keywords."""
     f = _Fields(body, prefix)
     stop_token_ids = body.get("stop_token_ids")
+    if isinstance(stop_token_ids, list) and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        param = prefix + "stop_token_ids"
+        raise bad_request(f"'{param}' allows at most {MAX_STOP_TOKEN_IDS} token ids", param)
     top_k = f.int_("top_k", -1, None)
     return {
         "temperature": f.temperature(),
@@ -389,12 +453,15 @@ def _reject_unsupported(body: Mapping[str, Any]) -> None:
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
 
 
-def _prompt_ids(prompt: Any, model: ServedModel) -> tuple[TokenIds, int | None]:
+def _prompt_ids(
+    prompt: Any, model: ServedModel, encoded: TokenIds | None
+) -> tuple[TokenIds, int | None]:
     """The prompt's ids, and their max when it came cheaply (see GenerationSpec)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
+    prompt = _unbatched(prompt)
     if isinstance(prompt, str):
-        return _nonempty(as_token_ids(model.tokenizer.encode(prompt)), "prompt"), None
+        if encoded is None:
+            encoded = as_token_ids(model.tokenizer.encode(prompt))
+        return _nonempty(encoded, "prompt"), None
     if isinstance(prompt, list):
         if prompt and all(isinstance(p, str | list) for p in prompt):
             raise bad_request("only one prompt per request", "prompt", "unsupported_value")
@@ -404,6 +471,12 @@ def _prompt_ids(prompt: Any, model: ServedModel) -> tuple[TokenIds, int | None]:
     raise bad_request(
         "'prompt' must be a string or a list of token ids", "prompt", code="invalid_type"
     )
+
+
+def _unbatched(prompt: Any) -> Any:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]  # a batch of one
+    return prompt
 
 
 def _messages(value: Any) -> list[ChatMessage]:

@@ -35,6 +35,10 @@ class Tokenizer(Protocol):
         """A token's text as the vocabulary writes it (templates' `bos_token`), or None."""
         ...
 
+    def special_texts(self) -> tuple[str, ...]:
+        """The texts that `encode` turns into special (control) tokens wherever they occur."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; ids outside that range decode to nothing."""
@@ -52,6 +56,9 @@ class ByteTokenizer:
     def token_text(self, token_id: int) -> str | None:
         del token_id
         return None
+
+    def special_texts(self) -> tuple[str, ...]:
+        return ()  # text is only ever bytes
 
 
 class HFTokenizer:
@@ -85,6 +92,10 @@ class HFTokenizer:
     def token_text(self, token_id: int) -> str | None:
         piece = self.tok.id_to_token(token_id)
         return None if piece is None else str(piece)
+
+    def special_texts(self) -> tuple[str, ...]:
+        added = self.tok.get_added_tokens_decoder().values()
+        return tuple(sorted({str(t.content) for t in added if t.special and t.content}))
 
 
 @cache

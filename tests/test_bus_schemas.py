@@ -11,6 +11,7 @@ import base64
 import dataclasses
 import hashlib
 import inspect
+import logging
 import random
 import struct
 from array import array
@@ -51,6 +52,7 @@ from bus_schemas.messages import (
     TokenChunk,
 )
 from bus_schemas.page_hash import DIGEST_SIZE, make_namespace, page_hashes
+from bus_schemas.throttle import LogThrottle
 from bus_schemas.token_ids import as_token_ids
 from services.launch.servers import ServerProcess
 
@@ -598,3 +600,37 @@ def test_page_hashes_of_an_array_equal_the_pinned_vectors(salt: str) -> None:
     assert page_hashes(array("I", range(10)), 4, NS, salt) == PINNED[salt]  # partial page
     with pytest.raises(ValueError):
         page_hashes([2**32, 0, 0, 0], 4, NS)
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 0.001, 60.5, 100.0, 1e9, float("nan")])
+def test_a_heartbeat_interval_outside_its_range_is_refused(interval_s: float) -> None:
+    """Liveness (and what an engine holds in the router and the index) lasts a few
+    intervals: a fake engine must not pin itself for hours (issue 20, finding 2)."""
+    good = Heartbeat("e1", "b", "1", "m", "ns", 4, 64, 260, [0], 0, 0, 0, 1.0)
+    body = orjson.loads(good.encode())
+    assert Heartbeat.decode(orjson.dumps(body)) == good
+    body["interval_s"] = interval_s
+    with pytest.raises(SchemaError, match="interval_s"):
+        Heartbeat.decode(orjson.dumps(body))  # (NaN goes as null: refused as a type)
+    body["interval_s"], body["model"] = 1.0, "m" * (messages.MAX_NAME_LEN + 1)
+    with pytest.raises(SchemaError, match="model"):
+        Heartbeat.decode(orjson.dumps(body))
+
+
+def test_log_throttle_writes_one_line_per_cause_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    throttle = LogThrottle(logging.getLogger("throttle-test"), 10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, "throttle-test"):
+        assert throttle.warning("a", "bad %s", 1)
+        assert not throttle.warning("a", "bad %s", 2)
+        assert not throttle.warning("a", "bad %s", 3)
+        assert throttle.warning("b", "other")
+        now[0] = 10.0
+        assert throttle.warning("a", "bad %s", 4)
+    assert [r.getMessage() for r in caplog.records] == [
+        "bad 1",
+        "other",
+        "bad 4 (and 2 more like it in the last 10s)",
+    ]

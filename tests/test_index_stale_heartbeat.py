@@ -50,9 +50,9 @@ async def test_old_epoch_heartbeat_changes_nothing(mesh: Mesh) -> None:
     ttl_before = await mesh.r.pttl(redis_keys.engine_alive("e1"))
     assert 0 < ttl_before <= 30_000
 
-    # epoch A again, with another bucket and namespace and a 1000 s interval: accepting any of
-    # it would show (TTL 3,000 s, other meta)
-    stale = Heartbeat("e1", "b-old", "1000", "tiny", "old|ns", 4, 64, 260, [0], 0, 0, 0, 1000.0)
+    # epoch A again, with another bucket and namespace and a 60 s interval (the longest a
+    # heartbeat may have): accepting any of it would show (TTL 180 s, other meta)
+    stale = Heartbeat("e1", "b-old", "1000", "tiny", "old|ns", 4, 64, 260, [0], 0, 0, 0, 60.0)
     await mesh.send(stale)
     await mesh.send(heartbeat("e2", 5))  # barrier: heartbeats are handled in order
     await eventually(lambda: alive(mesh, "e2"), "5")

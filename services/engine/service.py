@@ -52,6 +52,7 @@ from bus_schemas import (
     TokenChunk,
 )
 from bus_schemas import subjects as subj
+from bus_schemas.messages import MAX_HEARTBEAT_INTERVAL_S, MIN_HEARTBEAT_INTERVAL_S
 from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
 from gpu_worker.scheduler.request import CachedTokens, KVExport
 from gpu_worker.storage import StorageBackend
@@ -86,8 +87,9 @@ class EngineServiceConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not subj.valid_token(self.engine_id) or not subj.valid_token(self.bucket):
             raise ValueError("--engine-id and --bucket may hold only letters, digits, '-', '_'")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError("--heartbeat-interval must be positive")
+        lo, hi = MIN_HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S
+        if not lo <= self.heartbeat_interval_s <= hi:
+            raise ValueError(f"--heartbeat-interval must be in [{lo}, {hi}] seconds")
 
 
 @dataclass(slots=True)

@@ -20,6 +20,12 @@ order, one at a time, under the engine's lock, so batches of different engines n
 behind each other's Redis round trips, while one engine's batches stay ordered (fencing
 needs that). Maintenance takes each engine's lock around that engine's Redis writes.
 
+Bounded (DESIGN.md 7b: whoever reaches the bus can announce engines): at most `max_engines`
+engines have a lane, a record and keys (`hc:engine:{id}:*`, three per engine); messages of a
+new engine beyond that are dropped and counted until an engine expires (its alive key lasts
+three heartbeat intervals, and `Heartbeat` bounds the interval). Warnings that bus input can
+trigger are logged once per cause per interval (`LogThrottle`).
+
 Invalid messages are counted and logged. While Redis fails, failures are counted and logged
 and batches are dropped; once it answers again, every known engine's entries are cleared and
 each engine is asked for a snapshot, since the index no longer knows what Redis holds.
@@ -46,6 +52,7 @@ from redis.exceptions import RedisError
 from bus_schemas import redis_keys, subjects
 from bus_schemas.codec import SchemaError
 from bus_schemas.messages import Heartbeat, KVEventBatch, SnapshotRequest
+from bus_schemas.throttle import LogThrottle
 from services.index.fencing import Action, Fence, decide_batch, epoch_order, parse_epoch
 from services.index.store import (
     EngineMeta,
@@ -73,11 +80,14 @@ class IndexConfig:
     store_ttl_s: int = redis_keys.STORE_TTL_S  # how long a page reported in a store counts
     redis_timeout_s: float = 2.0  # per Redis call
     drain_timeout_s: float = 5.0  # NATS drain at shutdown
+    max_engines: int = 512  # engines indexed at once; messages of more are dropped
 
     def __post_init__(self) -> None:
         for name in ("sweep_interval_s", "snapshot_retry_s", "redis_timeout_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_engines < 1:
+            raise ValueError(f"max_engines must be >= 1, got {self.max_engines}")
 
 
 @dataclass(slots=True)
@@ -94,6 +104,7 @@ class IndexStats:
     invalid_messages: int = 0
     redis_errors: int = 0
     engines_expired: int = 0
+    engines_refused: int = 0  # messages of a new engine beyond max_engines
     resyncs_after_redis: int = 0
 
 
@@ -181,6 +192,12 @@ class EngineLanes:
     def lock(self, engine_id: str) -> asyncio.Lock:
         return self._lane(engine_id).lock
 
+    def has(self, engine_id: str) -> bool:
+        return engine_id in self._lanes
+
+    def __len__(self) -> int:
+        return len(self._lanes)
+
     def forget(self, engine_id: str) -> None:
         """Drop an idle engine's lane (after it expired)."""
         lane = self._lanes.get(engine_id)
@@ -232,6 +249,7 @@ class IndexService:
         self._redis_ok = True
         self._redis_run_id: str | None = None
         self._stopping = False
+        self._throttle = LogThrottle(log)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -284,9 +302,10 @@ class IndexService:
             batch = KVEventBatch.decode(msg.data)
             epoch = check_batch(batch)
         except SchemaError as e:
-            self._invalid(msg, e)
+            self._invalid("kv_events", msg, e)
             return
-        self._lanes.submit(batch.engine_id, lambda: self._apply_batch(batch, epoch))
+        if self._admit(batch.engine_id):
+            self._lanes.submit(batch.engine_id, lambda: self._apply_batch(batch, epoch))
 
     async def _apply_batch(self, batch: KVEventBatch, epoch: int) -> None:
         """On the engine's lane."""
@@ -305,9 +324,24 @@ class IndexService:
             hb = Heartbeat.decode(msg.data)
             epoch = check_heartbeat(hb)
         except SchemaError as e:
-            self._invalid(msg, e)
+            self._invalid("heartbeat", msg, e)
             return
-        self._lanes.submit(hb.engine_id, lambda: self._apply_heartbeat(hb, epoch))
+        if self._admit(hb.engine_id):
+            self._lanes.submit(hb.engine_id, lambda: self._apply_heartbeat(hb, epoch))
+
+    def _admit(self, engine_id: str) -> bool:
+        """Whether the index takes a message of `engine_id`: a known engine always, a new
+        one while fewer than `max_engines` are known (lanes: made at once, records later)."""
+        if self._lanes.has(engine_id) or len(self._lanes) < self.config.max_engines:
+            return True
+        self.stats.engines_refused += 1
+        self._throttle.warning(
+            "engine_cap",
+            "engine %s ignored: %d engines are indexed (--max-engines)",
+            engine_id,
+            len(self._lanes),
+        )
+        return False
 
     async def _apply_heartbeat(self, hb: Heartbeat, epoch: int) -> None:
         """On the engine's lane."""
@@ -476,9 +510,9 @@ class IndexService:
             raise RuntimeError("IndexService is not started")
         return self._store
 
-    def _invalid(self, msg: Msg, error: SchemaError) -> None:
+    def _invalid(self, kind: str, msg: Msg, error: SchemaError) -> None:
         self.stats.invalid_messages += 1
-        log.warning("invalid message on %s: %.300s", msg.subject, error)
+        self._throttle.warning(kind, "invalid message on %s: %.300s", msg.subject, error)
 
     def _redis_failed(self, error: RedisError) -> None:
         self.stats.redis_errors += 1
@@ -539,6 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per Redis call before it counts as failed",
     )
     parser.add_argument(
+        "--max-engines",
+        type=int,
+        default=defaults.max_engines,
+        help="engines indexed at once; messages of a new engine beyond it are dropped",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
     return parser
@@ -551,6 +591,7 @@ def config_from_args(args: argparse.Namespace) -> IndexConfig:
         sweep_interval_s=args.sweep_interval,
         snapshot_retry_s=args.snapshot_retry,
         redis_timeout_s=args.redis_timeout,
+        max_engines=args.max_engines,
     )
 
 

@@ -114,6 +114,13 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     add_router_flags(parser)
+    parser.add_argument(
+        "--max-engines",
+        type=int,
+        default=None,
+        metavar="N",
+        help="engines the router tracks and the index indexes at once (default 512 each)",
+    )
     add_router_timeout_args(parser)
     parser.add_argument("--startup-timeout", type=float, default=120.0)
     parser.add_argument(
@@ -237,7 +244,10 @@ class Mesh:
         self.supervisor.start(
             ChildSpec(
                 "index",
-                [py, "-m", "services.index", "--nats-url", nats_url, "--redis-url", redis_url],
+                [
+                    *(py, "-m", "services.index", "--nats-url", nats_url),
+                    *("--redis-url", redis_url, *self._max_engines_argv()),
+                ],
                 SERVICE_TIER,
             )
         )
@@ -281,10 +291,15 @@ class Mesh:
             argv += ["--api-key-file", str(Path(a.api_key_file).resolve())]
         if a.default_max_tokens is not None:
             argv += ["--default-max-tokens", str(a.default_max_tokens)]
+        argv += self._max_engines_argv()
         if a.record:
             argv += ["--record", a.record, "--record-meta", json.dumps(self._record_meta())]
             argv += ["--record-redact"] if a.record_redact else []
         return argv + router_flags_argv(a)
+
+    def _max_engines_argv(self) -> list[str]:
+        n = self.args.max_engines
+        return [] if n is None else ["--max-engines", str(n)]
 
     def _record_meta(self) -> dict[str, object]:
         """What the record header says about this mesh (docs/recording.md)."""
