@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from bus_schemas.connection import Credentials
 from router.buckets import DEFAULT, Bucket, order
 
 
@@ -12,6 +13,9 @@ from router.buckets import DEFAULT, Bucket, order
 class RouterConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # the router's NATS and Redis identities (user `router`); None: connect without one
+    nats_credentials: Credentials | None = None
+    redis_credentials: Credentials | None = None
     api_key: str | None = None  # when set, every endpoint but /health and /metrics needs it
     record_path: str | None = None  # JSON lines, one per request (docs/recording.md)
     record_redact: bool = False  # records keep token ids, drop text

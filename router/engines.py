@@ -41,6 +41,7 @@ from router.config import RouterConfig
 from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
+FORGED_LOG_S = 10.0  # at most one log line about forged heartbeats this often
 
 FORGET_AFTER_S = 300.0  # an engine silent this long leaves the table
 
@@ -99,13 +100,16 @@ class EngineTable:
         self.metrics = metrics
         self.clock = clock
         self._entries: dict[str, _Entry] = {}
+        self._forged_logged_at = float("-inf")
         metrics.registry.register(EngineCollector(self))
 
     # ------------------------------------------------------------ updates
 
-    def on_heartbeat_data(self, data: bytes) -> Heartbeat | None:
+    def on_heartbeat_data(self, data: bytes, sender: str | None = None) -> Heartbeat | None:
         """Decode and apply one heartbeat message, and return it; malformed ones are
-        counted and dropped (None)."""
+        counted and dropped (None), and so are forged ones: an engine id other than
+        `sender`, the id its subject speaks for (`subjects.sender_of`; NATS permissions let
+        only that engine publish there)."""
         try:
             hb = Heartbeat.decode(data)
         except SchemaError as e:
@@ -115,6 +119,14 @@ class EngineTable:
         bad = hb.interval_s <= 0 or hb.page_size <= 0 or hb.role not in ROLES
         if bad or not subjects.valid_token(hb.engine_id):
             self.metrics.bus_errors.labels("bad_heartbeat").inc()
+            return None
+        if sender is not None and hb.engine_id != sender:
+            self.metrics.bus_errors.labels("forged_heartbeat").inc()
+            if self.clock() - self._forged_logged_at >= FORGED_LOG_S:  # one line per period
+                self._forged_logged_at = self.clock()
+                log.warning(
+                    "dropped a heartbeat for %.64r on %.64r's subject", hb.engine_id, sender
+                )
             return None
         self.observe(hb)
         return hb

@@ -38,7 +38,7 @@ async def wait_heartbeats(
         if engine_ids <= seen.keys():
             done.set()
 
-    sub = await nc.subscribe(subj.HEARTBEAT, cb=on)
+    sub = await nc.subscribe(subj.HEARTBEAT_ALL, cb=on)
     try:
         await asyncio.wait_for(done.wait(), timeout_s)
     finally:

@@ -97,7 +97,7 @@ class Collector:
 
     async def start(self) -> None:
         await self.nc.subscribe(self.inbox, cb=self._on_chunk)
-        await self.nc.subscribe(subj.HEARTBEAT, cb=self._on_heartbeat)
+        await self.nc.subscribe(subj.HEARTBEAT_ALL, cb=self._on_heartbeat)
 
     async def _on_chunk(self, msg: Msg) -> None:
         chunk = chunk_of(msg.data)

@@ -75,10 +75,14 @@ class Mesh:
     proc: subprocess.Popen[bytes] | None
     log_path: Path | None
 
-    async def send(self, msg: Message | bytes, subject: str = subjects.KV_EVENTS) -> None:
+    async def send(self, msg: Message | bytes, subject: str | None = None) -> None:
+        """Publish on `subject`, else on the subject of the message's own engine."""
         data = msg if isinstance(msg, bytes) else msg.encode()
-        if isinstance(msg, Heartbeat):
-            subject = subjects.HEARTBEAT
+        if subject is None:
+            eid = getattr(msg, "engine_id", "")
+            subject = (subjects.heartbeat if isinstance(msg, Heartbeat) else subjects.kv_events)(
+                eid
+            )
         await self.nc.publish(subject, data)
         await barrier(self.nc)
 
@@ -491,11 +495,11 @@ async def test_malformed_messages_do_not_kill_it(mesh: Mesh) -> None:
     ]
     for body in bad_bodies:
         data = body if isinstance(body, bytes) else orjson.dumps(body)
-        await mesh.send(data, subjects.KV_EVENTS)
+        await mesh.send(data, subjects.kv_events("e1"))
     bad_hb = heartbeat("e1", 5).to_dict() | {"type": "heartbeat", "v": Heartbeat.VERSION}
     for body in (bad_hb | {"interval_s": 0}, bad_hb | {"running": None}, b"{}"):
         data = body if isinstance(body, bytes) else orjson.dumps(body)
-        await mesh.send(data, subjects.HEARTBEAT)
+        await mesh.send(data, subjects.heartbeat("e1"))
     await mesh.send(batch("e1", 5, 0, stored("device", H[0:2])))
     await eventually(mesh.pages, {H[0]: {"e1": 1}, H[1]: {"e1": 1}})
     assert mesh.proc is not None and mesh.proc.poll() is None
