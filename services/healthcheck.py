@@ -3,7 +3,7 @@
 The image (python:3.11-slim) has no curl or wget, so compose healthchecks run this:
 
     python -m services.healthcheck http URL                   # 2xx -> healthy (the router)
-    python -m services.healthcheck [--nats-credentials FILE] engine NATS_URL ENGINE_ID
+    python -m services.healthcheck engine [--nats-credentials FILE] NATS_URL ENGINE_ID
         # answers a stats request (as the engine's own NATS user where the bus has users:
         # an engine may ask itself for stats)
     python -m services.healthcheck nats-client MONITOR_URL NAME
@@ -92,13 +92,13 @@ async def check_engine(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.healthcheck", description=__doc__)
     p.add_argument("--timeout", type=float, default=3.0, help="seconds per probe")
-    p.add_argument(
-        "--nats-credentials", default=None, metavar="FILE", help="NATS `user:password` (0600)"
-    )
     sub = p.add_subparsers(dest="probe", required=True)
     http = sub.add_parser("http", help="GET URL answers 2xx")
     http.add_argument("url")
     engine = sub.add_parser("engine", help="the engine answers a stats request")
+    engine.add_argument(
+        "--nats-credentials", default=None, metavar="FILE", help="NATS `user:password` (0600)"
+    )
     engine.add_argument("nats_url")
     engine.add_argument("engine_id")
     client = sub.add_parser("nats-client", help="a client with this name is connected")

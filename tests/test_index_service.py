@@ -584,7 +584,10 @@ async def test_in_process_counts_what_it_refuses(
     r = aioredis.Redis.from_url(fresh_redis.url, decode_responses=True)
     try:
         mesh = Mesh(nc, r, None, None)
-        await mesh.send(b"garbage")
+        await mesh.send(b"garbage", subjects.kv_events("e1"))
+        # e1 speaking for e2 (issue 20): refused, whatever the batch says
+        await mesh.send(batch("e2", 50, 0, stored("device", H[5:6])), subjects.kv_events("e1"))
+        await mesh.send(heartbeat("e2", 50), subjects.heartbeat("e1"))
         await mesh.send(batch("e1", 50, 0, stored("device", H[0:2])))
         await mesh.send(batch("e1", 40, 1, stored("device", H[2:3])))
         await mesh.send(batch("e1", 50, 3, stored("device", H[2:3])))
@@ -597,6 +600,8 @@ async def test_in_process_counts_what_it_refuses(
         assert (stats.batches_applied, stats.snapshots_applied) == (1, 1)
         assert (stats.snapshot_requests, stats.batches_dropped) == (1, 1)
         assert stats.redis_errors == 0
+        assert stats.forged_messages == 2
+        assert await r.exists(redis_keys.page(H[5]), redis_keys.engine_alive("e2")) == 0
     finally:
         await service.stop()
         await nc.drain()

@@ -36,7 +36,13 @@ from services.launch.credentials import (
     EngineGrant,
     nats_permissions,
 )
-from services.launch.servers import nats_kind, start_server
+from services.launch.servers import (
+    find_nats_server,
+    free_port,
+    nats_kind,
+    start_server,
+    wait_for_port,
+)
 
 SPEC = MeshSpec(engines=2, heartbeat_s=0.5)
 ROGUE, VICTIM = "engine-1", "engine-0"  # the rogue holds engine-1's valid credential
@@ -303,3 +309,78 @@ async def test_the_generator_writes_private_files_a_nats_server_enforces(tmp_pat
         assert not rogue.refused("publish", subjects.engine_kv_ack("a"))
     finally:
         server.stop()
+
+
+COMPOSE = Path(__file__).resolve().parents[1] / "compose"
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.pd.yml",
+                                  "docker-compose.buckets.yml"])  # fmt: skip
+def test_compose_hands_each_service_its_own_generated_secrets(name: str, tmp_path: Path) -> None:
+    """The generator command a compose file names makes every secret file it mounts, and
+    each service reads only the secrets it is given (its credential flags point there)."""
+    import re
+
+    import yaml
+
+    text = (COMPOSE / name).read_text()
+    engines = re.search(r"hicache-mesh credentials compose/credentials --engines (\S+)`", text)
+    assert engines, "the file names the command that makes its credentials"
+    argv = [sys.executable, "-m", "services.cli", "credentials", str(tmp_path / "c")]
+    subprocess.run([*argv, "--engines", engines.group(1)], check=True, capture_output=True)
+    doc = yaml.safe_load(text)
+    for secret, spec in doc["secrets"].items():
+        path = spec["file"].replace("${HICACHE_CREDENTIALS:-./credentials}", str(tmp_path / "c"))
+        assert Path(path).is_file(), (secret, path)
+    for svc, spec in doc["services"].items():
+        given = {s if isinstance(s, str) else s["source"] for s in spec.get("secrets", [])}
+        command = " ".join(spec.get("command", []) + spec["healthcheck"]["test"])
+        used = set(re.findall(r"/run/secrets/([\w.-]+)", command))
+        assert used <= given, (svc, used - given)
+        if svc not in ("nats", "redis"):
+            assert any(u.startswith("nats-") for u in used), f"{svc} connects without a user"
+    nats_svc = doc["services"]["nats"]
+    assert {"source": "nats-auth", "target": "/etc/nats/auth.conf"} in nats_svc["secrets"]
+
+
+async def test_compose_nats_conf_includes_the_generated_users(tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    argv = [sys.executable, "-m", "services.cli", "credentials", str(out), "--engines", "e"]
+    subprocess.run(argv, check=True, capture_output=True)
+    conf = tmp_path / "etc"
+    conf.mkdir()
+    (conf / "nats.conf").write_text((COMPOSE / "nats.conf").read_text())
+    (conf / "auth.conf").write_text((out / NATS_AUTH_FILE).read_text())
+    port = free_port()
+    proc = subprocess.Popen(
+        [find_nats_server(), "-c", str(conf / "nats.conf"), "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, proc)
+        url = f"nats://127.0.0.1:{port}"
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(url, allow_reconnect=False, connect_timeout=5)
+        nc = await connect_as(url, credentials_of(out, "nats", "router"), allow_reconnect=False)
+        assert nc.max_payload == 8 * 1024 * 1024  # nats.conf's own settings still apply
+        await nc.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_the_engine_health_probe_answers_with_the_engines_own_credential(mesh: UpMesh) -> None:
+    creds = mesh.credentials_dir() / "nats" / f"engine.{VICTIM}"
+    probe = [sys.executable, "-m", "services.healthcheck", "--timeout", "5", "engine"]
+    ok = subprocess.run(
+        [*probe, "--nats-credentials", str(creds), mesh.nats_url(), VICTIM],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ok.returncode == 0, ok.stderr
+    anonymous = subprocess.run(
+        [*probe, mesh.nats_url(), VICTIM], capture_output=True, text=True, timeout=60
+    )
+    assert anonymous.returncode == 1 and "Authorization" in anonymous.stderr
