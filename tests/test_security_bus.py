@@ -384,3 +384,17 @@ def test_the_engine_health_probe_answers_with_the_engines_own_credential(mesh: U
         [*probe, mesh.nats_url(), VICTIM], capture_output=True, text=True, timeout=60
     )
     assert anonymous.returncode == 1 and "Authorization" in anonymous.stderr
+
+
+def test_reply_subjects_cannot_be_guessed_from_another() -> None:
+    """Engines may publish into the router's inbox: a request's reply subject must not tell
+    them the subjects of other requests (a counter alone would)."""
+    from nats.aio.client import Client
+
+    from router.stream import ReplyHub
+
+    hub = ReplyHub(Client())
+    (a, _), (b, _) = hub.open(), hub.open()
+    prefix = a.rsplit(".", 1)[0]
+    assert b.startswith(prefix + ".") and b != f"{prefix}.2"
+    assert len(b.rsplit(".", 1)[1]) >= 16  # 64 random bits beside the counter
