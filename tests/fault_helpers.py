@@ -248,9 +248,13 @@ class UpMesh:
 
     def redis_url(self) -> str:
         """The mesh's Redis, as the index's user (it may read and write the index keys)."""
-        router = next(c for c in self.children() if c.role == "router")
         creds = credentials_of(self.credentials_dir(), "redis", "index")
-        return redis_url_as(_flag(router.argv, "--redis-url"), creds)
+        return redis_url_as(self.plain_redis_url(), creds)
+
+    def plain_redis_url(self) -> str:
+        """The mesh's Redis, with no user in the URL."""
+        router = next(c for c in self.children() if c.role == "router")
+        return _flag(router.argv, "--redis-url")
 
     def nats_url(self) -> str:
         router = next(c for c in self.children() if c.role == "router")

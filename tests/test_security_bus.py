@@ -229,8 +229,8 @@ async def test_a_forged_heartbeat_from_a_valid_engine_credential_is_refused(mesh
 
 
 async def test_redis_refuses_no_credential_and_a_wrong_password(mesh: UpMesh) -> None:
-    url = mesh.redis_url().split("@", 1)[1]  # host:port/db without the index's user
-    for plain in (f"redis://{url}", redis_url_as(f"redis://{url}", Credentials("index", "x"))):
+    url = mesh.plain_redis_url()
+    for plain in (url, redis_url_as(url, Credentials("index", "x"))):
         r = aioredis.Redis.from_url(plain)
         try:
             with pytest.raises(redis.exceptions.RedisError, match=r"(?i)auth|password"):
@@ -242,8 +242,8 @@ async def test_redis_refuses_no_credential_and_a_wrong_password(mesh: UpMesh) ->
 async def test_the_router_credential_reads_the_index_but_cannot_write_it(mesh: UpMesh) -> None:
     index = aioredis.Redis.from_url(mesh.redis_url(), decode_responses=True)
     router_creds = credentials_of(mesh.credentials_dir(), "redis", "router")
-    base = "redis://" + mesh.redis_url().split("@", 1)[1]
-    router = aioredis.Redis.from_url(redis_url_as(base, router_creds), decode_responses=True)
+    url = redis_url_as(mesh.plain_redis_url(), router_creds)
+    router = aioredis.Redis.from_url(url, decode_responses=True)
     try:
         engines = await index.smembers(redis_keys.ENGINES)
         assert engines >= {VICTIM, ROGUE}
@@ -398,3 +398,27 @@ def test_reply_subjects_cannot_be_guessed_from_another() -> None:
     prefix = a.rsplit(".", 1)[0]
     assert b.startswith(prefix + ".") and b != f"{prefix}.2"
     assert len(b.rsplit(".", 1)[1]) >= 16  # 64 random bits beside the counter
+
+
+def test_up_hands_children_the_files_of_a_given_credentials_dir(tmp_path: Path) -> None:
+    from services.cli import build_parser
+    from services.launch.up import Mesh
+
+    out = tmp_path / "c"
+    argv = [sys.executable, "-m", "services.cli", "credentials", str(out), "--engines"]
+    subprocess.run([*argv, "prefill-0:default:prefill"], check=True, capture_output=True)
+    up = ["up", "--model", "tiny", "--pd", "--credentials-dir", str(out)]
+    with pytest.raises(ValueError, match=r"engine\.decode-0"):  # decode-0 was not admitted
+        Mesh(build_parser().parse_args(up))
+    grants = "prefill-0:default:prefill,decode-0:default:decode"
+    subprocess.run([*argv, grants, "--force"], check=True, capture_output=True)
+    mesh = Mesh(build_parser().parse_args(up))
+    try:
+        router = mesh._router_argv("nats://x:4222", "redis://x:6379/0")
+        assert router[router.index("--nats-credentials") + 1] == str(out.resolve() / "nats/router")
+        assert router[router.index("--redis-credentials") + 1] == str(
+            out.resolve() / "redis/router"
+        )
+        assert mesh.creds.nats["router"] == credentials_of(out, "nats", "router")
+    finally:
+        mesh.workdir.cleanup()

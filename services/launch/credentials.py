@@ -159,8 +159,8 @@ class MeshCredentials:
             write_credentials(self.nats_file(root, user), creds)
         for user, creds in self.redis.items():
             write_credentials(self.redis_file(root, user), creds)
-        _write_private(root / NATS_AUTH_FILE, self.nats_authorization())
-        _write_private(root / REDIS_ACL_FILE, self.redis_acl())
+        write_private(root / NATS_AUTH_FILE, self.nats_authorization())
+        write_private(root / REDIS_ACL_FILE, self.redis_acl())
 
     def nats_authorization(self) -> str:
         """The nats-server config `authorization` block."""
@@ -203,7 +203,7 @@ def load(root: Path, engines: Iterable[EngineGrant]) -> MeshCredentials:
     )
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:

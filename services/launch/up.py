@@ -244,10 +244,13 @@ class Mesh:
             self.creds = creds.load(args.credentials_dir, grants)  # CredentialsError: a ValueError
         # the servers to start (without --nats-url / --redis-url), requiring the credentials
         self.nats = nats_kind(args.nats_max_payload, self.creds.nats_authorization())
+        acl = Path(self.workdir.name) / creds.REDIS_ACL_FILE  # from the files `load` checked
+        if args.credentials_dir is None:
+            acl = self.creds_dir / creds.REDIS_ACL_FILE
+        else:
+            creds.write_private(acl, self.creds.redis_acl())
         index_redis = self.creds.redis[creds.INDEX]
-        self.redis = redis_kind(
-            str(self.creds_dir / creds.REDIS_ACL_FILE), (index_redis.user, index_redis.password)
-        )
+        self.redis = redis_kind(str(acl), (index_redis.user, index_redis.password))
         self._ports = {args.port}  # chosen for this mesh: the servers' ports avoid them
         self.supervisor = Supervisor(
             RestartPolicy(initial_s=args.restart_backoff), args.status_file
