@@ -125,7 +125,7 @@ async def wait_for_server(url: str, backoff: Backoff, log: logging.Logger) -> No
             return
         delay = backoff.delay(attempt)
         log.warning(
-            "NATS at %s unreachable (%s); attempt %d, next in %.1fs",
+            "NATS at %s unreachable (%s); attempt %d, next attempt in %.1fs",
             url,
             ", ".join(errors),
             attempt + 1,

@@ -123,6 +123,7 @@ class EngineService:
         self._prefill: PrefillSide | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._bus_reconnects = 0  # heartbeats carry it: routers then check their streams
+        self._failed_attempts = 0  # NATS attempts failed since the last (re)connect
         self.crashed_reason: str | None = None
         self.crashed_event = asyncio.Event()
 
@@ -185,8 +186,11 @@ class EngineService:
         return nc
 
     async def _on_nats_error(self, e: Exception) -> None:
-        """One line per failed attempt (nats.py's default logs a traceback)."""
-        log.warning("NATS %s: %s", self.config.nats_url, _brief(e))
+        """One line per failed attempt (nats.py's default logs a traceback); the wait is
+        `connect_nats`' backoff, which starts over once connected."""
+        wait = Backoff(*NATS_BACKOFF_S).delay(self._failed_attempts)
+        self._failed_attempts += 1
+        log.warning("NATS %s: %s (next attempt in %.1f s)", self.config.nats_url, _brief(e), wait)
 
     async def _on_nats_disconnected(self) -> None:
         if self._nc is not None and not (self._nc.is_closed or self._nc.is_draining):
@@ -194,6 +198,7 @@ class EngineService:
 
     async def _on_nats_reconnected(self) -> None:
         log.info("NATS reconnected")
+        self._failed_attempts = 0
         self._bus_reconnects += 1
         if self._prefill is not None:
             self._prefill.reconnected()
