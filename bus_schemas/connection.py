@@ -11,8 +11,9 @@ coroutine (e.g. on SIGTERM) to give up.
 Credentials (DESIGN.md 7b): one identity per role, read from a file of mode 0600 holding
 `user:password` on one line (`read_credentials`), never from a command line. An identity's
 request inboxes live under `_INBOX.{user}` (`inbox_prefix`), so the server can let each
-identity subscribe to its own replies only. The same files serve Redis (`RedisCredentials`
-in the router and the index read them with `read_credentials` too).
+identity subscribe to its own replies only. Redis users' files have the same format (the
+router and the index read theirs with `read_credentials` too). `url` may list several
+servers, comma-separated (a NATS cluster).
 """
 
 from __future__ import annotations
