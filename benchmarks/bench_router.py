@@ -276,7 +276,7 @@ async def wait_ready(
         if len(seen) >= engines:
             all_in.set()
 
-    sub = await nc.subscribe(subj.HEARTBEAT, cb=on)
+    sub = await nc.subscribe(subj.HEARTBEAT_ALL, cb=on)
     await asyncio.wait_for(all_in.wait(), 180)
     await sub.unsubscribe()
     for port in (ports.router, ports.baseline):

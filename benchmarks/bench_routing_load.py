@@ -84,7 +84,7 @@ class InstantEngine:
                 self.engine_id, "default", "1", "bench", NAMESPACE, PAGE_SIZE, 65536, VOCAB,
                 [0], 0, 0, 0, 0.5,
             )  # fmt: skip
-            await self.nc.publish(subj.HEARTBEAT, hb.encode())
+            await self.nc.publish(subj.heartbeat(self.engine_id), hb.encode())
             await asyncio.sleep(0.5)
 
     async def on_generate(self, msg: Msg) -> None:

@@ -85,7 +85,7 @@ async def service_start(nats_url: str, cache_dir: str, tokens: int) -> float:
         if Heartbeat.decode(msg.data).engine_id == engine_id and not beat.done():  # type: ignore[attr-defined]
             beat.set_result(None)
 
-    sub = await nc.subscribe(subjects.HEARTBEAT, cb=on)
+    sub = await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on)
     argv = [sys.executable, "-m", "services.engine", "--engine-id", engine_id]
     argv += ["--nats-url", nats_url, "--model", MODEL, "--max-total-tokens", str(tokens)]
     argv += ["--log-level", "WARNING"]

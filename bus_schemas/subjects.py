@@ -4,9 +4,29 @@ from __future__ import annotations
 
 PREFIX = "hicache"
 
-HEARTBEAT = f"{PREFIX}.heartbeat"  # Heartbeat, published by every engine
-KV_EVENTS = f"{PREFIX}.kv_events"  # KVEventBatch, engines -> index
 FLUSH_ALL = f"{PREFIX}.flush"  # FlushRequest to every engine (request/reply, many replies)
+
+
+def heartbeat(engine_id: str) -> str:
+    """Heartbeat of one engine: it alone may publish here, and a heartbeat naming another
+    engine id is refused (`sender_of`)."""
+    return f"{PREFIX}.heartbeat.{engine_id}"
+
+
+def kv_events(engine_id: str) -> str:
+    """KVEventBatch of one engine, to the index (checked against `sender_of` as heartbeats)."""
+    return f"{PREFIX}.kv_events.{engine_id}"
+
+
+HEARTBEAT_ALL = heartbeat("*")  # every engine's heartbeats (router and index subscribe)
+KV_EVENTS_ALL = kv_events("*")  # every engine's KV events (the index subscribes)
+
+
+def sender_of(subject: str) -> str:
+    """The engine id a `heartbeat`/`kv_events` subject speaks for (its last token), or ""."""
+    parts = subject.split(".")
+    kinds = ("heartbeat", "kv_events")
+    return parts[2] if len(parts) == 3 and parts[0] == PREFIX and parts[1] in kinds else ""
 
 
 def engine_generate(engine_id: str) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from bus_schemas.connection import Credentials, read_credentials
 from router.app import init
 from router.auth import PROBE_AUTH, load_tenant_keys
 from router.buckets import DEFAULT, parse_bucket
@@ -57,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--nats-credentials",
+        metavar="FILE",
+        default=None,
+        help="NATS `user:password` in a 0600 file (`hicache-mesh credentials` makes them)",
+    )
+    p.add_argument(
+        "--redis-credentials", metavar="FILE", default=None, help="Redis `user:password` (0600)"
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
@@ -299,6 +309,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
     return RouterConfig(
         nats_url=args.nats_url,
         redis_url=args.redis_url,
+        nats_credentials=_credentials(args.nats_credentials),
+        redis_credentials=_credentials(args.redis_credentials),
         api_key=api_key_of(args),
         admin_api_key=admin_key_of(args),
         tenant_keys=load_tenant_keys(args.tenant_keys) if args.tenant_keys else (),
@@ -328,6 +340,10 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         max_engines=args.max_engines,
         max_model_cards=args.max_model_cards,
     )
+
+
+def _credentials(path: str | None) -> Credentials | None:
+    return None if path is None else read_credentials(path)
 
 
 async def serve(config: RouterConfig, host: str, port: int, access_log: bool = False) -> None:

@@ -20,6 +20,7 @@ from aiohttp import web
 from nats.aio.msg import Msg
 
 from bus_schemas import subjects
+from bus_schemas.connection import connect_nats
 from router import keys
 from router.audit import PredictionAudit
 from router.auth import KeyRing
@@ -28,7 +29,6 @@ from router.engines import EngineTable
 from router.handlers import add_routes, auth_middleware, body_middleware, errors_middleware
 from router.metrics import RouterMetrics
 from router.models import ModelCards
-from router.natsconn import connect_nats
 from router.prompt_workers import PromptWorkers
 from router.record import Recorder, header
 from router.resp import RespClient
@@ -76,6 +76,7 @@ async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
         app[keys.CONFIG].nats_url,
         name="hicache-router",
         log=log,
+        credentials=app[keys.CONFIG].nats_credentials,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
@@ -110,7 +111,7 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     reconnects: dict[str, tuple[str, int]] = {}  # engine -> (epoch, its bus_reconnects)
 
     async def on_heartbeat(msg: Msg) -> None:
-        hb = table.on_heartbeat_data(msg.data)
+        hb = table.on_heartbeat_data(msg.data, subjects.sender_of(msg.subject))
         if hb is not None:
             cards.observe(hb.engine_id, hb.card_digest)
             seen = reconnects.get(hb.engine_id)
@@ -121,7 +122,7 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
             if seen is not None and seen != (hb.epoch, hb.bus_reconnects) and seen[0] == hb.epoch:
                 app[keys.REPLIES].reconnected(hb.engine_id)  # its streams may have lost replies
 
-    sub = await app[keys.NATS].subscribe(subjects.HEARTBEAT, cb=on_heartbeat)
+    sub = await app[keys.NATS].subscribe(subjects.HEARTBEAT_ALL, cb=on_heartbeat)
     sweeper = asyncio.create_task(table.run_sweeper(), name="engine-table-sweeper")
     try:
         yield
@@ -137,7 +138,12 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
 async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[keys.CONFIG]
     # no retries: a lookup has a 50 ms budget, and Redis trouble only costs cache reuse
-    client = RespClient(config.redis_url, connect_timeout_s=0.5, reply_timeout_s=1.0)
+    client = RespClient(
+        config.redis_url,
+        connect_timeout_s=0.5,
+        reply_timeout_s=1.0,
+        credentials=config.redis_credentials,
+    )
     app[keys.REDIS] = client
     index = PrefixIndex(client, config, app[keys.METRICS], asyncio.get_running_loop().time)
     await index.start()  # a probe task, owned until teardown

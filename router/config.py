@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from bus_schemas.connection import Credentials
 from router.auth import PROBE_AUTH, TENANT_NAME, TenantKey
 from router.buckets import DEFAULT, Bucket, order
 from router.record import TOKEN_IDS
@@ -14,6 +15,9 @@ from router.record import TOKEN_IDS
 class RouterConfig:
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # the router's NATS and Redis identities (user `router`); None: connect without one
+    nats_credentials: Credentials | None = None
+    redis_credentials: Credentials | None = None
     api_key: str | None = None  # when set, every endpoint but /health and /metrics needs it
     # when set, only it opens /flush_cache and /stats (router/auth.py); it opens the rest too
     admin_api_key: str | None = None

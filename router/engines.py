@@ -111,9 +111,11 @@ class EngineTable:
 
     # ------------------------------------------------------------ updates
 
-    def on_heartbeat_data(self, data: bytes) -> Heartbeat | None:
+    def on_heartbeat_data(self, data: bytes, sender: str | None = None) -> Heartbeat | None:
         """Decode and apply one heartbeat message, and return it; malformed ones are
-        counted and dropped (None)."""
+        counted and dropped (None), and so are forged ones: an engine id other than
+        `sender`, the id its subject speaks for (`subjects.sender_of`; NATS permissions let
+        only that engine publish there)."""
         try:
             hb = Heartbeat.decode(data)
         except SchemaError as e:
@@ -123,6 +125,15 @@ class EngineTable:
         bad = hb.interval_s <= 0 or hb.page_size <= 0 or hb.role not in ROLES
         if bad or not subjects.valid_token(hb.engine_id):
             self.metrics.bus_errors.labels("bad_heartbeat").inc()
+            return None
+        if sender is not None and hb.engine_id != sender:
+            self.metrics.bus_errors.labels("forged_heartbeat").inc()
+            self._throttle.warning(
+                "forged_heartbeat",
+                "dropped a heartbeat for %.64r on %.64r's subject",
+                hb.engine_id,
+                sender,
+            )
             return None
         return hb if self.observe(hb) else None
 

@@ -17,13 +17,15 @@ the index needs:
 
 Errors: `ConnectionError` (an `OSError`) when Redis cannot be reached or the connection is
 lost, `RedisError` for an error reply (`NoScriptError` for NOSCRIPT). URLs:
-`redis://[[user]:password@]host[:port][/db]`, `rediss://` (TLS), `unix:///path[?db=N]`.
+`redis://[[user]:password@]host[:port][/db]`, `rediss://` (TLS), `unix:///path[?db=N]`;
+`credentials` (the router's Redis user, from a 0600 file) override the URL's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ssl
 import time
 from collections import deque
@@ -31,6 +33,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from bus_schemas.connection import Credentials
 
 DEFAULT_PORT = 6379
 CRLF = b"\r\n"
@@ -207,8 +211,13 @@ class RespClient:
         connect_timeout_s: float = 0.5,
         reply_timeout_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        credentials: Credentials | None = None,
     ) -> None:
         self.address = parse_url(url)
+        if credentials is not None:  # AUTH as this user on every (re)connect
+            self.address = dataclasses.replace(
+                self.address, username=credentials.user, password=credentials.password
+            )
         self.connect_timeout_s = connect_timeout_s
         self.reply_timeout_s = reply_timeout_s
         self.clock = clock

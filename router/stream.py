@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
@@ -103,7 +104,9 @@ class ReplyHub:
     """One wildcard subscription for every request's replies.
 
     Each request gets a subject under the router's own inbox prefix and a queue; the hub
-    delivers by subject. This saves a SUB and an UNSUB round of protocol per request.
+    delivers by subject. This saves a SUB and an UNSUB round of protocol per request. Every
+    engine may publish into the router's inbox (its replies go there), so a subject ends in
+    a random part: an engine told one request's subject cannot guess another's.
     """
 
     def __init__(self, nc: NATS) -> None:
@@ -128,7 +131,7 @@ class ReplyHub:
     def open(self, queue: asyncio.Queue[Reply] | None = None) -> tuple[str, asyncio.Queue[Reply]]:
         """A new subject, delivering into `queue` (default: a new one) until `close`."""
         self._next += 1
-        subject = f"{self._prefix}.{self._next}"
+        subject = f"{self._prefix}.{self._next}-{secrets.token_hex(8)}"
         if queue is None:
             queue = asyncio.Queue()
         self._queues[subject] = queue

@@ -7,6 +7,8 @@ Subcommands:
 - `bench`: the multi-turn generated-shared-prefix benchmark, per arm or against a server.
 - `replay FILE`: re-send recorded traffic (`up --record FILE`) to a mesh and compare the
   answers with the recording (and between arms).
+- `credentials DIR --engines ID,...`: NATS users with their permissions, Redis ACL users,
+  and one 0600 file per identity, for deployments `up` does not start (compose secrets).
 - `consensus DIR`: read the rank consensus checker's per-rank logs and report the first
   entry on which the ranks differ.
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from services.bench.cli import add_bench_args, run_bench
 from services.engine.flags import add_engine_args
+from services.launch.credentials import add_credentials_args, run_credentials
 from services.launch.up import add_up_args, run_up
 from services.replay.cli import add_replay_args, run_replay
 
@@ -102,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_replay_args(replay)
     replay.set_defaults(func=run_replay)
+    cred = sub.add_parser(
+        "credentials",
+        help="write NATS/Redis credentials and server configs for a deployment (0600 files)",
+    )
+    add_credentials_args(cred)
+    cred.set_defaults(func=run_credentials)
     cons = sub.add_parser(
         "consensus",
         help="report the first divergence in the rank consensus checker's per-rank logs",

@@ -3,7 +3,9 @@
 The image (python:3.11-slim) has no curl or wget, so compose healthchecks run this:
 
     python -m services.healthcheck http URL                   # 2xx -> healthy (the router)
-    python -m services.healthcheck engine NATS_URL ENGINE_ID  # answers a stats request
+    python -m services.healthcheck engine [--nats-credentials FILE] NATS_URL ENGINE_ID
+        # answers a stats request (as the engine's own NATS user where the bus has users:
+        # an engine may ask itself for stats)
     python -m services.healthcheck nats-client MONITOR_URL NAME
         # a client named NAME is connected to NATS (the index: it serves no request)
 
@@ -20,6 +22,13 @@ import urllib.error
 import urllib.request
 
 from bus_schemas import SchemaError, StatsReply, StatsRequest, subjects
+from bus_schemas.connection import (
+    Credentials,
+    CredentialsError,
+    inbox_prefix,
+    read_credentials,
+    server_list,
+)
 
 
 def check_http(url: str, timeout_s: float) -> str | None:
@@ -46,13 +55,24 @@ def check_nats_client(monitor_url: str, name: str, timeout_s: float) -> str | No
     return f"no NATS client named {name!r}"
 
 
-async def check_engine(nats_url: str, engine_id: str, timeout_s: float) -> str | None:
+async def check_engine(
+    nats_url: str, engine_id: str, timeout_s: float, credentials: Credentials | None = None
+) -> str | None:
     """None when the engine answers a stats request over NATS (its service loop runs)."""
     import nats
     import nats.errors
 
+    auth = (
+        {} if credentials is None else {"user": credentials.user, "password": credentials.password}
+    )
     try:
-        nc = await nats.connect(nats_url, allow_reconnect=False, connect_timeout=timeout_s)
+        nc = await nats.connect(
+            server_list(nats_url),
+            allow_reconnect=False,
+            connect_timeout=timeout_s,
+            inbox_prefix=inbox_prefix(credentials),
+            **auth,
+        )
     except (OSError, nats.errors.Error, TimeoutError) as e:
         return f"NATS at {nats_url}: {e!r}"
     try:
@@ -76,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     http = sub.add_parser("http", help="GET URL answers 2xx")
     http.add_argument("url")
     engine = sub.add_parser("engine", help="the engine answers a stats request")
+    engine.add_argument(
+        "--nats-credentials", default=None, metavar="FILE", help="NATS `user:password` (0600)"
+    )
     engine.add_argument("nats_url")
     engine.add_argument("engine_id")
     client = sub.add_parser("nats-client", help="a client with this name is connected")
@@ -89,7 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe == "http":
         why = check_http(args.url, args.timeout)
     elif args.probe == "engine":
-        why = asyncio.run(check_engine(args.nats_url, args.engine_id, args.timeout))
+        try:
+            creds = (
+                None if args.nats_credentials is None else read_credentials(args.nats_credentials)
+            )
+        except CredentialsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        why = asyncio.run(check_engine(args.nats_url, args.engine_id, args.timeout, creds))
     else:
         why = check_nats_client(args.monitor_url, args.name, args.timeout)
     if why is not None:

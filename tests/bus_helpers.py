@@ -5,13 +5,39 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
+import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from bus_schemas import Heartbeat, Progress, SchemaError, StreamState, TokenChunk
 from bus_schemas import subjects as subj
+from bus_schemas.connection import Credentials, inbox_prefix, read_credentials
+
+
+def credentials_of(creds_dir: str | Path, server: str, user: str) -> Credentials:
+    """`user`'s credentials for `server` ("nats" or "redis") in a mesh's credentials folder
+    (`up`'s status `credentials_dir`: services/launch/credentials.py)."""
+    return read_credentials(Path(creds_dir) / server / user)
+
+
+async def connect_as(url: str, creds: Credentials | None, **options: Any) -> NATS:
+    """A NATS client as `creds`' user (its replies under its own inbox prefix)."""
+    if creds is not None:
+        options |= {"user": creds.user, "password": creds.password}
+    return await nats.connect(url, inbox_prefix=inbox_prefix(creds), **options)
+
+
+def redis_url_as(url: str, creds: Credentials | None) -> str:
+    """`url` with `creds` in it (`redis://user:password@host:port/db`)."""
+    if creds is None:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{quote(creds.user, safe='')}:{quote(creds.password, safe='')}@{rest}"
 
 
 async def barrier(nc: NATS) -> None:
@@ -38,7 +64,7 @@ async def wait_heartbeats(
         if engine_ids <= seen.keys():
             done.set()
 
-    sub = await nc.subscribe(subj.HEARTBEAT, cb=on)
+    sub = await nc.subscribe(subj.HEARTBEAT_ALL, cb=on)
     try:
         await asyncio.wait_for(done.wait(), timeout_s)
     finally:
@@ -75,6 +101,7 @@ async def next_state(sub: Subscription, timeout_s: float = 60) -> StreamState:
 
 
 def spawn_engine(nats_url: str, engine_id: str, *flags: str) -> subprocess.Popen[bytes]:
-    """`python -m services.engine` as its own process, with `flags` after the bus ones."""
+    """`python -m services.engine` as its own process, with `flags` after the bus ones
+    (`--nats-credentials FILE` among them where the bus has users)."""
     argv = [sys.executable, "-m", "services.engine", "--engine-id", engine_id]
     return subprocess.Popen([*argv, "--nats-url", nats_url, *flags])

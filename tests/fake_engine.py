@@ -184,7 +184,7 @@ class FakeEngine:
             store_id=self.store_id,
             bus_reconnects=self.bus_reconnects,
         )
-        await self.nc.publish(subjects.HEARTBEAT, hb.encode())
+        await self.nc.publish(subjects.heartbeat(self.engine_id), hb.encode())
 
     @property
     def card(self) -> ModelCard:

@@ -35,6 +35,7 @@ import aiohttp
 import orjson
 import pytest
 import redis.asyncio as aioredis
+from bus_helpers import credentials_of, redis_url_as
 
 from bus_schemas import redis_keys as rk
 from services.launch.servers import free_port
@@ -246,8 +247,23 @@ class UpMesh:
         return pids[0]
 
     def redis_url(self) -> str:
+        """The mesh's Redis, as the index's user (it may read and write the index keys)."""
+        creds = credentials_of(self.credentials_dir(), "redis", "index")
+        return redis_url_as(self.plain_redis_url(), creds)
+
+    def plain_redis_url(self) -> str:
+        """The mesh's Redis, with no user in the URL."""
         router = next(c for c in self.children() if c.role == "router")
         return _flag(router.argv, "--redis-url")
+
+    def nats_url(self) -> str:
+        router = next(c for c in self.children() if c.role == "router")
+        return _flag(router.argv, "--nats-url")
+
+    def credentials_dir(self) -> Path:
+        """Where `up` made this mesh's credentials (the folder of the router's files)."""
+        router = next(c for c in self.children() if c.role == "router")
+        return Path(_flag(router.argv, "--nats-credentials")).parent.parent
 
     def log_tail(self, n: int = 60) -> str:
         lines = self.log_path.read_bytes().decode(errors="replace").splitlines()

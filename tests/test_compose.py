@@ -140,6 +140,7 @@ def test_engine_flags_match_up_passthrough() -> None:
             continue
         engine_flags = [a for a in argv if a.startswith("--")]
         engine_only = {"--engine-id", "--bucket", "--nats-url", "--disaggregation-mode"}
+        engine_only |= {"--nats-credentials"}  # `up` makes each engine its own
         up_argv = ["up"]
         for i, a in enumerate(argv):
             if a.startswith("--") and a not in engine_only:
@@ -201,7 +202,9 @@ def test_buckets_compose_matches_up_buckets() -> None:
     storage = f"kv-store:{_image_env()['HICACHE_STORAGE_DIR']}"
     assert all(storage in svc[n]["volumes"] for n in ("short-0", "long-0"))
     (router_argv,) = [a for _, m, a in python_services(path) if m == "router"]
-    config = config_from_args(router_parser().parse_args(router_argv))
+    args = router_parser().parse_args(router_argv)
+    args.nats_credentials = args.redis_credentials = None  # secrets exist in the container
+    config = config_from_args(args)
     assert config.buckets == (Bucket("short", 4096), Bucket("long"))
 
 

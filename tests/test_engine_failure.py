@@ -19,7 +19,7 @@ import aiohttp
 import nats
 import pytest
 import torch
-from bus_helpers import chunk_of, next_chunk, spawn_engine, wait_heartbeats
+from bus_helpers import chunk_of, connect_as, next_chunk, spawn_engine, wait_heartbeats
 from fake_engine import running_mesh
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -97,7 +97,7 @@ class Collector:
 
     async def start(self) -> None:
         await self.nc.subscribe(self.inbox, cb=self._on_chunk)
-        await self.nc.subscribe(subj.HEARTBEAT, cb=self._on_heartbeat)
+        await self.nc.subscribe(subj.HEARTBEAT_ALL, cb=self._on_heartbeat)
 
     async def _on_chunk(self, msg: Msg) -> None:
         chunk = chunk_of(msg.data)
@@ -436,7 +436,7 @@ async def test_poison_requests_through_the_mesh_leave_every_engine_serving(
     assert [p.poll() if p else -1 for _, p in engines] == [None, None]  # none exited
     assert all(c.restarts == 0 for c in children.values())
     nats_url = str(up_mesh.supervisor.extra_status["nats_url"])
-    nc = await nats.connect(nats_url)
+    nc = await connect_as(nats_url, up_mesh.creds.nats["router"])  # work is the router's
     try:
         col = Collector(nc, "")
         await col.start()

@@ -124,7 +124,7 @@ async def test_kv_events_carry_the_router_page_hashes(engine_proc: str, nc: NATS
     async def on(msg) -> None:  # type: ignore[no-untyped-def]
         batches.append(KVEventBatch.decode(msg.data))
 
-    sub = await nc.subscribe(subj.KV_EVENTS, cb=on)
+    sub = await nc.subscribe(subj.KV_EVENTS_ALL, cb=on)
     prompt = list(range(100, 141))
     await generate(nc, engine_proc, prompt, 3, salt="events")
     for _ in range(100):

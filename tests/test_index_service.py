@@ -75,10 +75,14 @@ class Mesh:
     proc: subprocess.Popen[bytes] | None
     log_path: Path | None
 
-    async def send(self, msg: Message | bytes, subject: str = subjects.KV_EVENTS) -> None:
+    async def send(self, msg: Message | bytes, subject: str | None = None) -> None:
+        """Publish on `subject`, else on the subject of the message's own engine."""
         data = msg if isinstance(msg, bytes) else msg.encode()
-        if isinstance(msg, Heartbeat):
-            subject = subjects.HEARTBEAT
+        if subject is None:
+            eid = getattr(msg, "engine_id", "")
+            subject = (subjects.heartbeat if isinstance(msg, Heartbeat) else subjects.kv_events)(
+                eid
+            )
         await self.nc.publish(subject, data)
         await barrier(self.nc)
 
@@ -491,11 +495,11 @@ async def test_malformed_messages_do_not_kill_it(mesh: Mesh) -> None:
     ]
     for body in bad_bodies:
         data = body if isinstance(body, bytes) else orjson.dumps(body)
-        await mesh.send(data, subjects.KV_EVENTS)
+        await mesh.send(data, subjects.kv_events("e1"))
     bad_hb = heartbeat("e1", 5).to_dict() | {"type": "heartbeat", "v": Heartbeat.VERSION}
     for body in (bad_hb | {"interval_s": 0}, bad_hb | {"running": None}, b"{}"):
         data = body if isinstance(body, bytes) else orjson.dumps(body)
-        await mesh.send(data, subjects.HEARTBEAT)
+        await mesh.send(data, subjects.heartbeat("e1"))
     await mesh.send(batch("e1", 5, 0, stored("device", H[0:2])))
     await eventually(mesh.pages, {H[0]: {"e1": 1}, H[1]: {"e1": 1}})
     assert mesh.proc is not None and mesh.proc.poll() is None
@@ -582,7 +586,10 @@ async def test_in_process_counts_what_it_refuses(
     r = aioredis.Redis.from_url(fresh_redis.url, decode_responses=True)
     try:
         mesh = Mesh(nc, r, None, None)
-        await mesh.send(b"garbage")
+        await mesh.send(b"garbage", subjects.kv_events("e1"))
+        # e1 speaking for e2 (issue 20): refused, whatever the batch says
+        await mesh.send(batch("e2", 50, 0, stored("device", H[5:6])), subjects.kv_events("e1"))
+        await mesh.send(heartbeat("e2", 50), subjects.heartbeat("e1"))
         await mesh.send(batch("e1", 50, 0, stored("device", H[0:2])))
         await mesh.send(batch("e1", 40, 1, stored("device", H[2:3])))
         await mesh.send(batch("e1", 50, 3, stored("device", H[2:3])))
@@ -595,6 +602,8 @@ async def test_in_process_counts_what_it_refuses(
         assert (stats.batches_applied, stats.snapshots_applied) == (1, 1)
         assert (stats.snapshot_requests, stats.batches_dropped) == (1, 1)
         assert stats.redis_errors == 0
+        assert stats.forged_messages == 2
+        assert await r.exists(redis_keys.page(H[5]), redis_keys.engine_alive("e2")) == 0
     finally:
         await service.stop()
         await nc.drain()

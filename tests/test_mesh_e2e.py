@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from bus_helpers import spawn_engine
+from bus_helpers import redis_url_as, spawn_engine
 from fake_engine import read_sse
 
 from bus_schemas import make_namespace, page_hashes
@@ -70,7 +70,8 @@ def url(mesh: Mesh) -> str:
 
 
 def redis_url(mesh: Mesh) -> str:
-    return str(mesh.supervisor.extra_status["redis_url"])
+    """The mesh's Redis as the index's user (it reads and writes the index keys)."""
+    return redis_url_as(str(mesh.supervisor.extra_status["redis_url"]), mesh.creds.redis["index"])
 
 
 def proc_of(mesh: Mesh, name: str) -> subprocess.Popen[bytes]:
@@ -239,9 +240,12 @@ async def test_engine_restart_with_new_epoch_drops_its_entries(
     old.send_signal(signal.SIGKILL)  # no goodbye: only the new epoch can fence it
     old.wait()
     nats_url = str(mesh.supervisor.extra_status["nats_url"])
+    creds = mesh.creds.nats_file(mesh.creds_dir, f"engine.{owner}")
     new = spawn_engine(
         nats_url,
         owner,
+        "--nats-credentials",
+        str(creds),
         "--model",
         "tiny",
         "--heartbeat-interval",

@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
-import nats
 import pytest
+from bus_helpers import connect_as
 
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
@@ -118,7 +118,7 @@ async def complete(http: aiohttp.ClientSession, mesh: Mesh, prompt: list[int]) -
 async def test_4k_prompts_of_smollm2_sized_kv_equal_the_cold_run(
     mesh: Mesh, page_size: int, http: aiohttp.ClientSession
 ) -> None:
-    nc = await nats.connect(mesh.supervisor.extra_status["nats_url"])
+    nc = await connect_as(mesh.supervisor.extra_status["nats_url"], mesh.creds.nats["router"])
     max_payload = nc.max_payload  # what the mesh's server announces (8 MiB)
     await nc.close()
     # pages of 256 tokens: one page's KV is over the server's limit, so it must go in parts

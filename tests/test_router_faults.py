@@ -555,7 +555,7 @@ async def test_a_real_engine_reports_cache_usage_and_counters_in_heartbeats(
             if hb.engine_id == "hb-stats":
                 latest.append(hb)
 
-        sub = await nc.subscribe(subjects.HEARTBEAT, cb=keep)
+        sub = await nc.subscribe(subjects.HEARTBEAT_ALL, cb=keep)
         await wait_until(lambda: bool(latest) and latest[-1].cached_tokens == 36)
         await sub.unsubscribe()
         hb = latest[-1]
@@ -563,7 +563,7 @@ async def test_a_real_engine_reports_cache_usage_and_counters_in_heartbeats(
         assert 0.0 <= hb.host_token_usage <= 1.0
         assert hb.evicted_device_pages == 0
         latest.clear()
-        sub = await nc.subscribe(subjects.HEARTBEAT, cb=keep)
+        sub = await nc.subscribe(subjects.HEARTBEAT_ALL, cb=keep)
         await _generate(nc, "hb-stats", list(range(100, 137)))  # makes room: evicts the first
         await wait_until(lambda: bool(latest) and latest[-1].evicted_device_pages > 0)
         await sub.unsubscribe()

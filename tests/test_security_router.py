@@ -17,6 +17,13 @@ past the schema's bound): the router tracks at most `--max-engines`, `/v1/models
 `/metrics` stay small, the index keeps at most three `hc:engine:*` keys per engine it takes,
 the log does not grow a line per fake engine, and the real engine keeps serving. It runs
 last: its fake engines fill the table for a few heartbeat intervals.
+
+These limits are defence in depth behind the bus's authentication (tests/test_security_bus.py:
+with `up`'s own servers a client without an engine's credentials cannot publish at all, and
+an engine's credentials publish only its own heartbeats). So that a rogue client can reach
+the router and the index here, this mesh runs `up` against a nats-server and a redis-server of
+the test's own that require no credentials (`--nats-url`, `--redis-url`): what a deployment
+whose bus is open, or whose one engine credential leaked, meets.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from bus_schemas import Heartbeat, subjects
-from services.launch.servers import ServerProcess
+from services.launch.servers import ServerProcess, start_nats, start_redis
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,12 +66,16 @@ NUM_FAKE = 3000
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
     log_dir = Path(os.environ.get("FAULT_MATRIX_LOG_DIR", tmp_path_factory.mktemp("security")))
     log_dir.mkdir(parents=True, exist_ok=True)
-    up = UpMesh(MeshSpec(engines=1, extra=("--max-engines", str(MAX_ENGINES))), log_dir)
-    up.start()
+    open_nats, open_redis = start_nats(), start_redis()  # no credentials: an open bus
+    extra = ("--max-engines", str(MAX_ENGINES), "--nats-url", open_nats.url)
+    up = UpMesh(MeshSpec(engines=1, extra=(*extra, "--redis-url", open_redis.url)), log_dir)
     try:
+        up.start()
         yield up
     finally:
         up.stop()
+        open_nats.stop()
+        open_redis.stop()
 
 
 def nats_url(mesh: UpMesh) -> str:
@@ -268,7 +279,7 @@ async def settled(read: Any, timeout_s: float = 30.0) -> Any:
 
 
 async def test_a_heartbeat_flood_leaves_bus_fed_state_bounded(mesh: UpMesh) -> None:
-    r = aioredis.Redis.from_url(mesh.redis_url())
+    r = aioredis.Redis.from_url(mesh.plain_redis_url())
     async with aiohttp.ClientSession() as http:
 
         async def metrics_size() -> int:
@@ -287,7 +298,8 @@ async def test_a_heartbeat_flood_leaves_bus_fed_state_bounded(mesh: UpMesh) -> N
 
         nc = await nats.connect(nats_url(mesh), name="rogue")
         for i in range(NUM_FAKE):
-            await nc.publish(subjects.HEARTBEAT, fake_heartbeat(i, 100.0 if i % 10 == 0 else 30.0))
+            hb = fake_heartbeat(i, 100.0 if i % 10 == 0 else 30.0)
+            await nc.publish(subjects.heartbeat(f"flood-{i}"), hb)
         await barrier(nc)
         await nc.close()
 

@@ -17,6 +17,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from bus_schemas.connection import read_credentials
 from services.engine.config import engine_config_from_args
 from services.engine.flags import add_engine_args, add_pd_transfer_args
 from services.engine.pd import PDConfig
@@ -30,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-id", required=True, help="unique id: letters, digits, - and _")
     parser.add_argument("--bucket", default="default")
     parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    parser.add_argument(
+        "--nats-credentials",
+        default=None,
+        metavar="FILE",
+        help="NATS `user:password` of this engine, in a 0600 file (`hicache-mesh credentials`)",
+    )
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     parser.add_argument(
         "--shutdown-grace",
@@ -78,6 +85,9 @@ async def serve(args: argparse.Namespace) -> int:
         pd=pd,
         engine_id=args.engine_id,
         nats_url=args.nats_url,
+        nats_credentials=None
+        if args.nats_credentials is None
+        else read_credentials(args.nats_credentials),
         bucket=args.bucket,
         heartbeat_interval_s=args.heartbeat_interval,
         shutdown_grace_s=args.shutdown_grace,

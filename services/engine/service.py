@@ -52,6 +52,7 @@ from bus_schemas import (
     TokenChunk,
 )
 from bus_schemas import subjects as subj
+from bus_schemas.connection import Backoff, Credentials, connect_nats
 from bus_schemas.messages import MAX_HEARTBEAT_INTERVAL_S, MIN_HEARTBEAT_INTERVAL_S
 from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
 from gpu_worker.scheduler.request import CachedTokens, KVExport
@@ -73,6 +74,7 @@ STOP_STEP_TIMEOUT_S = 2.0  # the longest one bus step of shutdown may take (flus
 class EngineServiceConfig:
     engine_id: str
     nats_url: str
+    nats_credentials: Credentials | None = field(default=None, repr=False)  # user engine.{id}
     bucket: str = "default"
     role: str = "colocated"
     heartbeat_interval_s: float = 1.0
@@ -119,8 +121,8 @@ class EngineService:
         self._decode: DecodeSide | None = None
         self._prefill: PrefillSide | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
-        self._reconnect_wait_s = NATS_BACKOFF_S[0]
         self._bus_reconnects = 0  # heartbeats carry it: routers then check their streams
+        self._failed_attempts = 0  # NATS attempts failed since the last (re)connect
         self.crashed_reason: str | None = None
         self.crashed_event = asyncio.Event()
 
@@ -169,29 +171,26 @@ class EngineService:
     async def _connect(self) -> NATS:
         """Connect to NATS, retrying (first connect and reconnects alike) with a doubling
         wait up to `NATS_BACKOFF_S[1]`; the wait starts over once connected."""
-        nc = NATS()
-        self._nc = nc
-        await nc.connect(
+        nc = await connect_nats(
             self.config.nats_url,
             name=f"engine-{self.config.engine_id}",
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=NATS_BACKOFF_S[0],  # type: ignore[arg-type]  # a float works
+            log=log,
+            credentials=self.config.nats_credentials,
+            backoff=Backoff(*NATS_BACKOFF_S),
             error_cb=self._on_nats_error,
             disconnected_cb=self._on_nats_disconnected,
             reconnected_cb=self._on_nats_reconnected,
             drain_timeout=int(STOP_STEP_TIMEOUT_S),
             flush_timeout=STOP_STEP_TIMEOUT_S,  # a full buffer never blocks a publish forever
         )
-        self._reconnect_wait_s = NATS_BACKOFF_S[0]
         return nc
 
     async def _on_nats_error(self, e: Exception) -> None:
-        """One line per failed attempt (nats.py's default logs a traceback), and back off."""
-        wait = self._reconnect_wait_s
+        """One line per failed attempt (nats.py's default logs a traceback); the wait is
+        `connect_nats`' backoff, which starts over once connected."""
+        wait = Backoff(*NATS_BACKOFF_S).delay(self._failed_attempts)
+        self._failed_attempts += 1
         log.warning("NATS %s: %s (next attempt in %.1f s)", self.config.nats_url, _brief(e), wait)
-        if self._nc is not None:
-            self._nc.options["reconnect_time_wait"] = wait  # read before every attempt
-        self._reconnect_wait_s = min(wait * 2, NATS_BACKOFF_S[1])
 
     async def _on_nats_disconnected(self) -> None:
         if self._nc is not None and not (self._nc.is_closed or self._nc.is_draining):
@@ -199,12 +198,10 @@ class EngineService:
 
     async def _on_nats_reconnected(self) -> None:
         log.info("NATS reconnected")
+        self._failed_attempts = 0
         self._bus_reconnects += 1
         if self._prefill is not None:
             self._prefill.reconnected()
-        self._reconnect_wait_s = NATS_BACKOFF_S[0]
-        if self._nc is not None:
-            self._nc.options["reconnect_time_wait"] = NATS_BACKOFF_S[0]
 
     async def _subscribe_work(self, nc: NATS, eid: str) -> list[Subscription]:
         role, runner = self.config.role, self._runner
@@ -523,7 +520,7 @@ class EngineService:
             self._store_id,
         )
         self._event_seq += 1
-        self._outbound.put_nowait((subj.KV_EVENTS, batch.encode()))
+        self._outbound.put_nowait((subj.kv_events(self.config.engine_id), batch.encode()))
 
     # ----------------------------------------------------------------- background
 
@@ -600,7 +597,7 @@ class EngineService:
                 gen_throughput=throughput,
             )
             with contextlib.suppress(Exception):
-                await self._nc.publish(subj.HEARTBEAT, hb.encode())
+                await self._nc.publish(subj.heartbeat(self.config.engine_id), hb.encode())
             await asyncio.sleep(cfg.heartbeat_interval_s)
 
     async def _progress(self) -> None:

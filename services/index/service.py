@@ -5,10 +5,10 @@ and one maintenance task. The index is the only writer of the keys it keeps, so 
 in memory are authoritative while it runs; they are stored with each batch in the engine's
 meta, so a restarted index picks up where it stopped.
 
-- `KVEventBatch` (subject `KV_EVENTS`): fenced by epoch and seq (`fencing.decide_batch`),
+- `KVEventBatch` (subject `kv_events(engine_id)`): fenced by epoch and seq (`fencing.decide_batch`),
   then applied in one script call. A gap drops the engine's entries and publishes a
   `SnapshotRequest` on `engine_snapshot(engine_id)`.
-- `Heartbeat` (subject `HEARTBEAT`): refreshes `hc:engine:{id}:alive` with a TTL of three
+- `Heartbeat` (subject `heartbeat(engine_id)`): refreshes `hc:engine:{id}:alive` with a TTL of three
   heartbeat intervals; a newer epoch drops the old incarnation's entries at once.
 - Maintenance, every `sweep_interval_s`: expire engines whose alive key is gone; notice a
   Redis that came back or restarted, and then resync every known engine; repeat snapshot
@@ -26,7 +26,10 @@ new engine beyond that are dropped and counted until an engine expires (its aliv
 three heartbeat intervals, and `Heartbeat` bounds the interval). Warnings that bus input can
 trigger are logged once per cause per interval (`LogThrottle`).
 
-Invalid messages are counted and logged. While Redis fails, failures are counted and logged
+Invalid messages are counted and logged. A message whose engine id is not the one its subject
+speaks for (`subjects.sender_of`: NATS permissions let only that engine publish there) is
+forged: counted, dropped, and logged once per interval. While Redis fails, failures are
+counted and logged
 and batches are dropped; once it answers again, every known engine's entries are cleared and
 each engine is asked for a snapshot, since the index no longer knows what Redis holds.
 """
@@ -51,6 +54,7 @@ from redis.exceptions import RedisError
 
 from bus_schemas import redis_keys, subjects
 from bus_schemas.codec import SchemaError
+from bus_schemas.connection import Credentials, connect_nats, read_credentials
 from bus_schemas.messages import Heartbeat, KVEventBatch, SnapshotRequest
 from bus_schemas.throttle import LogThrottle
 from services.index.fencing import Action, Fence, decide_batch, epoch_order, parse_epoch
@@ -62,7 +66,6 @@ from services.index.store import (
     stored_pages,
     valid_page_hash,
 )
-from services.natsconn import connect_nats
 from services.tasks import OwnedTasks
 
 log = logging.getLogger("hicache.index")
@@ -81,6 +84,8 @@ class IndexConfig:
     redis_timeout_s: float = 2.0  # per Redis call
     drain_timeout_s: float = 5.0  # NATS drain at shutdown
     max_engines: int = 512  # engines indexed at once; messages of more are dropped
+    nats_credentials: Credentials | None = None  # user `index` (None: no authentication)
+    redis_credentials: Credentials | None = None
 
     def __post_init__(self) -> None:
         for name in ("sweep_interval_s", "snapshot_retry_s", "redis_timeout_s", "drain_timeout_s"):
@@ -102,6 +107,7 @@ class IndexStats:
     heartbeats: int = 0
     heartbeats_stale_epoch: int = 0
     invalid_messages: int = 0
+    forged_messages: int = 0  # an engine id other than its subject's: dropped
     redis_errors: int = 0
     engines_expired: int = 0
     engines_refused: int = 0  # messages of a new engine beyond max_engines
@@ -256,19 +262,20 @@ class IndexService:
     async def start(self) -> None:
         """Connect, subscribe, start maintenance. Raises if NATS cannot be reached."""
         cfg = self.config
-        self._store = IndexStore(connect(cfg.redis_url, cfg.redis_timeout_s))
+        self._store = IndexStore(connect(cfg.redis_url, cfg.redis_timeout_s, cfg.redis_credentials))
         await self._check_redis()
         self._nc = await connect_nats(  # waits for NATS with backoff; cancel to give up
             cfg.nats_url,
             name="hicache-index",
             log=log,
+            credentials=cfg.nats_credentials,
             drain_timeout=int(max(1, cfg.drain_timeout_s)),
             error_cb=self._on_nats_error,
             disconnected_cb=self._on_nats_disconnected,
             reconnected_cb=self._on_nats_reconnected,
         )
-        await self._nc.subscribe(subjects.KV_EVENTS, cb=self._on_kv_events)
-        await self._nc.subscribe(subjects.HEARTBEAT, cb=self._on_heartbeat)
+        await self._nc.subscribe(subjects.KV_EVENTS_ALL, cb=self._on_kv_events)
+        await self._nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         await self._nc.flush()
         self._maintenance = asyncio.create_task(self._maintenance_loop(), name="index-maintenance")
         log.info("index ready (nats %s, redis %s)", cfg.nats_url, cfg.redis_url)
@@ -304,6 +311,8 @@ class IndexService:
         except SchemaError as e:
             self._invalid("kv_events", msg, e)
             return
+        if self._forged(msg, batch.engine_id):
+            return
         if self._admit(batch.engine_id):
             self._lanes.submit(batch.engine_id, lambda: self._apply_batch(batch, epoch))
 
@@ -325,6 +334,8 @@ class IndexService:
             epoch = check_heartbeat(hb)
         except SchemaError as e:
             self._invalid("heartbeat", msg, e)
+            return
+        if self._forged(msg, hb.engine_id):
             return
         if self._admit(hb.engine_id):
             self._lanes.submit(hb.engine_id, lambda: self._apply_heartbeat(hb, epoch))
@@ -514,6 +525,20 @@ class IndexService:
         self.stats.invalid_messages += 1
         self._throttle.warning(kind, "invalid message on %s: %.300s", msg.subject, error)
 
+    def _forged(self, msg: Msg, engine_id: str) -> bool:
+        """Whether `msg` speaks for an engine other than its subject's (then counted)."""
+        if subjects.sender_of(msg.subject) == engine_id:
+            return False
+        self.stats.forged_messages += 1
+        self._throttle.warning(
+            "forged",
+            "dropped a message for engine %.64r on %.100s (%d forged so far)",
+            engine_id,
+            msg.subject,
+            self.stats.forged_messages,
+        )
+        return True
+
     def _redis_failed(self, error: RedisError) -> None:
         self.stats.redis_errors += 1
         if self._redis_ok:
@@ -555,6 +580,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nats-url", default=defaults.nats_url)
     parser.add_argument("--redis-url", default=defaults.redis_url)
     parser.add_argument(
+        "--nats-credentials",
+        default=None,
+        metavar="FILE",
+        help="NATS `user:password` (a 0600 file; `hicache-mesh credentials` makes them)",
+    )
+    parser.add_argument(
+        "--redis-credentials", default=None, metavar="FILE", help="Redis `user:password` (0600)"
+    )
+    parser.add_argument(
         "--sweep-interval",
         type=float,
         default=defaults.sweep_interval_s,
@@ -592,7 +626,13 @@ def config_from_args(args: argparse.Namespace) -> IndexConfig:
         snapshot_retry_s=args.snapshot_retry,
         redis_timeout_s=args.redis_timeout,
         max_engines=args.max_engines,
+        nats_credentials=_credentials(args.nats_credentials),
+        redis_credentials=_credentials(args.redis_credentials),
     )
+
+
+def _credentials(path: str | None) -> Credentials | None:
+    return None if path is None else read_credentials(path)
 
 
 async def run(args: argparse.Namespace) -> None:

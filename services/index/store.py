@@ -16,6 +16,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from bus_schemas import redis_keys
+from bus_schemas.connection import Credentials
 from bus_schemas.messages import KVEvent
 
 PAGE_PREFIX = redis_keys.page("")
@@ -124,10 +125,13 @@ def _engine_keys(engine_id: str) -> list[str]:
     ]
 
 
-def connect(url: str, timeout_s: float) -> aioredis.Redis:
-    """A client that fails fast: one immediate retry (a stale pooled connection), then error."""
+def connect(url: str, timeout_s: float, credentials: Credentials | None = None) -> aioredis.Redis:
+    """A client that fails fast: one immediate retry (a stale pooled connection), then error.
+    With `credentials`, it authenticates as their user on every (re)connect."""
     return aioredis.Redis.from_url(
         url,
+        username=None if credentials is None else credentials.user,
+        password=None if credentials is None else credentials.password,
         decode_responses=True,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,

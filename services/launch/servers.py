@@ -145,14 +145,26 @@ def identify_nats(workdir: str) -> Identify:
     return probe
 
 
-def identify_redis(proc: subprocess.Popen[bytes]) -> Identify:
-    """A probe: `INFO server` reports the server's process id."""
+def identify_redis(proc: subprocess.Popen[bytes], auth: tuple[str, str] | None = None) -> Identify:
+    """A probe: `INFO server` reports the server's process id (asked as user `auth[0]` with
+    password `auth[1]` where the server has ACL users)."""
 
     def probe(conn: socket.socket) -> bool:
+        if auth is not None:
+            conn.sendall(_resp_command("AUTH", *auth))
+            _read_match(conn, rb"^\+OK\r\n")
         conn.sendall(b"INFO server\r\n")
         return int(_read_match(conn, rb"process_id:(\d+)\r\n").group(1)) == proc.pid
 
     return probe
+
+
+def _resp_command(*args: str) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg.encode()
+        out += [b"$%d\r\n" % len(data), data, b"\r\n"]
+    return b"".join(out)
 
 
 @dataclass
@@ -234,18 +246,25 @@ def nats_argv(
     workdir: str,
     monitor_port: int | None = None,
     max_payload: int = NATS_MAX_PAYLOAD,
+    authorization: str = "",
 ) -> list[str]:
-    """The nats-server command line (writes its config file into `workdir`)."""
+    """The nats-server command line (writes its config file into `workdir`, mode 0600:
+    `authorization`, a config block of users and their permissions, holds passwords)."""
     conf = Path(workdir) / "nats.conf"
-    conf.write_text(f"max_payload: {max_payload}\nserver_name: {nats_server_name(workdir)}\n")
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"max_payload: {max_payload}\nserver_name: {nats_server_name(workdir)}\n")
+        f.write(authorization)
     argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-c", str(conf)]
     if monitor_port is not None:
         argv += ["-m", str(monitor_port)]
     return argv
 
 
-def redis_argv(port: int, workdir: str) -> list[str]:
-    """The redis-server command line: loopback, no persistence, files in `workdir`."""
+def redis_argv(port: int, workdir: str, aclfile: str | None = None) -> list[str]:
+    """The redis-server command line: loopback, no persistence, files in `workdir`; users
+    from `aclfile` (a path: no secret on the command line)."""
+    acl = [] if aclfile is None else ["--aclfile", aclfile]
     return [
         find_redis_server(),
         "--port",
@@ -258,22 +277,37 @@ def redis_argv(port: int, workdir: str) -> list[str]:
         "no",
         "--dir",
         workdir,
+        *acl,
     ]
 
 
 NATS = ServerKind("nats", nats_argv, "nats://127.0.0.1:{}", lambda w, _p: identify_nats(w))
 
 
-def nats_kind(max_payload: int = NATS_MAX_PAYLOAD) -> ServerKind:
-    """`NATS` with another `max_payload` (bytes, at least 1 KiB)."""
+def nats_kind(max_payload: int = NATS_MAX_PAYLOAD, authorization: str = "") -> ServerKind:
+    """`NATS` with another `max_payload` (bytes, at least 1 KiB) and an `authorization`
+    config block (users and permissions; "": none)."""
     if max_payload < 1024:
         raise ValueError(f"--nats-max-payload must be at least 1024 bytes, got {max_payload}")
-    if max_payload == NATS_MAX_PAYLOAD:
+    if max_payload == NATS_MAX_PAYLOAD and not authorization:
         return NATS
-    return dataclasses.replace(NATS, argv=functools.partial(nats_argv, max_payload=max_payload))
+    argv = functools.partial(nats_argv, max_payload=max_payload, authorization=authorization)
+    return dataclasses.replace(NATS, argv=argv)
 
 
 REDIS = ServerKind("redis", redis_argv, "redis://127.0.0.1:{}/0", lambda _w, p: identify_redis(p))
+
+
+def redis_kind(aclfile: str | None = None, probe_auth: tuple[str, str] | None = None) -> ServerKind:
+    """`REDIS` with ACL users from `aclfile`; the readiness probe logs in as `probe_auth`
+    (user, password: one allowed INFO)."""
+    if aclfile is None:
+        return REDIS
+    return dataclasses.replace(
+        REDIS,
+        argv=functools.partial(redis_argv, aclfile=aclfile),
+        identify=lambda _w, p: identify_redis(p, probe_auth),
+    )
 
 
 def start_nats(port: int | None = None) -> ServerProcess:

@@ -5,6 +5,13 @@ Checks that the router's port is free, starts nats-server and redis-server on fr
 router; prints the URL. A child that dies is restarted with backoff (`Supervisor`); servers
 come back on the same port. Ctrl-C or SIGTERM stops them all and leaves no process behind.
 `--status-file PATH` keeps a JSON file with every child's pid, port and restart count.
+
+Credentials (DESIGN.md 7b, `services/launch/credentials.py`): every start makes fresh random
+ones in the work directory (`credentials/`, mode 0700, files 0600; its path is in the status
+file as `credentials_dir`); the servers `up` starts require them, and each child gets only its
+own files, by path. `--credentials-dir DIR` uses those `hicache-mesh credentials DIR` made
+instead (so do external servers: `--nats-url`/`--redis-url` with a DIR whose server configs
+they were given). Restarted servers keep their config, so children reconnect as before.
 """
 
 from __future__ import annotations
@@ -31,9 +38,16 @@ from services.engine.flags import (
     engine_argv,
     pd_transfer_argv,
 )
+from services.launch import credentials as creds
 from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
 from services.launch.router_flags import add_router_flags, router_flags_argv
-from services.launch.servers import NATS_MAX_PAYLOAD, REDIS, ServerKind, free_port, nats_kind
+from services.launch.servers import (
+    NATS_MAX_PAYLOAD,
+    ServerKind,
+    free_port,
+    nats_kind,
+    redis_kind,
+)
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
 
 ROUTER_TIER, SERVICE_TIER, SERVER_TIER = 2, 1, 0  # stop order: router, services, servers
@@ -44,6 +58,14 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    parser.add_argument(
+        "--credentials-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="NATS and Redis credentials made by `hicache-mesh credentials DIR` (for external "
+        "servers given those configs); default: fresh ones in up's work directory",
+    )
     parser.add_argument("--engines", type=int, default=1, help="colocated engines to start")
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
@@ -223,9 +245,24 @@ class Mesh:
         if args.api_key and args.api_key_file:
             raise ValueError("give the API key once: --api-key or --api-key-file, not both")
         self.declared = bool(declared)  # else one bucket "default" of the shared flags
-        self.nats = nats_kind(args.nats_max_payload)  # the server to start (no --nats-url)
         self.buckets = declared or [LaunchBucket("default")]
         self.workdir = tempfile.TemporaryDirectory(prefix="hicache-mesh-")
+        self.creds_dir = args.credentials_dir or Path(self.workdir.name) / "credentials"
+        grants = self._grants()
+        if args.credentials_dir is None:
+            self.creds = creds.MeshCredentials.fresh(grants)
+            self.creds.write(self.creds_dir)
+        else:
+            self.creds = creds.load(args.credentials_dir, grants)  # CredentialsError: a ValueError
+        # the servers to start (without --nats-url / --redis-url), requiring the credentials
+        self.nats = nats_kind(args.nats_max_payload, self.creds.nats_authorization())
+        acl = Path(self.workdir.name) / creds.REDIS_ACL_FILE  # from the files `load` checked
+        if args.credentials_dir is None:
+            acl = self.creds_dir / creds.REDIS_ACL_FILE
+        else:
+            creds.write_private(acl, self.creds.redis_acl())
+        index_redis = self.creds.redis[creds.INDEX]
+        self.redis = redis_kind(str(acl), (index_redis.user, index_redis.password))
         self._ports = {args.port}  # chosen for this mesh: the servers' ports avoid them
         self.supervisor = Supervisor(
             RestartPolicy(initial_s=args.restart_backoff), args.status_file
@@ -238,22 +275,17 @@ class Mesh:
         check_port_free(a.host, a.port)
         url = f"http://{a.host}:{a.port}"
         self.supervisor.extra_status["url"] = url
+        self.supervisor.extra_status["credentials_dir"] = str(self.creds_dir)
         nats_url = a.nats_url or self._server(self.nats)
-        redis_url = a.redis_url or self._server(REDIS)
+        redis_url = a.redis_url or self._server(self.redis)
         py = sys.executable
-        self.supervisor.start(
-            ChildSpec(
-                "index",
-                [
-                    *(py, "-m", "services.index", "--nats-url", nats_url),
-                    *("--redis-url", redis_url, *self._max_engines_argv()),
-                ],
-                SERVICE_TIER,
-            )
-        )
+        index = [py, "-m", "services.index", "--nats-url", nats_url, "--redis-url", redis_url]
+        index += self._credential_flags(creds.INDEX, redis=True) + self._max_engines_argv()
+        self.supervisor.start(ChildSpec("index", index, SERVICE_TIER))
         for name, extra in self._engines():
             argv = [py, "-m", "services.engine", "--engine-id", name]
             argv += ["--nats-url", nats_url, "--heartbeat-interval", str(a.heartbeat_interval)]
+            argv += self._credential_flags(creds.engine_user(name))
             self.supervisor.start(ChildSpec(name, argv + engine_argv(a) + extra, SERVICE_TIER))
         self.supervisor.start(
             ChildSpec("router", self._router_argv(nats_url, redis_url), ROUTER_TIER, a.port)
@@ -277,6 +309,7 @@ class Mesh:
         a = self.args
         argv = [sys.executable, "-m", "router", "--host", a.host, "--port", str(a.port)]
         argv += ["--nats-url", nats_url, "--redis-url", redis_url]
+        argv += self._credential_flags(creds.ROUTER, redis=True)
         for bucket in self.buckets:
             argv += ["--bucket", bucket.router_spec()]
         for flag, _ in ROUTER_TIMEOUTS:
@@ -300,6 +333,33 @@ class Mesh:
     def _max_engines_argv(self) -> list[str]:
         n = self.args.max_engines
         return [] if n is None else ["--max-engines", str(n)]
+
+    def _credential_flags(self, user: str, redis: bool = False) -> list[str]:
+        """The flags naming `user`'s own credential files (paths: no secret in `ps`). With
+        external servers and no --credentials-dir, none: those servers' own business."""
+        a, c, root = self.args, self.creds, self.creds_dir
+        own = a.credentials_dir is not None
+        flags = []
+        if own or not a.nats_url:
+            flags += ["--nats-credentials", str(c.nats_file(root, user).resolve())]
+        if redis and (own or not a.redis_url):
+            flags += ["--redis-credentials", str(c.redis_file(root, user).resolve())]
+        return flags
+
+    def _grants(self) -> list[creds.EngineGrant]:
+        """What each engine to start may do on the bus: its id, bucket and P/D mode."""
+
+        def flag(flags: list[str], name: str, default: str) -> str:
+            return flags[flags.index(name) + 1] if name in flags else default
+
+        return [
+            creds.EngineGrant(
+                name,
+                flag(extra, "--bucket", "default"),
+                flag(extra, "--disaggregation-mode", "colocated"),
+            )
+            for name, extra in self._engines()
+        ]
 
     def _record_meta(self) -> dict[str, object]:
         """What the record header says about this mesh (docs/recording.md)."""
