@@ -14,20 +14,27 @@ request inboxes live under `_INBOX.{user}` (`inbox_prefix`), so the server can l
 identity subscribe to its own replies only. Redis users' files have the same format (the
 router and the index read theirs with `read_credentials` too). `url` may list several
 servers, comma-separated (a NATS cluster).
+
+TLS (deployments across hosts): given a CA file (`tls_ca_file`, PEM), a client connects
+over TLS only, verifying the server's certificate and host name against that CA. nats-py
+would send its CONNECT (with the password) in clear to a server that does not ask for TLS,
+whatever the URL's scheme: `TLSOnlyClient` refuses such a server before that.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
+import ssl
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.client import Server
 
@@ -81,6 +88,80 @@ def write_credentials(path: str | os.PathLike[str], credentials: Credentials) ->
     os.fchmod(fd, 0o600)  # an existing file keeps its mode on O_CREAT
     with os.fdopen(fd, "w") as f:
         f.write(f"{credentials.user}:{credentials.password}\n")
+
+
+class TLSConfigError(ValueError):
+    """A CA file that cannot be used (missing, not PEM)."""
+
+
+def tls_context(ca_file: str | os.PathLike[str] | None) -> ssl.SSLContext:
+    """A client context that verifies the server's certificate chain and host name against
+    the CAs in `ca_file` (None: the system's), TLS 1.2 or newer."""
+    try:
+        ctx = ssl.create_default_context(cafile=None if ca_file is None else os.fspath(ca_file))
+    except (OSError, ssl.SSLError) as e:
+        raise TLSConfigError(f"TLS CA file {ca_file}: {e}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def tls_ca_file(path: str | None) -> str | None:
+    """`path` as given by a `--*-tls-ca-file` flag, checked to be a usable CA file (raises
+    TLSConfigError, a ValueError, naming it)."""
+    if path is not None:
+        tls_context(path)
+    return path
+
+
+def add_tls_args(parser: argparse.ArgumentParser, redis: bool = False) -> None:
+    """The client TLS flags every process on the bus takes (`redis`: and Redis's)."""
+    parser.add_argument(
+        "--nats-tls-ca-file",
+        default=None,
+        metavar="PEM",
+        help="the CA that signed the NATS server's certificate: connect over TLS only, "
+        "verifying the server's certificate and host name against it (across hosts)",
+    )
+    if redis:
+        parser.add_argument(
+            "--redis-tls-ca-file",
+            default=None,
+            metavar="PEM",
+            help="the same for Redis (TLS whatever the URL's scheme; a rediss:// URL alone "
+            "verifies against the system's CAs)",
+        )
+
+
+class TLSOnlyClient(NATS):
+    """A NATS client that refuses, before sending CONNECT, a server whose INFO does not
+    require TLS (a plaintext server, or someone posing as one, would read the password)."""
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        if initial_connection and not info.get("tls_required"):
+            raise nats.errors.Error(
+                "nats: TLS is configured but the server does not require it: "
+                "not connecting in clear"
+            )
+        await super()._process_info(info, initial_connection)
+
+
+async def open_nats(
+    servers: list[str],
+    *,
+    credentials: Credentials | None = None,
+    tls_ca_file: str | os.PathLike[str] | None = None,
+    **options: Any,
+) -> NATS:
+    """`nats.connect` as `credentials`' user (replies under `inbox_prefix`), over TLS
+    verified against `tls_ca_file` when given."""
+    if credentials is not None:
+        options.update(user=credentials.user, password=credentials.password)
+    nc = NATS()
+    if tls_ca_file is not None:
+        options["tls"] = tls_context(tls_ca_file)
+        nc = TLSOnlyClient()
+    await nc.connect(servers, inbox_prefix=inbox_prefix(credentials), **options)
+    return nc
 
 
 def inbox_prefix(credentials: Credentials | None) -> str:
@@ -142,11 +223,14 @@ async def connect_nats(
     name: str,
     log: logging.Logger,
     credentials: Credentials | None = None,
+    tls_ca_file: str | os.PathLike[str] | None = None,
     backoff: Backoff = Backoff(),
     **options: Any,
 ) -> NATS:
     """A client that reconnects forever (delay `backoff.delay(n)` before the n-th retry),
-    as `credentials`' user when given, with its replies under `inbox_prefix(credentials)`.
+    as `credentials`' user when given, with its replies under `inbox_prefix(credentials)`,
+    over TLS verified against `tls_ca_file` when given (raises TLSConfigError at once for a
+    CA file that cannot be read).
 
     `options` go to `nats.connect` (error_cb, disconnected_cb, reconnected_cb, ...).
     """
@@ -155,14 +239,15 @@ async def connect_nats(
         tries = max((s.reconnects for s in servers), default=0)
         return None, backoff.delay(tries)
 
-    if credentials is not None:
-        options.update(user=credentials.user, password=credentials.password)
+    if tls_ca_file is not None:
+        tls_context(tls_ca_file)  # a bad file is an error now, not a retry forever
     await wait_for_server(url, backoff, log)
-    return await nats.connect(
+    return await open_nats(
         server_list(url),
+        credentials=credentials,
+        tls_ca_file=tls_ca_file,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_to_server_handler=next_server,
-        inbox_prefix=inbox_prefix(credentials),
         **options,
     )

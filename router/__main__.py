@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from bus_schemas.connection import Credentials, read_credentials
+from bus_schemas.connection import Credentials, add_tls_args, read_credentials, tls_ca_file
 from router.app import init
 from router.auth import PROBE_AUTH, load_tenant_keys
 from router.buckets import DEFAULT, parse_bucket
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--redis-credentials", metavar="FILE", default=None, help="Redis `user:password` (0600)"
     )
+    add_tls_args(p, redis=True)
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
@@ -311,6 +312,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         redis_url=args.redis_url,
         nats_credentials=_credentials(args.nats_credentials),
         redis_credentials=_credentials(args.redis_credentials),
+        nats_tls_ca_file=tls_ca_file(args.nats_tls_ca_file),
+        redis_tls_ca_file=tls_ca_file(args.redis_tls_ca_file),
         api_key=api_key_of(args),
         admin_api_key=admin_key_of(args),
         tenant_keys=load_tenant_keys(args.tenant_keys) if args.tenant_keys else (),

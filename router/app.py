@@ -77,6 +77,7 @@ async def nats_ctx(app: web.Application) -> AsyncIterator[None]:
         name="hicache-router",
         log=log,
         credentials=app[keys.CONFIG].nats_credentials,
+        tls_ca_file=app[keys.CONFIG].nats_tls_ca_file,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
@@ -143,6 +144,7 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
         connect_timeout_s=0.5,
         reply_timeout_s=1.0,
         credentials=config.redis_credentials,
+        tls_ca_file=config.redis_tls_ca_file,
     )
     app[keys.REDIS] = client
     index = PrefixIndex(client, config, app[keys.METRICS], asyncio.get_running_loop().time)

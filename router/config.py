@@ -18,6 +18,9 @@ class RouterConfig:
     # the router's NATS and Redis identities (user `router`); None: connect without one
     nats_credentials: Credentials | None = None
     redis_credentials: Credentials | None = None
+    # CA files (PEM): connect over TLS only, verifying the server against them (None: plain)
+    nats_tls_ca_file: str | None = None
+    redis_tls_ca_file: str | None = None
     api_key: str | None = None  # when set, every endpoint but /health and /metrics needs it
     # when set, only it opens /flush_cache and /stats (router/auth.py); it opens the rest too
     admin_api_key: str | None = None

@@ -18,7 +18,9 @@ the index needs:
 Errors: `ConnectionError` (an `OSError`) when Redis cannot be reached or the connection is
 lost, `RedisError` for an error reply (`NoScriptError` for NOSCRIPT). URLs:
 `redis://[[user]:password@]host[:port][/db]`, `rediss://` (TLS), `unix:///path[?db=N]`;
-`credentials` (the router's Redis user, from a 0600 file) override the URL's.
+`credentials` (the router's Redis user, from a 0600 file) override the URL's. TLS: a
+`rediss://` URL verifies the server against the system's CAs; `tls_ca_file` (PEM) turns TLS
+on whatever the scheme and verifies the server's certificate and host name against it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from bus_schemas.connection import Credentials
+from bus_schemas.connection import Credentials, tls_context
 
 DEFAULT_PORT = 6379
 CRLF = b"\r\n"
@@ -212,8 +214,15 @@ class RespClient:
         reply_timeout_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         credentials: Credentials | None = None,
+        tls_ca_file: str | None = None,
     ) -> None:
         self.address = parse_url(url)
+        self._tls: ssl.SSLContext | None = None
+        if tls_ca_file is not None and self.address.unix_path is not None:
+            raise ValueError(f"a Redis TLS CA file with a unix socket URL: {url}")
+        if tls_ca_file is not None or self.address.tls:  # TLSConfigError for a bad CA file
+            self._tls = tls_context(tls_ca_file)
+            self.address = dataclasses.replace(self.address, tls=True)
         if credentials is not None:  # AUTH as this user on every (re)connect
             self.address = dataclasses.replace(
                 self.address, username=credentials.user, password=credentials.password
@@ -281,8 +290,7 @@ class RespClient:
         if a.unix_path is not None:
             await loop.create_unix_connection(lambda: conn, a.unix_path)
         else:
-            tls = ssl.create_default_context() if a.tls else None
-            await loop.create_connection(lambda: conn, a.host, a.port, ssl=tls)
+            await loop.create_connection(lambda: conn, a.host, a.port, ssl=self._tls)
         hello: list[asyncio.Future[Any]] = []
         if a.password is not None:
             auth = (a.username, a.password) if a.username else (a.password,)

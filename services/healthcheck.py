@@ -3,7 +3,8 @@
 The image (python:3.11-slim) has no curl or wget, so compose healthchecks run this:
 
     python -m services.healthcheck http URL                   # 2xx -> healthy (the router)
-    python -m services.healthcheck engine [--nats-credentials FILE] NATS_URL ENGINE_ID
+    python -m services.healthcheck engine [--nats-credentials FILE] [--nats-tls-ca-file PEM]
+        NATS_URL ENGINE_ID
         # answers a stats request (as the engine's own NATS user where the bus has users:
         # an engine may ask itself for stats)
     python -m services.healthcheck nats-client MONITOR_URL NAME
@@ -24,10 +25,11 @@ import urllib.request
 from bus_schemas import SchemaError, StatsReply, StatsRequest, subjects
 from bus_schemas.connection import (
     Credentials,
-    CredentialsError,
-    inbox_prefix,
+    add_tls_args,
+    open_nats,
     read_credentials,
     server_list,
+    tls_ca_file,
 )
 
 
@@ -56,22 +58,22 @@ def check_nats_client(monitor_url: str, name: str, timeout_s: float) -> str | No
 
 
 async def check_engine(
-    nats_url: str, engine_id: str, timeout_s: float, credentials: Credentials | None = None
+    nats_url: str,
+    engine_id: str,
+    timeout_s: float,
+    credentials: Credentials | None = None,
+    tls_ca_file: str | None = None,
 ) -> str | None:
     """None when the engine answers a stats request over NATS (its service loop runs)."""
-    import nats
     import nats.errors
 
-    auth = (
-        {} if credentials is None else {"user": credentials.user, "password": credentials.password}
-    )
     try:
-        nc = await nats.connect(
+        nc = await open_nats(
             server_list(nats_url),
+            credentials=credentials,
+            tls_ca_file=tls_ca_file,
             allow_reconnect=False,
             connect_timeout=timeout_s,
-            inbox_prefix=inbox_prefix(credentials),
-            **auth,
         )
     except (OSError, nats.errors.Error, TimeoutError) as e:
         return f"NATS at {nats_url}: {e!r}"
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--nats-credentials", default=None, metavar="FILE", help="NATS `user:password` (0600)"
     )
+    add_tls_args(engine)
     engine.add_argument("nats_url")
     engine.add_argument("engine_id")
     client = sub.add_parser("nats-client", help="a client with this name is connected")
@@ -116,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
             creds = (
                 None if args.nats_credentials is None else read_credentials(args.nats_credentials)
             )
-        except CredentialsError as e:
+            ca = tls_ca_file(args.nats_tls_ca_file)
+        except ValueError as e:  # CredentialsError, TLSConfigError
             print(f"error: {e}", file=sys.stderr)
             return 2
-        why = asyncio.run(check_engine(args.nats_url, args.engine_id, args.timeout, creds))
+        why = asyncio.run(check_engine(args.nats_url, args.engine_id, args.timeout, creds, ca))
     else:
         why = check_nats_client(args.monitor_url, args.name, args.timeout)
     if why is not None:

@@ -17,7 +17,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from bus_schemas.connection import read_credentials
+from bus_schemas.connection import add_tls_args, read_credentials, tls_ca_file
 from services.engine.config import engine_config_from_args
 from services.engine.flags import add_engine_args, add_pd_transfer_args
 from services.engine.pd import PDConfig
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="NATS `user:password` of this engine, in a 0600 file (`hicache-mesh credentials`)",
     )
+    add_tls_args(parser)
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
     parser.add_argument(
         "--shutdown-grace",
@@ -88,6 +89,7 @@ async def serve(args: argparse.Namespace) -> int:
         nats_credentials=None
         if args.nats_credentials is None
         else read_credentials(args.nats_credentials),
+        nats_tls_ca_file=tls_ca_file(args.nats_tls_ca_file),
         bucket=args.bucket,
         heartbeat_interval_s=args.heartbeat_interval,
         shutdown_grace_s=args.shutdown_grace,

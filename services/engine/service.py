@@ -75,6 +75,7 @@ class EngineServiceConfig:
     engine_id: str
     nats_url: str
     nats_credentials: Credentials | None = field(default=None, repr=False)  # user engine.{id}
+    nats_tls_ca_file: str | None = None  # CA (PEM): TLS only, the server verified against it
     bucket: str = "default"
     role: str = "colocated"
     heartbeat_interval_s: float = 1.0
@@ -176,6 +177,7 @@ class EngineService:
             name=f"engine-{self.config.engine_id}",
             log=log,
             credentials=self.config.nats_credentials,
+            tls_ca_file=self.config.nats_tls_ca_file,
             backoff=Backoff(*NATS_BACKOFF_S),
             error_cb=self._on_nats_error,
             disconnected_cb=self._on_nats_disconnected,

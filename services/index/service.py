@@ -54,7 +54,13 @@ from redis.exceptions import RedisError
 
 from bus_schemas import redis_keys, subjects
 from bus_schemas.codec import SchemaError
-from bus_schemas.connection import Credentials, connect_nats, read_credentials
+from bus_schemas.connection import (
+    Credentials,
+    add_tls_args,
+    connect_nats,
+    read_credentials,
+    tls_ca_file,
+)
 from bus_schemas.messages import Heartbeat, KVEventBatch, SnapshotRequest
 from bus_schemas.throttle import LogThrottle
 from services.index.fencing import Action, Fence, decide_batch, epoch_order, parse_epoch
@@ -86,6 +92,9 @@ class IndexConfig:
     max_engines: int = 512  # engines indexed at once; messages of more are dropped
     nats_credentials: Credentials | None = None  # user `index` (None: no authentication)
     redis_credentials: Credentials | None = None
+    # CA files (PEM): connect over TLS only, verifying the server against them (None: plain)
+    nats_tls_ca_file: str | None = None
+    redis_tls_ca_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("sweep_interval_s", "snapshot_retry_s", "redis_timeout_s", "drain_timeout_s"):
@@ -262,13 +271,18 @@ class IndexService:
     async def start(self) -> None:
         """Connect, subscribe, start maintenance. Raises if NATS cannot be reached."""
         cfg = self.config
-        self._store = IndexStore(connect(cfg.redis_url, cfg.redis_timeout_s, cfg.redis_credentials))
+        self._store = IndexStore(
+            connect(
+                cfg.redis_url, cfg.redis_timeout_s, cfg.redis_credentials, cfg.redis_tls_ca_file
+            )
+        )
         await self._check_redis()
         self._nc = await connect_nats(  # waits for NATS with backoff; cancel to give up
             cfg.nats_url,
             name="hicache-index",
             log=log,
             credentials=cfg.nats_credentials,
+            tls_ca_file=cfg.nats_tls_ca_file,
             drain_timeout=int(max(1, cfg.drain_timeout_s)),
             error_cb=self._on_nats_error,
             disconnected_cb=self._on_nats_disconnected,
@@ -588,6 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--redis-credentials", default=None, metavar="FILE", help="Redis `user:password` (0600)"
     )
+    add_tls_args(parser, redis=True)
     parser.add_argument(
         "--sweep-interval",
         type=float,
@@ -628,6 +643,8 @@ def config_from_args(args: argparse.Namespace) -> IndexConfig:
         max_engines=args.max_engines,
         nats_credentials=_credentials(args.nats_credentials),
         redis_credentials=_credentials(args.redis_credentials),
+        nats_tls_ca_file=tls_ca_file(args.nats_tls_ca_file),
+        redis_tls_ca_file=tls_ca_file(args.redis_tls_ca_file),
     )
 
 

@@ -7,16 +7,18 @@ the engine's entries before or after the batch, never in between.
 
 from __future__ import annotations
 
+import ssl
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from bus_schemas import redis_keys
-from bus_schemas.connection import Credentials
+from bus_schemas.connection import Credentials, tls_context
 from bus_schemas.messages import KVEvent
 
 PAGE_PREFIX = redis_keys.page("")
@@ -125,11 +127,28 @@ def _engine_keys(engine_id: str) -> list[str]:
     ]
 
 
-def connect(url: str, timeout_s: float, credentials: Credentials | None = None) -> aioredis.Redis:
+def connect(
+    url: str,
+    timeout_s: float,
+    credentials: Credentials | None = None,
+    tls_ca_file: str | None = None,
+) -> aioredis.Redis:
     """A client that fails fast: one immediate retry (a stale pooled connection), then error.
-    With `credentials`, it authenticates as their user on every (re)connect."""
+    With `credentials`, it authenticates as their user on every (re)connect. With
+    `tls_ca_file` (PEM) it connects over TLS whatever the URL's scheme, verifying the
+    server's certificate and host name against that CA (TLSConfigError for a bad file)."""
+    tls: dict[str, Any] = {}
+    if tls_ca_file is not None:
+        scheme, sep, rest = url.partition("://")
+        if scheme not in ("redis", "rediss") or not sep:
+            raise ValueError(f"a Redis TLS CA file needs a redis:// or rediss:// URL: {url}")
+        tls_context(tls_ca_file)  # readable, and PEM: else an error now, not at each call
+        url = f"rediss://{rest}"
+        tls = {"ssl_ca_certs": tls_ca_file, "ssl_cert_reqs": "required"}
+        tls |= {"ssl_check_hostname": True, "ssl_min_version": ssl.TLSVersion.TLSv1_2}
     return aioredis.Redis.from_url(
         url,
+        **tls,
         username=None if credentials is None else credentials.user,
         password=None if credentials is None else credentials.password,
         decode_responses=True,

@@ -8,6 +8,8 @@ A credentials folder (mode 0700; every file 0600):
     redis/router  redis/index                         `user:password` of each Redis identity
     nats-auth.conf     the nats-server `authorization` block (include it, or `up` embeds it)
     redis-users.acl    the Redis/Valkey ACL file (`--aclfile`); `default` is off
+    tls/               with `--tls-hosts`: ca.pem, server.pem, server-key.pem for NATS and
+                       Redis across hosts (services/launch/tls.py)
 
 NATS permissions (`nats_permissions`; `>` and `*` are NATS wildcards, P = `hicache`):
 
@@ -237,6 +239,13 @@ def add_credentials_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force", action="store_true", help="overwrite credentials already in DIR (rotate)"
     )
+    parser.add_argument(
+        "--tls-hosts",
+        default=None,
+        metavar="HOST,...",
+        help="also make DIR/tls: a private CA and a certificate for the NATS and Redis "
+        "servers under these names or addresses (needs `openssl`), e.g. nats,redis,10.0.0.5",
+    )
 
 
 def run_credentials(args: argparse.Namespace) -> int:
@@ -254,4 +263,15 @@ def run_credentials(args: argparse.Namespace) -> int:
         return 2
     creds.write(args.dir)
     print(f"credentials for router, index and {len(grants)} engines written to {args.dir}")
+    if args.tls_hosts is not None:
+        from services.launch.tls import make_tls
+
+        try:
+            made = make_tls(args.dir / "tls", args.tls_hosts.split(","))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(
+            f"TLS CA and server certificate for {args.tls_hosts} written to {made.ca_file.parent}"
+        )
     return 0

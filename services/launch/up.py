@@ -12,6 +12,12 @@ file as `credentials_dir`); the servers `up` starts require them, and each child
 own files, by path. `--credentials-dir DIR` uses those `hicache-mesh credentials DIR` made
 instead (so do external servers: `--nats-url`/`--redis-url` with a DIR whose server configs
 they were given). Restarted servers keep their config, so children reconnect as before.
+
+TLS (deployments across hosts; `services/launch/tls.py`): `--tls` makes a private CA and a
+server certificate in the work directory, `--tls-dir DIR` takes them from DIR; the servers
+`up` starts then serve TLS only, and every child gets the CA (`--nats-tls-ca-file`,
+`--redis-tls-ca-file`) and verifies the servers against it. External servers signed by
+another CA: `--nats-tls-ca-file` / `--redis-tls-ca-file` with `--nats-url` / `--redis-url`.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from services.engine.flags import (
     pd_transfer_argv,
 )
 from services.launch import credentials as creds
+from services.launch import tls as tls_files
 from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
 from services.launch.router_flags import add_router_flags, router_flags_argv
 from services.launch.servers import (
@@ -66,6 +73,29 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         help="NATS and Redis credentials made by `hicache-mesh credentials DIR` (for external "
         "servers given those configs); default: fresh ones in up's work directory",
     )
+    tls = parser.add_argument_group("TLS for NATS and Redis (deployments across hosts)")
+    tls.add_argument(
+        "--tls",
+        action="store_true",
+        help="make a private CA and a server certificate (needs `openssl`) in the work "
+        "directory: the servers `up` starts serve TLS only, every child verifies them",
+    )
+    tls.add_argument(
+        "--tls-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the same with DIR's ca.pem, server.pem and server-key.pem (0600), e.g. made by "
+        "`hicache-mesh credentials DIR --tls-hosts ...` (in DIR/tls)",
+    )
+    for server in ("nats", "redis"):
+        tls.add_argument(
+            f"--{server}-tls-ca-file",
+            default=None,
+            metavar="PEM",
+            help=f"with --{server}-url: the CA that signed that server's certificate; the "
+            "children connect over TLS only, verifying it",
+        )
     parser.add_argument("--engines", type=int, default=1, help="colocated engines to start")
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
@@ -254,15 +284,16 @@ class Mesh:
             self.creds.write(self.creds_dir)
         else:
             self.creds = creds.load(args.credentials_dir, grants)  # CredentialsError: a ValueError
+        self.tls = self._server_tls()
         # the servers to start (without --nats-url / --redis-url), requiring the credentials
-        self.nats = nats_kind(args.nats_max_payload, self.creds.nats_authorization())
+        self.nats = nats_kind(args.nats_max_payload, self.creds.nats_authorization(), self.tls)
         acl = Path(self.workdir.name) / creds.REDIS_ACL_FILE  # from the files `load` checked
         if args.credentials_dir is None:
             acl = self.creds_dir / creds.REDIS_ACL_FILE
         else:
             creds.write_private(acl, self.creds.redis_acl())
         index_redis = self.creds.redis[creds.INDEX]
-        self.redis = redis_kind(str(acl), (index_redis.user, index_redis.password))
+        self.redis = redis_kind(str(acl), (index_redis.user, index_redis.password), self.tls)
         self._ports = {args.port}  # chosen for this mesh: the servers' ports avoid them
         self.supervisor = Supervisor(
             RestartPolicy(initial_s=args.restart_backoff), args.status_file
@@ -281,11 +312,12 @@ class Mesh:
         py = sys.executable
         index = [py, "-m", "services.index", "--nats-url", nats_url, "--redis-url", redis_url]
         index += self._credential_flags(creds.INDEX, redis=True) + self._max_engines_argv()
+        index += self._tls_flags(redis=True)
         self.supervisor.start(ChildSpec("index", index, SERVICE_TIER))
         for name, extra in self._engines():
             argv = [py, "-m", "services.engine", "--engine-id", name]
             argv += ["--nats-url", nats_url, "--heartbeat-interval", str(a.heartbeat_interval)]
-            argv += self._credential_flags(creds.engine_user(name))
+            argv += self._credential_flags(creds.engine_user(name)) + self._tls_flags()
             self.supervisor.start(ChildSpec(name, argv + engine_argv(a) + extra, SERVICE_TIER))
         self.supervisor.start(
             ChildSpec("router", self._router_argv(nats_url, redis_url), ROUTER_TIER, a.port)
@@ -309,7 +341,7 @@ class Mesh:
         a = self.args
         argv = [sys.executable, "-m", "router", "--host", a.host, "--port", str(a.port)]
         argv += ["--nats-url", nats_url, "--redis-url", redis_url]
-        argv += self._credential_flags(creds.ROUTER, redis=True)
+        argv += self._credential_flags(creds.ROUTER, redis=True) + self._tls_flags(redis=True)
         for bucket in self.buckets:
             argv += ["--bucket", bucket.router_spec()]
         for flag, _ in ROUTER_TIMEOUTS:
@@ -344,6 +376,34 @@ class Mesh:
             flags += ["--nats-credentials", str(c.nats_file(root, user).resolve())]
         if redis and (own or not a.redis_url):
             flags += ["--redis-credentials", str(c.redis_file(root, user).resolve())]
+        return flags
+
+    def _server_tls(self) -> tls_files.ServerTLS | None:
+        """The TLS material of the servers `up` starts (None: plain); checks the TLS flags."""
+        a = self.args
+        for server in ("nats", "redis"):
+            if getattr(a, f"{server}_tls_ca_file") and not getattr(a, f"{server}_url"):
+                raise ValueError(
+                    f"--{server}-tls-ca-file is for an external server (--{server}-url): the "
+                    f"{server} server `up` starts uses --tls or --tls-dir"
+                )
+        if a.tls and a.tls_dir is not None:
+            raise ValueError("give --tls (make a CA here) or --tls-dir DIR, not both")
+        if a.tls_dir is not None:
+            return tls_files.ServerTLS.from_dir(a.tls_dir)
+        if a.tls:
+            return tls_files.make_tls(Path(self.workdir.name) / "tls")
+        return None
+
+    def _tls_flags(self, redis: bool = False) -> list[str]:
+        """The CA file(s) a child verifies NATS (and Redis) with: the external server's own
+        (--nats-tls-ca-file ...), else that of --tls / --tls-dir."""
+        a, flags = self.args, []
+        servers = ("nats", "redis") if redis else ("nats",)
+        for server in servers:
+            ca = getattr(a, f"{server}_tls_ca_file")
+            ca = Path(ca).resolve() if ca else (self.tls.ca_file if self.tls else None)
+            flags += [] if ca is None else [f"--{server}-tls-ca-file", str(ca)]
         return flags
 
     def _grants(self) -> list[creds.EngineGrant]:
