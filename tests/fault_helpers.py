@@ -251,6 +251,13 @@ class UpMesh:
         creds = credentials_of(self.credentials_dir(), "redis", "index")
         return redis_url_as(self.plain_redis_url(), creds)
 
+    def redis_options(self) -> dict[str, Any]:
+        """redis-py options for the mesh's Redis: its CA where it serves TLS (`up --tls`)."""
+        router = next(c for c in self.children() if c.role == "router")
+        if "--redis-tls-ca-file" not in router.argv:
+            return {}
+        return {"ssl_ca_certs": _flag(router.argv, "--redis-tls-ca-file")}
+
     def plain_redis_url(self) -> str:
         """The mesh's Redis, with no user in the URL."""
         router = next(c for c in self.children() if c.role == "router")
@@ -610,7 +617,7 @@ async def _index_problems(mesh: UpMesh, epochs: dict[str, str]) -> list[str]:
     """Redis answers, and the index keeps every engine's liveness key at its current epoch
     and refreshes it now: its TTL rises at least once while watched for a few heartbeats (a
     key left by an index that lost NATS only counts down, then expires)."""
-    r = aioredis.from_url(mesh.redis_url(), socket_timeout=2)
+    r = aioredis.from_url(mesh.redis_url(), socket_timeout=2, **mesh.redis_options())
     keys = [rk.engine_alive(e) for e in epochs]
     try:
         alive = await r.mget(keys)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import ssl
 import stat
@@ -28,7 +29,7 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
 from bus_helpers import credentials_of, redis_url_as
-from fault_helpers import MeshSpec, UpMesh, running_mesh
+from fault_helpers import MeshSpec, UpMesh, running_mesh, wait_healed
 
 from bus_schemas import connection, redis_keys  # connection's TLS helpers: looked up in use
 from bus_schemas.connection import Credentials, connect_nats
@@ -112,6 +113,14 @@ async def test_the_mesh_serves_with_every_connection_over_tls(mesh: UpMesh, tls_
         timeout=60,
     )
     assert ok.returncode == 0, ok.stderr
+
+
+async def test_every_process_reconnects_over_tls_after_the_servers_die(mesh: UpMesh) -> None:
+    """`up` restarts nats-server and redis-server with the same TLS config; the router, the
+    index and the engine reconnect with their CA and credentials (a hang bound)."""
+    for server in ("nats", "redis"):
+        mesh.signal(server, signal.SIGKILL)
+    await wait_healed(mesh)
 
 
 def _plain_nats_exchange(url: str, creds: Credentials) -> tuple[dict[str, object], bytes]:
