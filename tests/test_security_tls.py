@@ -331,3 +331,19 @@ def test_a_redis_without_tls_support_is_named_as_the_cause(
     monkeypatch.setattr(servers, "find_redis_server", lambda: "/bin/false")
     with pytest.raises(RuntimeError, match="built with TLS"):
         servers.start_server(servers.redis_kind(tls=ServerTLS.from_dir(tls_dir)))
+
+
+async def test_a_certificate_for_another_host_name_is_refused(tmp_path: Path) -> None:
+    """The CA is trusted, but the certificate names another host: refused (the name counts)."""
+    from services.launch.servers import nats_kind, start_server
+    from services.launch.tls import ServerTLS
+
+    tls = ServerTLS.from_dir(make_ca(tmp_path / "t", hosts="DNS:nats.elsewhere.example"))
+    server = start_server(nats_kind(tls=tls))
+    try:
+        with pytest.raises(ssl.SSLCertVerificationError, match=r"(?i)hostname|IP address"):
+            await connection.open_nats(
+                [server.url], tls_ca_file=tls.ca_file, allow_reconnect=False, connect_timeout=10
+            )
+    finally:
+        server.stop()
