@@ -244,3 +244,33 @@ async def test_cache_namespace_without_tenants_is_a_clear_400(
         body = await r.json()
         assert r.status == 400 and body["error"]["code"] == "cache_namespace_unavailable"
         assert mesh.engines[0].received == []
+
+
+async def test_bench_and_replay_flush_with_the_admin_key_file(
+    nats_server: ServerProcess,
+    redis_server: ServerProcess,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`bench`/`replay --admin-api-key-file` flush a router that has an admin key; the
+    ordinary key alone is refused (403) and said so, and the engine is not flushed."""
+    import argparse
+    import asyncio
+
+    from services.bench.cli import admin_key, flush_cache
+
+    key_file = tmp_path / "admin"
+    key_file.write_text("admin-key\n")
+    async with running_mesh(
+        nats_server.url, redis_server.url, 1, api_key="user-key", admin_api_key="admin-key"
+    ) as mesh:
+        url = str(mesh.client.make_url("")).rstrip("/")
+        await asyncio.to_thread(flush_cache, url, admin_key(None) or "user-key")
+        assert "answered 403" in capsys.readouterr().err
+        assert mesh.engines[0].flushes == 0
+        await asyncio.to_thread(flush_cache, url, admin_key(str(key_file)) or "user-key")
+        assert capsys.readouterr().err == ""
+        assert mesh.engines[0].flushes == 1
+        started = argparse.Namespace(admin_api_key_file=str(key_file))  # a mesh bench started
+        await asyncio.to_thread(flush_cache, url, admin_key(None, started))
+        assert mesh.engines[0].flushes == 2

@@ -36,6 +36,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, TypeVar
 
 from services.bench.client import BenchClient, ClientConfig
@@ -175,6 +176,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     c.add_argument("--api-key", default=None)
+    c.add_argument(
+        "--admin-api-key-file",
+        default=None,
+        metavar="FILE",
+        help="the router's admin key, for /flush_cache where the mesh has one (a mesh the "
+        "bench starts uses its own --admin-api-key-file)",
+    )
     c.add_argument("--disable-tqdm", action="store_true")
     t = parser.add_argument_group("target")
     t.add_argument("--base-url", default=None, help="benchmark this running server")
@@ -348,7 +356,15 @@ def check_arms_differ(resolved: list[tuple[Arm, argparse.Namespace]]) -> None:
             )
 
 
+def admin_key(path: str | None, up_args: argparse.Namespace | None = None) -> str | None:
+    """The admin key for `/flush_cache`: the one line of `path`, else of the started mesh's
+    `--admin-api-key-file`; None when neither names one (the ordinary key then flushes)."""
+    path = path or (getattr(up_args, "admin_api_key_file", None) if up_args else None)
+    return Path(path).read_text().strip() or None if path else None
+
+
 def flush_cache(base_url: str, api_key: str | None) -> None:
+    """POST /flush_cache with `api_key` (the admin key where the router has one)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     req = urllib.request.Request(f"{base_url}/flush_cache", data=b"", headers=headers)
     try:
@@ -400,8 +416,10 @@ def _measure(
     workload: Workload,
     out: IO[str] | None,
     round_index: int,
+    flush_key: str | None = None,
 ) -> list[RequestResult]:
-    """One round of `arm`: flush its cache, then every conversation once."""
+    """One round of `arm`: flush its cache (with `flush_key`, else `api_key`), then every
+    conversation once."""
     results: list[RequestResult] = []
 
     def on_result(r: RequestResult) -> None:
@@ -409,7 +427,7 @@ def _measure(
         if out is not None:
             out.write(json.dumps(r.to_record()) + "\n")
 
-    flush_cache(base_url.rstrip("/"), api_key)
+    flush_cache(base_url.rstrip("/"), flush_key or api_key)
     config = _client_config(args, base_url, api_key)
     if args.cache_salt_per_round:
         config = dataclasses.replace(config, cache_salt=f"bench-round-{round_index}")
@@ -462,13 +480,15 @@ def _run_rounds(
                 mesh = meshes.get(arm)
                 if mesh is None:
                     url, api_key = args.base_url, args.api_key
+                    flush_key = admin_key(args.admin_api_key_file)
                 else:
+                    flush_key = admin_key(args.admin_api_key_file, mesh.up_args)
                     url = mesh.url or _bring_up(args, mesh, workload)
                     if k == 0 and not at_once:
                         report_memory([mesh])
                     api_key = args.api_key or mesh.up_args.api_key
                 print(f"round {k + 1}/{args.num_rounds}: arm {arm}", file=sys.stderr, flush=True)
-                by_arm[arm] += _measure(args, arm, url, api_key, workload, out, k)
+                by_arm[arm] += _measure(args, arm, url, api_key, workload, out, k, flush_key)
                 if mesh is not None and not at_once:
                     mesh.stop()
     finally:

@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from services.bench.cli import Arm, check_arms_differ, flush_cache, mesh_up_args
+from services.bench.cli import Arm, admin_key, check_arms_differ, flush_cache, mesh_up_args
 from services.bench.mooncake import TRACE_BLOCK_SIZE
 from services.replay.client import ClientConfig, ReplayClient, Replayed
 from services.replay.plan import Pace, ReplayRequest, plan
@@ -93,6 +93,12 @@ def add_replay_args(parser: argparse.ArgumentParser) -> None:
         " (cold adds --disable-radix-cache); outputs are compared between arms too",
     )
     t.add_argument("--api-key", default=None)
+    t.add_argument(
+        "--admin-api-key-file",
+        default=None,
+        metavar="FILE",
+        help="the router's admin key, for /flush_cache where the mesh has one",
+    )
     t.add_argument("--flush-cache", action="store_true", help="POST /flush_cache before replaying")
     t.add_argument(
         "--warmup",
@@ -172,6 +178,7 @@ class ReplayConfig:
     num_requests: int | None = None  # the first N request lines; None: all
     request_timeout_s: float = 600.0
     api_key: str | None = None
+    admin_api_key_file: str | None = None  # the key /flush_cache takes where the router has one
     flush_cache: bool = False
     show_progress: bool = True
     num_warmup: int = 0  # requests sent unmeasured before the measured run
@@ -195,6 +202,7 @@ class ReplayConfig:
             num_requests=args.num_requests,
             request_timeout_s=args.request_timeout,
             api_key=args.api_key,
+            admin_api_key_file=args.admin_api_key_file,
             flush_cache=args.flush_cache,
             show_progress=not args.disable_tqdm,
             num_warmup=args.warmup,
@@ -214,9 +222,11 @@ def replay_at(
     requests: list[ReplayRequest],
     api_key: str | None,
     fresh: bool = False,
+    flush_key: str | None = None,
 ) -> list[Replayed]:
     """The plan sent to the mesh at `url`, one result per request in plan order; `fresh`:
-    the replay started that mesh (its cache is flushed after a warmup)."""
+    the replay started that mesh (its cache is flushed after a warmup, with `flush_key`
+    where the router has an admin key)."""
     url = url.rstrip("/")
     client = ClientConfig(
         base_url=url,
@@ -236,7 +246,7 @@ def replay_at(
             flush=True,
         )
     if config.flush_cache or (fresh and config.num_warmup):
-        flush_cache(url, api_key)
+        flush_cache(url, flush_key or api_key)
     return asyncio.run(ReplayClient(client).run(arm, requests))
 
 
@@ -251,7 +261,8 @@ def replay_on_mesh(
         url = mesh.start()
         print(f"arm {arm}: mesh up at {url}", file=sys.stderr, flush=True)
         api_key = config.api_key or up_args.api_key
-        return replay_at(config, arm, url, requests, api_key, fresh=True)
+        flush_key = admin_key(config.admin_api_key_file, up_args)
+        return replay_at(config, arm, url, requests, api_key, fresh=True, flush_key=flush_key)
     finally:
         mesh.stop()
 
@@ -305,7 +316,14 @@ def run_replay(args: argparse.Namespace) -> int:
         by_arm: dict[str, tuple[ArmTarget, list[Replayed]]] = {}
         try:
             if args.url is not None:
-                replayed = replay_at(config, SINGLE_ARM, args.url, requests, config.api_key)
+                replayed = replay_at(
+                    config,
+                    SINGLE_ARM,
+                    args.url,
+                    requests,
+                    config.api_key,
+                    flush_key=admin_key(config.admin_api_key_file),
+                )
                 by_arm[SINGLE_ARM] = (ArmTarget(args.url, False, config.num_warmup), replayed)
             for arm, up_args in resolved:
                 target = ArmTarget(
