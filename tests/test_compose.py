@@ -264,7 +264,7 @@ def test_every_service_restarts_and_has_a_healthcheck(path: Path) -> None:
     for name, svc in services(path).items():
         assert svc.get("restart") == "unless-stopped", name
         test = svc.get("healthcheck", {}).get("test")
-        assert isinstance(test, list) and test[0] == "CMD" and len(test) > 1, name
+        assert isinstance(test, list) and test[0] in ("CMD", "CMD-SHELL") and len(test) > 1, name
 
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
@@ -409,12 +409,26 @@ def test_healthcheck_commands_exist_in_their_images(path: Path) -> None:
             build_parser().parse_args(test[3:])
             if test[3] == "engine":
                 assert test[-1] == spec["command"][spec["command"].index("--engine-id") + 1]
-    assert svc["nats"]["image"].endswith("-alpine")  # busybox wget; the default is scratch
+    assert svc["nats"]["image"].split("@")[0].endswith("-alpine")  # busybox wget, not scratch
     assert svc["nats"]["healthcheck"]["test"][1] == "wget"
     monitor = svc["nats"]["command"][svc["nats"]["command"].index("-m") + 1]
     assert f":{monitor}/healthz" in svc["nats"]["healthcheck"]["test"][-1]
     assert svc["redis"]["image"].startswith("redis:")  # ships redis-cli
-    assert svc["redis"]["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+    # the `default` user is off (ACL): NOAUTH answers as surely as PONG that it is up
+    assert svc["redis"]["healthcheck"]["test"] == [
+        "CMD-SHELL",
+        "redis-cli ping | grep -qE 'PONG|NOAUTH'",
+    ]
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_third_party_images_are_pinned_by_digest(path: Path) -> None:
+    """A tag can be re-pointed at another image; a digest cannot (issue 20, finding 9)."""
+    for name, spec in services(path).items():
+        if spec.get("image") != IMAGE:
+            assert re.fullmatch(r"[\w./:-]+@sha256:[0-9a-f]{64}", spec["image"]), name
+    base = re.search(r"^FROM (\S+)", (ROOT / "compose" / "Dockerfile").read_text(), re.M)
+    assert base and re.fullmatch(r"[\w./:-]+@sha256:[0-9a-f]{64}", base.group(1))
 
 
 def test_dockerignore_keeps_the_build_context_small() -> None:
