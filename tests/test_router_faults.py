@@ -111,8 +111,10 @@ async def test_after_a_real_nats_pause_the_engine_is_back_at_its_next_heartbeat(
 ) -> None:
     """nats-server stopped (SIGSTOP) while a request waits: the request fails and the
     engine is marked failed; after SIGCONT it serves again as soon as it heartbeats (on
-    90556fa it sat out 30 s)."""
-    kw: dict[str, Any] = {"interval_s": 0.2}
+    90556fa it sat out 30 s). Heartbeats every second: the engine stays live for three of
+    them, well past the request's 1 s deadline, so the request reaches it and times out even
+    on a loaded machine (at 0.2 s its heartbeats could expire before the router chose)."""
+    kw: dict[str, Any] = {"interval_s": 1.0}
     async with running_mesh(
         nats_server.url, redis_server.url, 1, engine_kw=kw, request_timeout_s=1.0
     ) as mesh:
