@@ -47,6 +47,7 @@ from router.protocol import (
     read_json,
 )
 from router.readiness import bucket_readiness
+from router.request_record import Exchange, request_record
 from router.responses import DONE, SSE_HEADERS, OpenAIShape, generate_body, sse
 from router.server import GUARD, read_body
 
@@ -195,6 +196,20 @@ async def _serve(request: web.Request, endpoint: str, parse: Parser) -> web.Stre
     spec: GenerationSpec | None = None
     choices: Choices | None = None
     times = _TokenTimes()
+
+    def exchange(status: int, error: str | None) -> Exchange:  # the request so far, answered
+        return Exchange(
+            time_s=time_s,
+            timings=timings,
+            endpoint=request.path,
+            status=status,
+            body=body,
+            spec=spec,
+            choices=choices,
+            itl_s=times.gaps,
+            error=error,
+        )
+
     try:
         body = await read_json(request)
         model = _served_model(app, body)
@@ -204,7 +219,7 @@ async def _serve(request: web.Request, endpoint: str, parse: Parser) -> web.Stre
     except ApiError as e:
         if body is None:
             body = await _raw_body(request)
-        _record(app, time_s, timings, request.path, e.status, body, spec, choices, times, e.message)
+        _record(app, exchange(e.status, e.message))
         raise
     timings.parse_s = time.perf_counter() - timings.arrived
     metrics.inflight.inc()
@@ -214,11 +229,10 @@ async def _serve(request: web.Request, endpoint: str, parse: Parser) -> web.Stre
         else:
             resp = await _whole(request, choices, times)
     except ApiError as e:
-        _record(app, time_s, timings, request.path, e.status, body, spec, choices, times, e.message)
+        _record(app, exchange(e.status, e.message))
         raise
     except Exception:
-        error = "internal error"
-        _record(app, time_s, timings, request.path, 500, body, spec, choices, times, error)
+        _record(app, exchange(500, "internal error"))
         raise
     finally:
         metrics.inflight.dec()
@@ -271,66 +285,25 @@ def _after_response(
     """Metrics and the record of a served request, once its response is on its way."""
     _account(app, choices, times)
     gen = choices.first
-    _record(app, time_s, gen.timings, endpoint, status, body, gen.spec, choices, times, None)
+    exchange = Exchange(
+        time_s=time_s,
+        timings=gen.timings,
+        endpoint=endpoint,
+        status=status,
+        body=body,
+        spec=gen.spec,
+        choices=choices,
+        itl_s=times.gaps,
+        error=None,
+    )
+    _record(app, exchange)
 
 
-def _record(
-    app: web.Application,
-    time_s: float,
-    timings: Timings,
-    endpoint: str,
-    status: int,
-    body: Any,
-    spec: GenerationSpec | None,
-    choices: Choices | None,
-    times: _TokenTimes,
-    error: str | None,
-) -> None:
-    """Queue the request's record (docs/recording.md) when recording; references only,
-    the writer thread serializes them."""
+def _record(app: web.Application, exchange: Exchange) -> None:
+    """Queue the request's record (docs/recording.md) when recording."""
     recorder = app.get(keys.RECORDER)
-    if recorder is None:
-        return
-    gens = choices.gens if choices is not None else []
-    out = gens[0].outcome if gens else None
-    record: dict[str, Any] = {
-        "type": "request",
-        "time": time_s,
-        "endpoint": endpoint,
-        "status": status,
-        "request": body,
-        "input_ids": spec.input_ids if spec is not None else [],
-        "seed": spec.seed if spec is not None else None,
-        "sampling": [g.spec.sampling(g.max_new_tokens, g.choice) for g in gens],
-        "choices": [
-            {
-                "output_ids": g.outcome.output_ids,
-                "text": g.outcome.text,
-                "finish_reason": g.outcome.finish_reason,
-            }
-            for g in gens
-        ],
-        "usage": {
-            "prompt_tokens": out.prompt_tokens if out else 0,
-            "completion_tokens": sum(len(g.outcome.output_ids) for g in gens),
-            "cached_tokens": {
-                "device": out.cached_device if out else 0,
-                "host": out.cached_host if out else 0,
-                "storage": out.cached_storage if out else 0,
-            },
-        },
-        "ttft_s": out.ttft_s if out else None,
-        "itl_s": times.gaps,
-        "e2e_s": time.perf_counter() - timings.arrived,
-        "engine_id": (out.engine_id or None) if out else None,
-        "bucket": gens[0].bucket if gens else None,
-        "route_reason": (out.route_reason or None) if out else None,
-        "predicted_cached_tokens": out.predicted_cached_tokens if out else None,
-        "error": error,
-    }
-    if out is not None and out.disaggregation is not None:
-        record["disaggregation"] = out.disaggregation.as_dict()
-    recorder.write(record)
+    if recorder is not None:
+        recorder.write(request_record(exchange))
 
 
 def _served_model(app: web.Application, body: Mapping[str, Any]) -> ServedModel:

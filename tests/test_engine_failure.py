@@ -65,8 +65,8 @@ def test_a_request_that_fails_in_sampling_fails_alone() -> None:
     bad = engine.submit([1, 2, POISON, 4, 5], sp)
     reqs = [engine.submit(p, sp) for p in good]
     outs = engine.run([*reqs, bad])
-    assert bad.error is not None and bad.error[1] == 500
-    assert "sampling failed" in bad.error[0]
+    assert bad.error is not None and bad.error.code == 500
+    assert "sampling failed" in bad.error.message
     assert bad.state is ReqState.FINISHED and bad.output_ids == []
     assert [o.output_ids for o in outs[:2]] == alone
     assert all(o.finish_reason == "length" for o in outs[:2])

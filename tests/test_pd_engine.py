@@ -170,7 +170,7 @@ def test_failed_restore_fails_the_decode_request_with_409_and_frees_pages() -> N
     baseline = decode.cache.num_free_device_pages
     d = decode.submit_decode(prompts[1], SP)
     step_until(decode, lambda: d.finish_reason is not None)
-    assert d.error is not None and d.error[1] == 409
+    assert d.error is not None and d.error.code == 409
     decode.cache.drain()
     assert decode.cache.num_free_device_pages == baseline
     decode.check_integrity()

@@ -121,8 +121,7 @@ def test_backup_bookkeeping_changes_only_on_consume() -> None:
     for i in range(4):  # four disjoint sequences: four backups in flight (write_through)
         pages = cache.alloc(2)
         assert pages is not None
-        _, node = cache.insert([i] * 8, pages, cached_len=0)
-        nodes.append(node)
+        nodes.append(cache.insert([i] * 8, pages, cached_len=0).last_node)
     assert cache.num_queued_acks == 4
     time.sleep(0.2)  # every copy has finished by now...
     assert cache.num_ready_acks() == 4

@@ -164,6 +164,14 @@ class LoadTicket:
 
 
 @dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """What `PrefixCache.insert` made of a request's prefix: the tree now holds it."""
+
+    page_ids: PageIds  # the tree's device pages of the whole aligned prefix, in order
+    last_node: TreeNode  # ends the prefix: the caller locks it, unlocks its previous node
+
+
+@dataclass(frozen=True, slots=True)
 class _BackupOp:
     last_node: TreeNode
     start_len: int
@@ -360,7 +368,7 @@ class PrefixCache:
 
     @rank_consensus(
         same_params=["len(ids)", "list(page_ids)", "cached_len", "salt"],
-        same_results=["list(result[0])", "result[1].id"],
+        same_results=["list(result.page_ids)", "result.last_node.id"],
     )
     def insert(
         self,
@@ -368,7 +376,7 @@ class PrefixCache:
         page_ids: Sequence[PageId],
         cached_len: int,
         salt: str = "",
-    ) -> tuple[PageIds, TreeNode]:
+    ) -> CachedPrefix:
         """Put the page-aligned prefix of `ids` (KV in `page_ids`) into the tree.
 
         `cached_len` tokens at the front are pages the request got from the tree. The request's
@@ -382,7 +390,7 @@ class PrefixCache:
         self.free(list(page_ids[cached_len // ps : result.dup_len // ps]))
         if self.host_pool is not None and self.config.hicache_write_policy == "write_through":
             self._backup(result.last_node)
-        return self.tree.path_device_page_ids(result.last_node), result.last_node
+        return CachedPrefix(self.tree.path_device_page_ids(result.last_node), result.last_node)
 
     # ----------------------------------------------------------------- host tier
 

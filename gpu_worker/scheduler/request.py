@@ -39,6 +39,16 @@ class CachedTokens:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestError:
+    """Why a request failed, as its caller is told."""
+
+    message: str  # for the client, e.g. "restore could not deliver the promised prefix"
+    # HTTP-like status: 400 the request's fault, 409 retry without reuse, 500 the engine's
+    # fault, 503 retry on another engine
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateOutput:
     rid: int
     prompt_len: int
@@ -107,7 +117,7 @@ class Req:
     cached: CachedTokens = CachedTokens()
     finish_reason: str | None = None
     aborted: bool = False  # finish at the next safe point (after any load completes)
-    error: tuple[str, int] | None = None  # (message, HTTP-like code) when it failed
+    error: RequestError | None = None  # when it failed
     remote: RemoteKV | None = None  # P/D decode: KV comes from a prefill engine
     export_from: int | None = None  # P/D prefill: pack KV from this token on at the end
     export: KVExport | None = None

@@ -34,7 +34,7 @@ from gpu_worker.engine.executor import ModelExecutor, SampleSpec
 from gpu_worker.kernels.moves import move_pages
 from gpu_worker.kernels.relayout import RunView
 from gpu_worker.model.forward_batch import ForwardBatch
-from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState
+from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class Scheduler:
         req.computed_len = req.cached_len
         req.cached = CachedTokens(device=req.cached_len, host=0)
         if req.remote is not None:
-            req.error = ("restore could not deliver the promised prefix", 409)
+            req.error = RequestError("restore could not deliver the promised prefix", 409)
             req.aborted = True
             req.state = ReqState.RECEIVING
         else:
@@ -337,7 +337,7 @@ class Scheduler:
     def _fail(self, req: Req, message: str) -> None:
         """Finish `req` with an internal error; its KV goes back without entering the tree
         (what it computed may be the reason it failed)."""
-        req.error = (message, 500)
+        req.error = RequestError(message, 500)
         req.finish_reason = "error"
         req.state = ReqState.FINISHED
         assert req.last_node is not None
@@ -362,13 +362,13 @@ class Scheduler:
         self._insert(req, req.prompt_ids)
 
     def _insert(self, req: Req, ids: TokenIds) -> None:
-        prefix, node = self.cache.insert(ids, req.page_ids, req.cached_len, req.cache_salt)
-        self.cache.lock(node)
+        prefix = self.cache.insert(ids, req.page_ids, req.cached_len, req.cache_salt)
+        self.cache.lock(prefix.last_node)
         assert req.last_node is not None
         self.cache.unlock(req.last_node)
-        req.last_node = node
-        req.page_ids[: len(prefix)] = prefix
-        req.cached_len = len(prefix) * self.cache.page_size
+        req.last_node = prefix.last_node
+        req.page_ids[: len(prefix.page_ids)] = prefix.page_ids
+        req.cached_len = len(prefix.page_ids) * self.cache.page_size
 
     def _finish(self, req: Req) -> None:
         """Insert the KV the request computed into the tree and release the rest."""

@@ -51,8 +51,9 @@ from services.engine.pd_frames import (
     cut_frames,
     payload_limit,
 )
-from services.engine.runner import Admission, EngineCrashedError, EngineRunner
+from services.engine.runner import EngineCrashedError, EngineRunner
 from services.engine.sampling import sampling_params
+from services.engine.updates import Admission
 from services.tasks import OwnedTasks
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,16 @@ from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.engine.rank import RankExit, RankProcesses, launch_engine
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.parallel.config import ParallelConfig
-from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState
+from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState, RequestError
+from services.engine.updates import (
+    COMPUTING,
+    QUEUED,
+    Admission,
+    Holding,
+    LoadInfo,
+    ReceivedKV,
+    TokenUpdate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,58 +59,12 @@ RANK_WATCH_S = 0.1  # how often the child ranks are checked for an exit
 DEAD_RANK_WAIT_S = 1.0  # after a failed collective: how long to look for the rank that died
 
 
-@dataclass(frozen=True, slots=True)
-class TokenUpdate:
-    """New tokens of one request since the last update; `finished` on its last one."""
-
-    request_id: str
-    token_ids: list[int]
-    prompt_tokens: int
-    cached_device: int
-    cached_host: int
-    finished: bool
-    finish_reason: str | None
-    error: tuple[str, int] | None = None  # (message, HTTP-like code)
-    received: tuple[int, int, int] | None = None  # P/D decode: prefix_len, tokens, bytes in
-    # when asked for: per new token (its logprob or None, the top (id, logprob) pairs)
-    logprobs: tuple[tuple[float | None, tuple[tuple[int, float], ...]], ...] = ()
-    cached_storage: int = 0  # prompt tokens read from external storage for it
-
-
-@dataclass(frozen=True, slots=True)
-class LoadInfo:
-    running: int
-    waiting: int
-    inflight_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Holding:
-    """What the engine does with a request it holds (`EngineRunner.holding`): `queued`
-    (waiting in the command queue or the scheduler's queue), `computing` (loading its cached
-    prefix, prefilling or decoding) or `receiving` (P/D decode: its KV comes from a prefill
-    engine; `received_len` prompt tokens of it are written)."""
-
-    state: str
-    received_len: int = 0
-
-
-QUEUED, COMPUTING = Holding("queued"), Holding("computing")
 _HOLDING = {
     ReqState.WAITING: QUEUED,
     ReqState.LOADING: COMPUTING,
     ReqState.PREFILL: COMPUTING,
     ReqState.DECODE: COMPUTING,
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """P/D decode: what a request reused locally once admitted."""
-
-    decode_prefix_len: int
-    cached_device: int
-    cached_host: int
 
 
 class Outbox(Protocol):
@@ -159,11 +122,11 @@ def _run_command(command: Callable[[], None], done: Future[Any]) -> None:
         _fail(done, e)
 
 
-def _received(req: Req) -> tuple[int, int, int] | None:
+def _received(req: Req) -> ReceivedKV | None:
     r = req.remote
     if r is None or r.prefix_len < 0:
         return None
-    return r.prefix_len, r.received_end - r.prefix_len, r.received_bytes
+    return ReceivedKV(r.prefix_len, r.received_end - r.prefix_len, r.received_bytes)
 
 
 class EngineRunner:
@@ -493,15 +456,15 @@ class EngineRunner:
                 TokenUpdate(
                     t.request_id,
                     list(new),
-                    req.prompt_len,
-                    req.cached.device,
-                    req.cached.host,
-                    finished,
-                    req.finish_reason,
-                    req.error,
-                    _received(req),
-                    logprobs,
-                    req.cached.storage,
+                    prompt_tokens=req.prompt_len,
+                    cached_device=req.cached.device,
+                    cached_host=req.cached.host,
+                    finished=finished,
+                    finish_reason=req.finish_reason,
+                    error=req.error,
+                    received=_received(req),
+                    logprobs=logprobs,
+                    cached_storage=req.cached.storage,
                 )
             )
             if finished:
@@ -551,8 +514,17 @@ class EngineRunner:
             export, cached = req.export, req.cached
             self._loop.call_soon_threadsafe(self._outbox.exported, t.request_id, export, cached)
             return
-        error = req.error or (f"prefill ended without KV ({req.finish_reason})", 500)
-        update = TokenUpdate(t.request_id, [], req.prompt_len, 0, 0, True, None, error)
+        error = req.error or RequestError(f"prefill ended without KV ({req.finish_reason})", 500)
+        update = TokenUpdate(
+            t.request_id,
+            [],
+            prompt_tokens=req.prompt_len,
+            cached_device=0,
+            cached_host=0,
+            finished=True,
+            finish_reason=None,
+            error=error,
+        )
         self._loop.call_soon_threadsafe(self._outbox.tokens, [update])
 
     def _publish_events(self) -> None:

@@ -55,12 +55,13 @@ from bus_schemas import subjects as subj
 from bus_schemas.connection import Backoff, Credentials, connect_nats
 from bus_schemas.messages import MAX_HEARTBEAT_INTERVAL_S, MIN_HEARTBEAT_INTERVAL_S
 from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
-from gpu_worker.scheduler.request import CachedTokens, KVExport
+from gpu_worker.scheduler.request import CachedTokens, KVExport, RequestError
 from gpu_worker.storage import StorageBackend
 from services.engine.card import build_card
 from services.engine.pd import DecodeSide, PDConfig, PrefillSide
-from services.engine.runner import EngineCrashedError, EngineRunner, TokenUpdate
+from services.engine.runner import EngineCrashedError, EngineRunner
 from services.engine.sampling import sampling_params
+from services.engine.updates import TokenUpdate
 from services.tasks import OwnedTasks
 
 log = logging.getLogger(__name__)
@@ -349,16 +350,17 @@ class EngineService:
                 await self._publish_now(msg.reply, ErrorReply(str(e)).encode())
             return
         if not self._accepting:  # stopping, or crashed before this request came: retriable
-            error = (self.crashed_reason or "engine shutting down", 503)
+            error = RequestError(self.crashed_reason or "engine shutting down", 503)
             self._send_chunk(req.reply_to, req.request_id, 0, error=error)
             return
         if req.request_id in self._streams:
-            self._send_chunk(req.reply_to, req.request_id, 0, error=("duplicate id", 400))
+            error = RequestError("duplicate id", 400)
+            self._send_chunk(req.reply_to, req.request_id, 0, error=error)
             return
         try:
             sampling = sampling_params(req.sampling)
         except ValueError as e:
-            self._send_chunk(req.reply_to, req.request_id, 0, error=(str(e), 400))
+            self._send_chunk(req.reply_to, req.request_id, 0, error=RequestError(str(e), 400))
             return
         assert self._runner is not None
         self._streams[req.request_id] = _Stream(req.reply_to)
@@ -410,13 +412,13 @@ class EngineService:
                 stream.seq,
                 u.token_ids,
                 self.config.engine_id,
-                u.prompt_tokens,
-                u.cached_device,
-                u.cached_host,
-                u.finished,
-                reason,
-                u.error[0] if u.error else None,
-                u.error[1] if u.error else 0,
+                prompt_tokens=u.prompt_tokens,
+                cached_device=u.cached_device,
+                cached_host=u.cached_host,
+                finished=u.finished,
+                finish_reason=reason,
+                error=u.error.message if u.error else None,
+                error_code=u.error.code if u.error else 0,
                 cached_storage=u.cached_storage,
                 logprobs=[lp for lp, _ in u.logprobs],
                 top_logprob_ids=[[i for i, _ in top] for _, top in u.logprobs],
@@ -424,12 +426,11 @@ class EngineService:
             )
             transfer = self._decode.transfers.get(u.request_id) if self._decode else None
             if transfer is not None and u.received is not None and stream.seq == 0:
-                prefix_len, tokens_in, bytes_in = u.received
                 chunk = dataclasses.replace(
                     chunk,
-                    decode_prefix_len=prefix_len,
-                    transferred_tokens=tokens_in,
-                    transferred_bytes=bytes_in,
+                    decode_prefix_len=u.received.prefix_len,
+                    transferred_tokens=u.received.num_tokens,
+                    transferred_bytes=u.received.num_bytes,
                     prefill_engine_id=transfer.prefill_engine_id,
                     prefill_cached_device=transfer.prefill_cached.device,
                     prefill_cached_host=transfer.prefill_cached.host,
@@ -449,7 +450,7 @@ class EngineService:
         reply_to: str,
         request_id: str,
         seq: int,
-        error: tuple[str, int],
+        error: RequestError,
         crashed: bool = False,
     ) -> None:
         chunk = TokenChunk(
@@ -458,8 +459,8 @@ class EngineService:
             [],
             self.config.engine_id,
             finished=True,
-            error=error[0],
-            error_code=error[1],
+            error=error.message,
+            error_code=error.code,
             engine_crashed=crashed,
         )
         self._outbound.put_nowait((reply_to, chunk.encode()))
@@ -467,7 +468,8 @@ class EngineService:
     def _send_error(self, request_id: str, message: str, code: int, crashed: bool = False) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            self._send_chunk(stream.reply_to, request_id, stream.seq, (message, code), crashed)
+            error = RequestError(message, code)
+            self._send_chunk(stream.reply_to, request_id, stream.seq, error, crashed)
             if self._runner is not None:
                 self._runner.abort(request_id)
 

@@ -116,8 +116,19 @@ def check(
     if ref is None:  # nothing to compare with (a trace without answers)
         return Verdict(rec.line, rec.endpoint, arrival_s, False, None, None)
     outputs = replays_exactly(rec) and ref.status == 200
-    found = _difference(ref, got, outputs)
-    mismatch = None if found is None else Mismatch(rec.line, rec.endpoint, arrival_s, *found)
+    d = _difference(ref, got, outputs)
+    mismatch = None
+    if d is not None:
+        mismatch = Mismatch(
+            rec.line,
+            rec.endpoint,
+            arrival_s,
+            d.what,
+            d.expected,
+            d.got,
+            choice=d.choice,
+            position=d.position,
+        )
     cache = None
     if ref.cached is not None and got.cached is not None and ref.cached != got.cached:
         cache = Mismatch(
@@ -126,26 +137,37 @@ def check(
     return Verdict(rec.line, rec.endpoint, arrival_s, outputs, mismatch, cache)
 
 
-Found = tuple[str, str, str, int | None, int | None]  # what, expected, got, choice, position
+@dataclass(frozen=True, slots=True)
+class _Difference:
+    """What differs first between two answers (a `Mismatch` adds which request)."""
+
+    what: str  # as `Mismatch.what`
+    expected: str  # the reference's value
+    got: str  # the answer's value
+    choice: int | None = None  # the choice it is in, when it is in one
+    position: int | None = None  # "tokens": 0-based index of the first differing token
 
 
-def _difference(ref: Observation, got: Observation, outputs: bool) -> Found | None:
+def _difference(ref: Observation, got: Observation, outputs: bool) -> _Difference | None:
     if ref.status != got.status:
-        return ("status", str(ref.status), _status(got), None, None)
+        return _Difference("status", str(ref.status), _status(got))
     if not outputs:
         return None
     if (ref.error is None) != (got.error is None):
-        return ("error", repr(ref.error), repr(got.error), None, None)
+        return _Difference("error", repr(ref.error), repr(got.error))
     if len(ref.choices) != len(got.choices):
-        return ("choices", str(len(ref.choices)), str(len(got.choices)), None, None)
+        return _Difference("choices", str(len(ref.choices)), str(len(got.choices)))
     for i, (a, b) in enumerate(zip(ref.choices, got.choices, strict=True)):
         pos = first_difference(a.output_ids, b.output_ids)
         if pos is not None:
-            return ("tokens", _token(a.output_ids, pos), _token(b.output_ids, pos), i, pos)
+            expected, answered = _token(a.output_ids, pos), _token(b.output_ids, pos)
+            return _Difference("tokens", expected, answered, choice=i, position=pos)
         if a.finish_reason != b.finish_reason:
-            return ("finish_reason", repr(a.finish_reason), repr(b.finish_reason), i, None)
+            return _Difference(
+                "finish_reason", repr(a.finish_reason), repr(b.finish_reason), choice=i
+            )
         if a.text is not None and b.text is not None and a.text != b.text:
-            return ("text", repr(a.text[:80]), repr(b.text[:80]), i, None)
+            return _Difference("text", repr(a.text[:80]), repr(b.text[:80]), choice=i)
     return None
 
 
