@@ -86,3 +86,14 @@ def test_the_real_model_is_the_default_and_random_weights_say_so(
     path = write_llama_gguf(tmp_path / "real.gguf", SMALL, state)
     Engine(EngineConfig(model=str(path), dtype="float32")).close()
     assert "random weights" not in caplog.text
+
+
+def test_every_subcommand_has_a_runner() -> None:
+    """`services/parser.py` names the subcommands and `services/cli.py` runs them: the two
+    lists agree, in order."""
+    import argparse
+
+    from services.cli import COMMANDS, build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert list(sub.choices) == list(COMMANDS)

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from gpu_worker.cache.hicache import RECENT_ACKS, CacheConfig, PrefixCache
+from gpu_worker.cache.hicache import CacheConfig, PrefixCache
+from gpu_worker.cache.stats import RECENT_ACKS
 from gpu_worker.cache.transfer import (
     COMPLETION_LOG_LEN,
     DelayInjection,

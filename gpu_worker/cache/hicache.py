@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from array import array
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,6 +29,7 @@ import torch
 from bus_schemas.token_ids import TokenIds
 from gpu_worker.cache.load_cost import LoadCostEstimate, LoadCostModel
 from gpu_worker.cache.radix import KVEventRecord, MatchResult, PageIds, RadixTree, TreeNode
+from gpu_worker.cache.stats import CacheStats
 from gpu_worker.cache.storage_codec import StorageLayout
 from gpu_worker.cache.storage_io import StorageFaults, StorageIO
 from gpu_worker.cache.storage_tier import (
@@ -56,7 +56,6 @@ WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 LoadPolicy = Literal["always", "cost"]
 LOAD_POLICIES: tuple[LoadPolicy, ...] = ("always", "cost")
 WRITE_POLICIES: tuple[WritePolicy, ...] = ("write_through", "write_through_selective", "write_back")
-RECENT_ACKS = 256  # consumed ACK seqs kept for tests and debugging (a window, not a history)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,31 +177,6 @@ class _BackupOp:
     host_page_ids: list[HostPageId]
 
 
-@dataclass(slots=True)
-class CacheStats:
-    """Counters since the last flush; cached tokens are what requests actually reused."""
-
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    num_backups: int = 0
-    num_loads: int = 0
-    backed_up_pages: int = 0
-    loaded_pages: int = 0
-    loads_skipped: int = 0  # host hits recomputed because loading looked slower
-    storage_hit_tokens: int = 0  # prompt tokens requests got from storage (via the host)
-    num_prefetches: int = 0  # hit queries sent to the store
-    storage_pages_read: int = 0  # pages read from the store into the tree
-    storage_reads_skipped: int = 0  # storage hits recomputed because reading looked slower
-    storage_reads_short: int = 0  # grants cut to a shorter prefix: pins left too few to evict
-    num_storage_writes: int = 0  # writes to the store submitted
-    storage_pages_written: int = 0  # pages the store took (this rank)
-    evicted_device_pages: int = 0  # device pages the tree gave up to make room
-    evicted_host_pages: int = 0  # host pages the tree gave up to make room
-    num_consumed_acks: int = 0
-    # the last RECENT_ACKS consumed ACK seqs, in consume order: bounded, it grows with nothing
-    consumed_acks: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_ACKS))
-
-
 class PrefixCache:
     """One rank's cache. See the module docstring."""
 
@@ -267,6 +241,7 @@ class PrefixCache:
             )
             self.storage = StorageTier(
                 self,
+                self.tree,
                 io,
                 storage_layout.scope,
                 config.hicache_storage_prefetch_policy,
@@ -274,6 +249,8 @@ class PrefixCache:
                 config.hicache_storage_write_policy,
                 config.hicache_storage_write_threshold,
                 config.storage_batch_pages,
+                self.host_pool.num_pages,
+                read_by_cost=config.hicache_load_policy == "cost",
             )
 
     @property

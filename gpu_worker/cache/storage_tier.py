@@ -47,18 +47,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from bus_schemas.page_hash import chain_hashes
 from bus_schemas.token_ids import TokenIds
-from gpu_worker.cache.radix import TreeNode
+from gpu_worker.cache.host_pages import HostPages
+from gpu_worker.cache.radix import RadixTree, TreeNode
 from gpu_worker.cache.storage_io import ReadOp, StorageAck, StorageIO
 from gpu_worker.cache.storage_writes import StorageWritePolicy, StorageWrites
 from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.memory.allocator import HostPageId
-
-if TYPE_CHECKING:
-    from gpu_worker.cache.hicache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +120,8 @@ class StorageTier:
 
     def __init__(
         self,
-        cache: PrefixCache,
+        host: HostPages,
+        tree: RadixTree,
         io: StorageIO,
         scope: str,
         policy: PrefetchPolicy,
@@ -130,14 +129,24 @@ class StorageTier:
         write_policy: StorageWritePolicy,
         write_threshold: int,
         batch_pages: int,
+        num_host_pages: int,
+        read_by_cost: bool,
     ) -> None:
-        self.cache = cache
+        """`host`: the owning cache's host pages (reads are granted from them); `tree`: its
+        radix tree, which the reads join; `num_host_pages`: the host pool's size (the grant
+        budget is half of it); `read_by_cost`: skip hits slower to read than to recompute
+        (`--hicache-load-policy cost`)."""
+        self.host = host
+        self.tree = tree
+        self.page_size = tree.page_size
+        self.num_host_pages = num_host_pages
+        self.read_by_cost = read_by_cost
         self.io = io
         self.scope = scope
         self.policy = policy
         self.timeout = timeout
         self.batch_pages = batch_pages
-        self.writes = StorageWrites(cache, io, write_policy, write_threshold)
+        self.writes = StorageWrites(host, tree, io, write_policy, write_threshold)
         self.prefetches: dict[int, Prefetch] = {}  # rid -> not finished, or its read not done
         self.held_pages = 0  # host pages prefetches hold (granted, not yet released or freed)
         self.room_queue: deque[Prefetch] = deque()  # hits waiting for a grant, in start order
@@ -146,8 +155,7 @@ class StorageTier:
     def budget_pages(self) -> int:
         """Prefetches hold at most this many host pages at once: half the host pool (SGLang
         stops prefetching past about half too), so the tree keeps the other half."""
-        assert self.cache.host_pool is not None
-        return self.cache.host_pool.num_pages // 2
+        return self.num_host_pages // 2
 
     # ----------------------------------------------------------------- prefetch
 
@@ -155,7 +163,7 @@ class StorageTier:
     def start(self, rid: int, ids: TokenIds, salt: str) -> Prefetch | None:
         """Start prefetching what the store may hold of `ids` past the host-covered prefix;
         None when there is nothing to ask for."""
-        tree, ps = self.cache.tree, self.cache.page_size
+        tree, ps = self.tree, self.page_size
         limit = (len(ids) - 1) // ps * ps  # a request computes at least its last token
         node, start = tree.host_prefix(ids[:limit], salt)
         if start >= limit or tree.cached_len(ids[:limit], salt) >= limit:
@@ -174,7 +182,7 @@ class StorageTier:
         tree.ref_host(node)
         self.io.query(p.keys, p)
         self.prefetches[rid] = p
-        self.cache.stats.num_prefetches += 1
+        self.host.stats.num_prefetches += 1
         return p
 
     def on_ack(self, ack: StorageAck) -> None:
@@ -196,13 +204,12 @@ class StorageTier:
         """The agreed hit is known: queue it for a grant (`grant`)."""
         p.hit_pages = agreed
         want = agreed
-        by_cost = self.cache.config.hicache_load_policy == "cost"
         if (
             want
-            and by_cost
-            and not self.cache.cost_estimate.worth_reading(want * self.cache.page_size)
+            and self.read_by_cost
+            and not self.host.cost_estimate.worth_reading(want * self.page_size)
         ):
-            self.cache.stats.storage_reads_skipped += 1
+            self.host.stats.storage_reads_skipped += 1
             want = 0
         if want and not (p.stopped or p.finished):
             p.awaiting_room = True
@@ -228,7 +235,7 @@ class StorageTier:
             need = want - len(p.host_page_ids)
             if need > self.budget_pages - self.held_pages:
                 return  # wait until requests ahead are admitted and release theirs
-            got = self.cache.alloc_host_upto(need)
+            got = self.host.alloc_host_upto(need)
             p.host_page_ids += got
             self.held_pages += len(got)
             p.stalled_grants = 0 if got else p.stalled_grants + 1
@@ -244,7 +251,7 @@ class StorageTier:
         whose prefetches hold the rest of the budget, get admitted; and it has not waited
         `GRANT_PATIENCE` attempts in a row for nothing. Replicated counts."""
         return p.stalled_grants < GRANT_PATIENCE and bool(
-            self.cache.num_queued_acks
+            self.host.num_queued_acks
             or len(self.io.writes)
             or self.held_pages > len(p.host_page_ids)
         )
@@ -252,7 +259,7 @@ class StorageTier:
     def _give_back_grant(self, p: Prefetch) -> None:
         """A prefetch leaves the queue without reading: the pages it was granted go back."""
         p.awaiting_room = False
-        self.cache.free_host(p.host_page_ids)
+        self.host.free_host(p.host_page_ids)
         self.held_pages -= len(p.host_page_ids)
         p.host_page_ids = []
 
@@ -262,7 +269,7 @@ class StorageTier:
         (a shorter page-aligned prefix); none at all: the request computes its prompt."""
         n = len(p.host_page_ids)
         if n < want:
-            self.cache.stats.storage_reads_short += 1
+            self.host.stats.storage_reads_short += 1
         if not n:
             self._maybe_forget(p)
             return
@@ -283,7 +290,7 @@ class StorageTier:
     def _free_unused(self, p: Prefetch) -> None:
         """The granted pages `finish` did not attach go back to the pool and the budget."""
         unused = p.host_page_ids[p.storage_used :]
-        self.cache.free_host(unused)
+        self.host.free_host(unused)
         self.held_pages -= len(unused)
 
     def ready(self, p: Prefetch) -> bool:
@@ -310,17 +317,17 @@ class StorageTier:
         n = p.completed_pages if p.taken_pages is None else p.taken_pages
         n = n if p.read is not None else 0
         p.storage_used = n
-        tree, ps = self.cache.tree, self.cache.page_size
+        tree, ps = self.tree, self.page_size
         end = p.start_len + n * ps
         if n:
             _, dup_end, unused = tree.insert_host(
                 p.ids[:end], p.host_page_ids[:n], p.start_len, p.salt
             )
-            self.cache.free_host(unused)
+            self.host.free_host(unused)
             self.held_pages -= len(unused)
             p.attached_pages = n - len(unused)
             p.storage_range = (dup_end, end) if dup_end < end else (0, 0)
-            self.cache.stats.storage_pages_read += n
+            self.host.stats.storage_pages_read += n
         # The host prefix the request will load (what was covered at start, and what was
         # attached) stays pinned until `release`: the deepest node of it that is on the host.
         p.pin_node, _ = tree.host_prefix(p.ids[:end], p.salt)
@@ -335,7 +342,7 @@ class StorageTier:
         prefix `finish` pinned becomes ordinary host cache, and what it attached leaves the
         budget."""
         if p.pin_node is not None:
-            self.cache.tree.unref_host(p.pin_node)
+            self.tree.unref_host(p.pin_node)
             p.pin_node = None
         self.held_pages -= p.attached_pages
         p.attached_pages = 0
@@ -363,7 +370,7 @@ class StorageTier:
         for p in self.prefetches.values():
             if p.finished or p.stopped or p.read is None or p.read_started_at is None:
                 continue
-            num_tokens = len(p.host_page_ids) * self.cache.page_size
+            num_tokens = len(p.host_page_ids) * self.page_size
             if now - p.read_started_at > self.timeout.deadline_s(num_tokens):
                 out.append(p.rid)
         return out

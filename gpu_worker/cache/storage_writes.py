@@ -14,14 +14,12 @@ lacks would send requests after a hit no engine of this layout can read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from gpu_worker.cache.radix import KVEventRecord, TreeNode
+from gpu_worker.cache.host_pages import HostPages
+from gpu_worker.cache.radix import KVEventRecord, RadixTree, TreeNode
 from gpu_worker.cache.storage_io import StorageIO
 from gpu_worker.consensus.checker import rank_consensus
-
-if TYPE_CHECKING:
-    from gpu_worker.cache.hicache import PrefixCache
 
 StorageWritePolicy = Literal["write_through", "write_through_selective"]
 STORAGE_WRITE_POLICIES: tuple[StorageWritePolicy, ...] = (
@@ -41,9 +39,17 @@ class StorageWrites:
     """See the module docstring. Owned by the `StorageTier`, which hands it WRITE ACKs."""
 
     def __init__(
-        self, cache: PrefixCache, io: StorageIO, policy: StorageWritePolicy, threshold: int
+        self,
+        host: HostPages,
+        tree: RadixTree,
+        io: StorageIO,
+        policy: StorageWritePolicy,
+        threshold: int,
     ) -> None:
-        self.cache = cache
+        """`host`: the owning cache's host pages (read here for its counters only); `tree`:
+        its radix tree, whose nodes are marked and pinned while their writes run."""
+        self.host = host
+        self.tree = tree
         self.io = io
         self.policy = policy
         self.threshold = threshold
@@ -63,7 +69,7 @@ class StorageWrites:
     def write(self, last_node: TreeNode) -> int:
         """Write the host pages of the path to `last_node` not yet in the store; pages. The
         path stays pinned until the pages are staged (the WRITE ACK)."""
-        tree = self.cache.tree
+        tree = self.tree
         page_hashes: list[bytes] = []
         host_ids: list[int] = []
         end = last_node
@@ -83,13 +89,13 @@ class StorageWrites:
         keys = self.io.codec.keys(page_hashes)
         op = WriteOp(end, len(page_hashes), [h.hex() for h in page_hashes])
         self.io.write(keys, host_ids, op)
-        self.cache.stats.num_storage_writes += 1
+        self.host.stats.num_storage_writes += 1
         return len(page_hashes)
 
     def on_ack(self, op: object, staged: int) -> None:
         """A consumed WRITE ACK: the pages are copied out, they may be evicted from now on."""
         assert isinstance(op, WriteOp)
-        self.cache.tree.unref_host(op.last_node)
+        self.tree.unref_host(op.last_node)
 
     def collect_stored(self) -> None:
         """Writes whose put finished: count them, and (rank 0) advertise the leading pages
@@ -97,8 +103,8 @@ class StorageWrites:
         for done in self.io.pop_stored():
             op = done.op
             assert isinstance(op, WriteOp)
-            self.cache.stats.storage_pages_written += done.local_pages
-            if done.agreed_pages and self.cache.tree.record_events:
+            self.host.stats.storage_pages_written += done.local_pages
+            if done.agreed_pages and self.tree.record_events:
                 self.events.append(("stored", "storage", op.page_hashes[: done.agreed_pages]))
 
     def drain_events(self) -> list[KVEventRecord]:

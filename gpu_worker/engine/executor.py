@@ -18,16 +18,13 @@ the checker can report the decision that diverged first rather than a later cras
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.forward_batch import ForwardBatch, KVCache
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.model.sampling import SamplingParams, sample_with_logprobs, step_generator
+from gpu_worker.model.sampling import sample_with_logprobs, step_generator
 from gpu_worker.model.shard import ModelShard
 from gpu_worker.parallel.groups import ParallelGroups
 from gpu_worker.parallel.sync import (
@@ -39,27 +36,7 @@ from gpu_worker.parallel.sync import (
     decode_object,
     encode_object,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class SampleSpec:
-    """How to sample one batch row: its request's sampling, which output token this is,
-    and the tokens seen so far (read only by penalties; this rank's replica of them)."""
-
-    sampling: SamplingParams
-    step: int  # index of the output token being sampled
-    trace: bool = False  # keep the logits (the cache oracle's hook)
-    prompt_ids: Sequence[int] = ()
-    output_ids: Sequence[int] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class SampleOutcome:
-    token: int | None  # None when sampling failed
-    error: str | None = None
-    logits: torch.Tensor | None = None  # (vocab,) when traced
-    logprob: float | None = None  # when the request asked for logprobs
-    top_logprobs: tuple[tuple[int, float], ...] = ()
+from gpu_worker.scheduler.executor import SampleOutcome, SampleSpec
 
 
 class StageMismatchError(RuntimeError):

@@ -9,8 +9,9 @@ One step (driven by `Engine.step`):
    pages for the host part to load and for every token the request may still write are
    reserved up front, so nothing is ever preempted);
 4. run one forward over a ragged batch (every decoding request plus prefill chunks up to
-   `chunked_prefill_size` tokens) through the `ModelExecutor`, which returns the sampled
-   tokens on every rank;
+   `chunked_prefill_size` tokens) through the `StepExecutor` (the engine's `ModelExecutor`,
+   seen through `gpu_worker/scheduler/executor.py`), which returns the sampled tokens on
+   every rank;
 5. finish requests, and insert their KV into the tree.
 
 Every rank runs the same steps on the same inputs; no decision here reads a clock (the one
@@ -30,10 +31,10 @@ import torch
 from bus_schemas.token_ids import TokenIds
 from gpu_worker.cache.hicache import PrefixCache
 from gpu_worker.consensus.checker import rank_consensus
-from gpu_worker.engine.executor import ModelExecutor, SampleSpec
 from gpu_worker.kernels.moves import move_pages
 from gpu_worker.kernels.relayout import RunView
 from gpu_worker.model.forward_batch import ForwardBatch
+from gpu_worker.scheduler.executor import SampleSpec, StepExecutor
 from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState, RequestError
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        executor: ModelExecutor,
+        executor: StepExecutor,
         cache: PrefixCache,
         eos_token_ids: tuple[int, ...],
         device: torch.device,

@@ -1,4 +1,9 @@
-"""Storage (L3): the backend interface, its config and registry, and the `file` backend."""
+"""Storage (L3): the backend interface, its config and registry, and the `file` backend.
+
+Importing this package imports every backend module, and each registers itself in
+`BACKENDS` (`base.register_backend`): whatever part of the package a caller imports, the
+registry is full before `StorageConfig` checks a backend name.
+"""
 
 from gpu_worker.storage.base import (
     BACKENDS,

@@ -229,15 +229,17 @@ class StorageBackend(abc.ABC):
         methods raise RuntimeError."""
 
 
-def _make_file_backend(config: StorageConfig) -> StorageBackend:
-    from gpu_worker.storage.file import FileBackend  # file.py imports this module
+# The registry: backend name -> factory. A backend's module registers itself when imported
+# (`register_backend`), so this module never imports a backend; `gpu_worker.storage` imports
+# every backend module, and importing any part of the package fills the registry.
+BACKENDS: dict[str, Callable[[StorageConfig], StorageBackend]] = {}
 
-    return FileBackend(config)
 
-
-BACKENDS: dict[str, Callable[[StorageConfig], StorageBackend]] = {
-    "file": _make_file_backend,
-}
+def register_backend(name: str, factory: Callable[[StorageConfig], StorageBackend]) -> None:
+    """Make `factory` the backend `StorageConfig.backend == name` builds (once per name)."""
+    if name in BACKENDS:
+        raise ValueError(f"storage backend {name!r} is registered twice")
+    BACKENDS[name] = factory
 
 
 def check_backend_name(name: str) -> None:

@@ -92,6 +92,7 @@ from gpu_worker.storage.base import (
     check_keys,
     default_capacity_bytes,
     is_valid_key,
+    register_backend,
 )
 
 log = logging.getLogger(__name__)
@@ -772,3 +773,6 @@ class FileBackend(StorageBackend):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"storage backend on {self.root} is closed")
+
+
+register_backend("file", FileBackend)

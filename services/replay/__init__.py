@@ -9,5 +9,6 @@ The pipeline, one module per step:
 - `compare`: one request against its reference (the recording, or another arm): status,
   output tokens, cached tokens per tier.
 - `summary`: percentiles, regressions, hit rates, the index-staleness audit.
-- `report` (markdown) and `plot` (PNG); `cli` runs it all, per arm.
+- `report` (markdown) and `plot` (PNG); `cli` runs it all, per arm, with the flags `flags`
+  declares.
 """
