@@ -19,25 +19,26 @@ is turned into `bytes` once per call, so comparing a node's tokens is one `start
 memcmp) and a child is found by its first token (page 1) or its first page's 4 * page_size
 bytes. Page ids are `array('q')`, so a match concatenates them at C speed.
 
-Eviction candidates are kept incrementally (`_EvictionHeap`), one lazy heap per tier, so an
-eviction costs O(log n), not a scan of every node.
+Eviction candidates are kept incrementally (`eviction.EvictionHeap`), one lazy heap per tier,
+so an eviction costs O(log n), not a scan of every node; the eviction policy lives in
+`eviction.py`, the KV-event records of tier changes in `kv_events.py`.
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from bus_schemas.page_hash import chain_hashes, root_hash
 from bus_schemas.token_ids import TokenIds, as_token_ids
+from gpu_worker.cache import eviction, kv_events
+from gpu_worker.cache.eviction import EvictionHeap
+from gpu_worker.cache.kv_events import KVEventLog, KVEventRecord
 from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.memory.allocator import HostPageId, PageId
-
-KVEventRecord = tuple[str, str, list[str]]  # (stored | removed, device | host, page hashes)
 
 PageIds = array
 """An `array('q')` of page ids (device or host): compact, concatenated at C speed, and the
@@ -157,81 +158,6 @@ class EvictResult:
     unbacked: list[TreeNode] = field(default_factory=list)  # leaves kept: need a backup first
 
 
-class EvictionHeap:
-    """The eviction candidates of one tier, kept incrementally: a heap with lazy invalidation.
-
-    Rebuilding a heap from every node on each eviction cost 51 ms at 50k nodes; this costs
-    O(log n) per eviction and nothing per match. Invariant (checked by `check`): every node
-    that is `eligible` now is in `members` and has exactly one entry `(key, id, node)` in
-    `entries`, with `key <= node.last_access`; no node has two entries. An entry may be
-    stale: its node is no longer eligible (dropped when popped), or was accessed since it
-    was pushed (pushed again with its current `last_access` when popped). `last_access` only
-    grows, so the first fresh entry popped is the eligible node with the smallest
-    `(last_access, id)`: exactly the order of a heap built from scratch. The tree calls
-    `offer` wherever a node may have *become* eligible; losing eligibility needs no call.
-    """
-
-    __slots__ = ("eligible", "entries", "members")
-
-    def __init__(self, eligible: Callable[[TreeNode], bool]) -> None:
-        self.eligible = eligible
-        self.entries: list[tuple[int, int, TreeNode]] = []
-        self.members: set[TreeNode] = set()
-
-    def offer(self, node: TreeNode) -> None:
-        """Give `node` an entry if it is eligible and has none."""
-        if node not in self.members and self.eligible(node):
-            self.members.add(node)
-            heapq.heappush(self.entries, (node.last_access, node.id, node))
-
-    def pop(self) -> TreeNode | None:
-        """Remove and return the eligible node with the smallest (last_access, id), or None."""
-        entries, eligible = self.entries, self.eligible
-        while entries:
-            key, node_id, node = entries[0]
-            if not eligible(node):
-                heapq.heappop(entries)
-                self.members.discard(node)
-            elif key != node.last_access:
-                heapq.heapreplace(entries, (node.last_access, node_id, node))
-            else:
-                heapq.heappop(entries)
-                self.members.discard(node)
-                return node
-        return None
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.members.clear()
-
-    def order(self) -> list[TreeNode]:
-        """The eligible nodes in the order `pop` would return them (on a copy; nothing moves)."""
-        entries, out = list(self.entries), []
-        while entries:
-            key, node_id, node = heapq.heappop(entries)
-            if not self.eligible(node):
-                continue
-            if key != node.last_access:
-                heapq.heappush(entries, (node.last_access, node_id, node))
-            else:
-                out.append(node)
-        return out
-
-    def check(self, nodes: list[TreeNode], tier: str) -> None:
-        """Assert that this incremental structure agrees with a from-scratch computation."""
-        in_entries = [n for _, _, n in self.entries]
-        assert len(set(in_entries)) == len(in_entries), f"{tier} heap: a node twice"
-        assert set(in_entries) == self.members, f"{tier} heap: members differ from entries"
-        assert self.members <= set(nodes), f"{tier} heap: holds a node not in the tree"
-        assert all(k <= n.last_access for k, _, n in self.entries), f"{tier} heap: key ahead"
-        for i in range(1, len(self.entries)):
-            assert self.entries[(i - 1) // 2][:2] <= self.entries[i][:2], f"{tier} heap: order"
-        scratch = sorted(
-            (n for n in nodes if self.eligible(n)), key=lambda n: (n.last_access, n.id)
-        )
-        assert self.order() == scratch, f"{tier} heap: eviction order differs from a rebuild"
-
-
 class RadixTree:
     """Page-aligned radix tree. See the module docstring for the invariants."""
 
@@ -246,11 +172,11 @@ class RadixTree:
         self.page_size = page_size
         self.namespace = namespace
         self.record_events = record_events
-        self.events: list[KVEventRecord] = []
+        self.event_log = KVEventLog(namespace is not None and record_events)
         self._next_id = 0
         self._clock = 0
-        self._device_heap = EvictionHeap(self._device_leaf)
-        self._host_heap = EvictionHeap(self._host_leaf)
+        self._device_heap: EvictionHeap[TreeNode] = EvictionHeap(self._device_leaf)
+        self._host_heap: EvictionHeap[TreeNode] = EvictionHeap(self._host_leaf)
         self.roots: dict[str, TreeNode] = {}  # one root per cache_salt: salts never share KV
         self.root = self._root_for("")
         self.num_device_pages = 0  # device pages held by the tree
@@ -273,11 +199,6 @@ class RadixTree:
                 root.page_hashes = [root_hash(self.namespace, salt)]
             self.roots[salt] = root
         return root
-
-    def _record(self, kind: str, tier: str, node: TreeNode) -> None:
-        if self.namespace is not None and self.record_events:
-            assert node.page_hashes is not None
-            self.events.append((kind, tier, [h.hex() for h in node.page_hashes]))
 
     def _hash_new(self, node: TreeNode) -> None:
         if self.namespace is not None:
@@ -439,7 +360,7 @@ class RadixTree:
             if child.device_page_ids is None:  # host-only: the caller's pages revive it
                 child.device_page_ids = page_ids_of(page_ids[pos // ps : (pos + matched) // ps])
                 self._add_device_pages(child, len(child.device_page_ids))
-                self._record("stored", "device", child)
+                self.event_log.record("stored", "device", child)
                 self._device_heap.offer(child)
             else:
                 dup_len = pos + matched
@@ -455,7 +376,7 @@ class RadixTree:
         parent.children[child_key] = new
         self.num_device_pages += len(pages)
         self._hash_new(new)
-        self._record("stored", "device", new)
+        self.event_log.record("stored", "device", new)
         self._device_heap.offer(new)
         return new
 
@@ -553,7 +474,7 @@ class RadixTree:
                     child.host_page_ids = pages
                     child.in_storage = True
                     self.num_host_pages += len(pages)
-                    self._record("stored", "host", child)
+                    self.event_log.record("stored", "host", child)
                     self._host_heap.offer(child)
                 else:
                     if taking and child.host_page_ids is not None:
@@ -580,7 +501,7 @@ class RadixTree:
         parent.children[child_key] = new
         self.num_host_pages += len(new.host_page_ids)
         self._hash_new(new)
-        self._record("stored", "host", new)
+        self.event_log.record("stored", "host", new)
         self._host_heap.offer(new)
         return new
 
@@ -699,7 +620,7 @@ class RadixTree:
             n.host_page_ids = host[lo : lo + len(n.key) // ps]
             n.backup_pending = False
             self.num_host_pages += len(n.host_page_ids)
-            self._record("stored", "host", n)
+            self.event_log.record("stored", "host", n)
             self._host_heap.offer(n)
 
     def abort_backup(self, last_node: TreeNode, start_len: int) -> None:
@@ -729,7 +650,7 @@ class RadixTree:
             if n.device_page_ids is None:
                 n.device_page_ids = pages
                 self._add_device_pages(n, len(pages))
-                self._record("stored", "device", n)
+                self.event_log.record("stored", "device", n)
                 self._device_heap.offer(n)
             else:
                 unused += pages
@@ -738,12 +659,10 @@ class RadixTree:
     # ----------------------------------------------------------------- eviction
 
     def _device_leaf(self, n: TreeNode) -> bool:
-        return (
-            n.parent is not None
-            and n.device_page_ids is not None
-            and n.lock_ref == 0
-            and not any(c.device_page_ids is not None for c in n.children.values())
-        )
+        return eviction.device_leaf(n)
+
+    def _host_leaf(self, n: TreeNode) -> bool:
+        return eviction.host_leaf(n)
 
     @rank_consensus(
         same_params=["num_pages", "delete_unbacked"],
@@ -756,39 +675,19 @@ class RadixTree:
         `delete_unbacked=False` (write-back), kept and listed in `unbacked` for the caller to
         back up first.
         """
-        result = EvictResult()
-        heap = self._device_heap
-        while len(result.freed_page_ids) < num_pages:
-            node = heap.pop()
-            if node is None:
-                break
-            assert node.device_page_ids is not None
-            if node.host_page_ids is None and not delete_unbacked:
-                result.unbacked.append(node)
-                continue
-            result.freed_page_ids += node.device_page_ids
-            self.num_device_pages -= len(node.device_page_ids)
-            self._record("removed", "device", node)
-            node.device_page_ids = None
-            parent = node.parent
-            assert parent is not None
-            if node.host_page_ids is None:
-                assert not node.children and node.host_ref == 0
-                del parent.children[self._child_key(node.key)]
-            heap.offer(parent)
-        for node in result.unbacked:  # still candidates once backed up
-            heap.offer(node)
-        return result
-
-    def _host_leaf(self, n: TreeNode) -> bool:
-        return (
-            n.host_page_ids is not None
-            and n.host_ref == 0
-            and not n.backup_pending
-            and not any(
-                c.host_page_ids is not None or c.backup_pending for c in n.children.values()
-            )
+        freed, unbacked = eviction.evict_device(
+            self._device_heap, num_pages, delete_unbacked, self._drop_device
         )
+        return EvictResult(freed, unbacked)
+
+    def _drop_device(self, node: TreeNode) -> None:
+        assert node.device_page_ids is not None
+        self.num_device_pages -= len(node.device_page_ids)
+        self.event_log.record("removed", "device", node)
+        node.device_page_ids = None
+        if node.host_page_ids is None:
+            assert not node.children and node.host_ref == 0
+            self._unlink(node)
 
     @rank_consensus(same_params=["num_pages"], same_results=["result"])
     def evict_host(self, num_pages: int) -> list[HostPageId]:
@@ -796,24 +695,22 @@ class RadixTree:
 
         A node that is also on the device keeps its device copy; a host-only node is deleted.
         """
-        freed: list[HostPageId] = []
-        heap = self._host_heap
-        while len(freed) < num_pages:
-            node = heap.pop()
-            if node is None:
-                break
-            assert node.host_page_ids is not None
-            freed += node.host_page_ids
-            self.num_host_pages -= len(node.host_page_ids)
-            self._record("removed", "host", node)
-            node.host_page_ids = None
-            parent = node.parent
-            assert parent is not None
-            if node.device_page_ids is None:
-                assert not node.children and node.lock_ref == 0
-                del parent.children[self._child_key(node.key)]
-            heap.offer(parent)
-        return freed
+        freed = eviction.evict_host(self._host_heap, num_pages, self._drop_host)
+        return cast(list[HostPageId], freed)
+
+    def _drop_host(self, node: TreeNode) -> None:
+        assert node.host_page_ids is not None
+        self.num_host_pages -= len(node.host_page_ids)
+        self.event_log.record("removed", "host", node)
+        node.host_page_ids = None
+        if node.device_page_ids is None:
+            assert not node.children and node.lock_ref == 0
+            self._unlink(node)
+
+    def _unlink(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._child_key(node.key)]
 
     # ----------------------------------------------------------------- inspection
 
@@ -827,22 +724,13 @@ class RadixTree:
 
     def drain_events(self) -> list[KVEventRecord]:
         """The tier changes recorded since the last drain, in order."""
-        events, self.events = self.events, []
-        return events
+        return self.event_log.drain()
 
     def snapshot_events(self) -> list[KVEventRecord]:
         """`stored` records for everything the tree holds now, per tier."""
-        out: list[KVEventRecord] = []
         if self.namespace is None:
-            return out
-        for n in self.iter_nodes():
-            assert n.page_hashes is not None
-            hashes = [h.hex() for h in n.page_hashes]
-            if n.device_page_ids is not None:
-                out.append(("stored", "device", hashes))
-            if n.host_page_ids is not None:
-                out.append(("stored", "host", hashes))
-        return out
+            return []
+        return kv_events.snapshot(self.iter_nodes())
 
     @property
     def num_evictable_device_pages(self) -> int:
@@ -858,9 +746,9 @@ class RadixTree:
             device += n.device_page_ids or []
             host += n.host_page_ids or []
             if n.device_page_ids is not None:
-                self._record("removed", "device", n)
+                self.event_log.record("removed", "device", n)
             if n.host_page_ids is not None:
-                self._record("removed", "host", n)
+                self.event_log.record("removed", "host", n)
         for root in self.roots.values():
             root.children.clear()
         self._device_heap.clear()
