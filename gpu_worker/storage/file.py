@@ -5,31 +5,13 @@ Layout: `DIR/<first 2 chars of key>/<key>` (the fan-out keeps any one directory 
 `DIR/<fan>/.tmp-<pid>-<random>` files while a put is in flight. Keys never start with ".",
 so none of the backend's own names can collide with an object.
 
-Object file: HEADER, then the key (ASCII), then the payload.
+FileBackend ties together pieces that each do one job: the object format and its MAC
+(`file_format`), the MAC key (`file_key`), filesystem primitives (`file_fs`), the
+quarantine (`file_quarantine`), the start-up scan (`file_scan`) and the LRU that accounts
+for capacity (`file_index`). Their docstrings say more.
 
-    HEADER = "<8sHHQ32s16s": magic, format version, key length, payload length, digest, MAC
-
-The digest is blake2b-256 of the payload. hashlib's blake2b runs at about a GB/s per core
-and releases the GIL on large buffers, so it costs little next to the disk read, and unlike
-crc32 it makes an undetected corruption practically impossible, which matters because a
-wrong page silently changes outputs. The MAC is keyed blake2b-128 over the header before it
-(the digest included) and the key, under the deployment's secret (`load_key`): whoever can
-write into the directory but lacks the key cannot make an object that is served, e.g. one
-whose payload is another page's KV with a matching digest. One pass over the payload
-serves both checks. A failing MAC is "unauthenticated" (forged, or written under another
-key: a deployment sharing the directory with another key file, or an old format), a
-failing digest "corrupt". The key is stored so that a file copied or renamed under another
-key's name is caught ("misnamed") instead of served as that key's KV.
-
-The MAC key: `StorageConfig.key_file`, or by default `DIR/.key`, made on first use (32
-random bytes as hex, mode 0600, published with a hard link so ranks starting together agree
-on one). Kept beside the objects, it survives restarts, so a restarted engine reads what it
-wrote. It guards against writers who cannot read it; in a directory others may write, give
-a key file outside it (`--hicache-storage-key-file`), since they could replace `DIR/.key`.
-
-Permissions: object and key files are 0600, the directories this backend makes 0700, and a
-root this user owns is tightened to 0700 (set explicitly, whatever the umask): stored KV is
-derived from users' prompts.
+A root this user owns is tightened to 0700 (set explicitly, whatever the umask): stored KV
+is derived from users' prompts.
 
 Writes are atomic and write-once: the object is written and fsynced under a temp name in its
 final directory, then hard-linked to the final name. `link` fails if the name exists, so
@@ -59,25 +41,19 @@ process touched meanwhile. Until it ends the cap may be exceeded; the next put a
 evicts down to the cap. Recency is a logical order (the OrderedDict), not time; mtime is
 used only once, to seed the order from a previous run.
 
-Thread safety: one lock guards the LRU and the counters; file I/O runs outside it.
+Thread safety: one lock guards the LRU index and the counters; file I/O runs outside it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
-import hmac
-import io
 import logging
 import os
 import secrets
 import stat
-import struct
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -94,194 +70,34 @@ from gpu_worker.storage.base import (
     is_valid_key,
     register_backend,
 )
+from gpu_worker.storage.file_format import HEADER as HEADER
+from gpu_worker.storage.file_format import byte_view, encode_header, verify_into
+from gpu_worker.storage.file_format import file_size as file_size
+from gpu_worker.storage.file_fs import (
+    DIR_MODE,
+    FILE_MODE,
+    link_no_replace,
+    listdir,
+    make_private_dir,
+    sync_dirs,
+    unlink,
+    write_failure_reason,
+)
+from gpu_worker.storage.file_fs import TMP_PREFIX as TMP_PREFIX
+from gpu_worker.storage.file_index import LruIndex
+from gpu_worker.storage.file_key import KEY_FILE, load_key
+from gpu_worker.storage.file_quarantine import QUARANTINE_DIR as QUARANTINE_DIR
+from gpu_worker.storage.file_quarantine import (
+    empty_quarantine,
+    move_to_quarantine,
+    quarantine_path,
+    trim_quarantine,
+)
+from gpu_worker.storage.file_scan import STALE_TMP_S, scan_fans
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"HICKV\x00\x01\x00"
-FORMAT_VERSION = 2  # 2: a payload digest of 32 bytes and a keyed MAC
-PREFIX = struct.Struct("<8sHHQ32s")  # magic, version, key_len, payload_len, blake2b-256
-HEADER = struct.Struct("<8sHHQ32s16s")  # PREFIX, then the MAC (keyed blake2b-128)
-DIGEST_SIZE = 32
-MAC_SIZE = 16
-MAC_PERSON = b"hicache-l3-mac"
-QUARANTINE_DIR = ".quarantine"
-KEY_FILE = ".key"  # the default MAC key, in the storage directory
-MIN_KEY_BYTES = 16
-FILE_MODE = 0o600
-DIR_MODE = 0o700
-TMP_PREFIX = ".tmp-"
-STALE_TMP_S = 3600.0  # the start-up scan deletes temp files older than this (crashed writers)
 WARN_INTERVAL_S = 60.0  # at most one write-failure warning per reason per interval
-
-_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # EFBIG: a file-size limit
-_READ_ONLY_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
-_NO_HARD_LINK_ERRNOS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV}
-
-
-def file_size(key: str, payload_nbytes: int) -> int:
-    """On-disk size of an object: what capacity_bytes and StorageStats.num_bytes count."""
-    return HEADER.size + len(key) + payload_nbytes
-
-
-def object_mac(mac_key: bytes, prefix: bytes, key_bytes: bytes) -> bytes:
-    """The MAC of an object: keyed blake2b over its header's PREFIX (which holds the
-    payload's digest) and its key."""
-    h = hashlib.blake2b(key=mac_key, digest_size=MAC_SIZE, person=MAC_PERSON)
-    h.update(prefix)
-    h.update(key_bytes)
-    return h.digest()
-
-
-def encode_header(key: str, payload: memoryview, mac_key: bytes) -> bytes:
-    digest = hashlib.blake2b(payload, digest_size=DIGEST_SIZE).digest()
-    key_bytes = key.encode("ascii")
-    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, len(key_bytes), payload.nbytes, digest)
-    return prefix + object_mac(mac_key, prefix, key_bytes) + key_bytes
-
-
-def load_key(path: str, create: bool) -> bytes:
-    """The MAC key in file `path`: blake2b-512 of its content (surrounding whitespace
-    stripped), so any secret of at least MIN_KEY_BYTES bytes serves. With `create`, a
-    missing file is made first: 32 random bytes as hex, mode 0600, published with a hard
-    link so that processes starting together all read the one that won. ValueError, naming
-    the file, when it is missing (and not to be made), unreadable or too short."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        if not create:
-            raise ValueError(
-                f"no storage key file at {path} (make one: `umask 077; openssl rand -hex 32 "
-                f"> {path}`)"
-            ) from None
-        try:
-            raw = _create_key(path)
-        except OSError as exc:
-            raise ValueError(
-                f"the storage key {path} could not be made ({exc}); give a key file with "
-                "--hicache-storage-key-file"
-            ) from None
-    except OSError as exc:
-        raise ValueError(f"the storage key file {path} cannot be read: {exc}") from None
-    secret = raw.strip()
-    if len(secret) < MIN_KEY_BYTES:
-        raise ValueError(
-            f"the storage key file {path} holds {len(secret)} bytes; at least "
-            f"{MIN_KEY_BYTES} are needed (e.g. `openssl rand -hex 32`)"
-        )
-    with contextlib.suppress(OSError):
-        if os.stat(path).st_mode & 0o077:
-            log.warning("the storage key file %s is readable by others: chmod 600 it", path)
-    return hashlib.blake2b(secret, digest_size=64, person=b"hicache-l3-key").digest()
-
-
-def _create_key(path: str) -> bytes:
-    """Write a fresh key to `path` unless another process got there first; its content."""
-    tmp = f"{path}{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-    try:
-        os.fchmod(fd, FILE_MODE)
-        with open(fd, "wb") as f:
-            f.write(secrets.token_hex(32).encode() + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def make_private_dir(path: str) -> bool:
-    """mkdir `path` with mode 0700 (set explicitly: the umask does not decide); False when
-    it exists already."""
-    try:
-        os.mkdir(path, DIR_MODE)
-    except FileExistsError:
-        return False
-    os.chmod(path, DIR_MODE)
-    return True
-
-
-def write_failure_reason(exc: OSError) -> WriteFailure:
-    if exc.errno in _FULL_ERRNOS:
-        return "full"
-    if exc.errno in _READ_ONLY_ERRNOS:
-        return "read_only"
-    return "other"
-
-
-def _byte_view(buf: bytes | memoryview, writable: bool) -> memoryview:
-    """A flat unsigned-byte view of a C-contiguous buffer (ValueError otherwise)."""
-    view = memoryview(buf)
-    if writable and view.readonly:
-        raise ValueError("storage get needs writable output buffers")
-    if not view.c_contiguous:
-        raise ValueError("storage buffers must be C-contiguous")
-    if view.format == "B" and view.ndim == 1:
-        return view
-    try:
-        return view.cast("B")
-    except TypeError as exc:  # a format memoryview cannot reinterpret as bytes
-        raise ValueError(f"storage buffer of format {view.format!r}: {exc}") from None
-
-
-def _read_exact(f: io.FileIO, n: int) -> bytes:
-    parts = []
-    while n > 0:
-        chunk = f.read(n)
-        if not chunk:
-            break
-        parts.append(chunk)
-        n -= len(chunk)
-    return b"".join(parts)
-
-
-def _readinto_exact(f: io.FileIO, buf: memoryview) -> int:
-    done = 0
-    while done < buf.nbytes:
-        n = f.readinto(buf[done:])
-        if not n:
-            break
-        done += n
-    return done
-
-
-def verify_into(
-    f: io.FileIO, size: int, key: str, out: memoryview, mac_key: bytes
-) -> QuarantineReason | None:
-    """Read the object file `f` (`size` bytes on disk) for `key` into `out`; None when every
-    check passes, else why it failed. The MAC is checked before the payload is read: a
-    forged object's bytes never reach `out`."""
-    key_bytes = key.encode("ascii")
-    head = _read_exact(f, HEADER.size + len(key_bytes))  # header and key in one read
-    if len(head) < HEADER.size:
-        return "truncated"
-    magic, version, key_len, payload_len, digest, mac = HEADER.unpack_from(head)
-    if magic != MAGIC:
-        return "corrupt"
-    if version != FORMAT_VERSION:
-        return "unauthenticated"  # an older format: no MAC of this deployment's key
-    if key_len != len(key_bytes):
-        return "misnamed"
-    if len(head) < HEADER.size + key_len:
-        return "truncated"
-    if head[HEADER.size :] != key_bytes:
-        return "misnamed"
-    expected = HEADER.size + key_len + payload_len
-    if size != expected:
-        return "truncated" if size < expected else "corrupt"
-    if not hmac.compare_digest(object_mac(mac_key, head[: PREFIX.size], key_bytes), mac):
-        return "unauthenticated"
-    if payload_len != out.nbytes:
-        return "wrong_size"
-    if _readinto_exact(f, out) < payload_len:
-        return "truncated"  # shrank since the stat
-    if hashlib.blake2b(out, digest_size=DIGEST_SIZE).digest() != digest:
-        return "corrupt"
-    return None
 
 
 @dataclass(slots=True)
@@ -300,9 +116,7 @@ class FileBackend(StorageBackend):
         super().__init__(config)
         self.root = str(config.directory)
         self._lock = threading.Lock()
-        self._lru: OrderedDict[str, int] = OrderedDict()  # key -> on-disk size, oldest first
-        self._used_bytes = 0  # sum of self._lru's sizes
-        self._pending_bytes = 0  # reserved by puts in flight
+        self._index = LruIndex()  # the known objects and their bytes; under self._lock
         self._counters = _Counters()
         self._quarantined = dict.fromkeys(QUARANTINE_REASONS, 0)
         self._write_failures = dict.fromkeys(WRITE_FAILURES, 0)
@@ -345,7 +159,7 @@ class FileBackend(StorageBackend):
         check_keys(keys)
         if len(out) != len(keys):
             raise ValueError(f"get: {len(keys)} keys but {len(out)} output buffers")
-        views = [_byte_view(buf, writable=True) for buf in out]
+        views = [byte_view(buf, writable=True) for buf in out]
         for i, (key, view) in enumerate(zip(keys, views, strict=True)):
             if not self._read_one(key, view):
                 return i
@@ -356,25 +170,25 @@ class FileBackend(StorageBackend):
         check_keys(keys)
         if len(data) != len(keys):
             raise ValueError(f"put: {len(keys)} keys but {len(data)} payloads")
-        views = [_byte_view(buf, writable=False) for buf in data]
+        views = [byte_view(buf, writable=False) for buf in data]
         stored: set[str] = set()
         new_dirs: set[str] = set()
         for i, (key, view) in enumerate(zip(keys, views, strict=True)):
             failure = self._put_one(key, view, stored, new_dirs)
             if failure is not None:
                 self._record_write_failure(failure, key)
-                self._sync_dirs(new_dirs)
+                sync_dirs(new_dirs)
                 return i
             stored.add(key)
-        self._sync_dirs(new_dirs)
+        sync_dirs(new_dirs)
         return len(keys)
 
     def stats(self) -> StorageStats:
         with self._lock:
             c = self._counters
             return StorageStats(
-                num_objects=len(self._lru),
-                num_bytes=self._used_bytes,
+                num_objects=len(self._index),
+                num_bytes=self._index.used_bytes,
                 scanned=self._scanned.is_set(),
                 num_reads=c.num_reads,
                 num_hits=c.num_hits,
@@ -395,16 +209,13 @@ class FileBackend(StorageBackend):
         self._check_open()
         self._stop_scan()
         for fan in self._fan_dirs():
-            for name in self._listdir(fan):
+            for name in listdir(fan):
                 if is_valid_key(name):
-                    self._unlink(os.path.join(fan, name))
+                    unlink(os.path.join(fan, name))
                     self._forget(name)
-        quarantine = os.path.join(self.root, QUARANTINE_DIR)
-        for name in self._listdir(quarantine):
-            self._unlink(os.path.join(quarantine, name))
+        empty_quarantine(self.root)
         with self._lock:
-            self._lru.clear()
-            self._used_bytes = 0
+            self._index.clear()
             self._quarantine_objects = self._quarantine_bytes = 0
 
     def close(self) -> None:
@@ -422,14 +233,12 @@ class FileBackend(StorageBackend):
     def check_integrity(self) -> None:
         """Assert the bookkeeping invariants; tests call it."""
         with self._lock:
-            assert self._used_bytes == sum(self._lru.values()), "used bytes != LRU sizes"
-            assert self._pending_bytes >= 0, "negative pending bytes"
-            assert all(is_valid_key(k) for k in self._lru), "invalid key in the LRU"
+            self._index.check()
 
     def lru_keys(self) -> list[str]:
         """The known keys, least recently used first (a copy, for tests and debugging)."""
         with self._lock:
-            return list(self._lru)
+            return list(self._index.sizes)
 
     # ---------------------------------------------------------------- reads
 
@@ -461,54 +270,32 @@ class FileBackend(StorageBackend):
             return False
         with self._lock:
             self._counters.num_hits += 1
-            self._touch_locked(key, st.st_size)
+            self._index.touch(key, st.st_size)
         return True
 
     def _quarantine(
         self, key: str, path: str, st: os.stat_result, reason: QuarantineReason
     ) -> None:
         """Move the bad file away from its key's path, unless it was already replaced."""
-        target = os.path.join(self.root, QUARANTINE_DIR, f"{key}.{reason}")
+        target = quarantine_path(self.root, key, reason)
         try:
-            now = os.stat(path)
-            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-                make_private_dir(os.path.dirname(target))
-                os.replace(path, target)
-                now_ns = time.time_ns()  # its age in the quarantine counts from now (to the
-                os.utime(target, ns=(now_ns, now_ns))  # ns: the clock, not the coarse fs one)
-        except FileNotFoundError:
-            pass  # another process quarantined or evicted it first
+            move_to_quarantine(path, st, target)
         except OSError as exc:
             log.warning("storage object %s: quarantine failed (%s); deleting it", key, exc)
             target = "(deleted)"
-            self._unlink(path)
+            unlink(path)
         with self._lock:
             self._quarantined[reason] += 1
             self._counters.num_misses += 1
-            self._forget_locked(key)
+            self._index.forget(key)
         log.warning("storage object %s failed verification (%s): moved to %s", key, reason, target)
         self._trim_quarantine()
 
     def _trim_quarantine(self) -> None:
         """Drop the oldest quarantined objects beyond the quarantine's bounds; count it."""
-        quarantine = os.path.join(self.root, QUARANTINE_DIR)
-        entries: list[tuple[int, str, int]] = []  # (mtime_ns, name, size)
-        for name in self._listdir(quarantine):
-            with contextlib.suppress(OSError):
-                st = os.stat(os.path.join(quarantine, name), follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode):
-                    entries.append((st.st_mtime_ns, name, st.st_size))
-        entries.sort()
-        count, total, dropped = len(entries), sum(e[2] for e in entries), 0
-        max_objects, max_bytes = (
-            self.config.quarantine_max_objects,
-            self.config.quarantine_max_bytes,
+        count, total, dropped = trim_quarantine(
+            self.root, self.config.quarantine_max_objects, self.config.quarantine_max_bytes
         )
-        for _, name, size in entries:
-            if count <= max_objects and total <= max_bytes:
-                break
-            self._unlink(os.path.join(quarantine, name))
-            count, total, dropped = count - 1, total - size, dropped + 1
         with self._lock:
             self._quarantine_objects, self._quarantine_bytes = count, total
             self._quarantine_dropped += dropped
@@ -532,47 +319,26 @@ class FileBackend(StorageBackend):
             return None
         size = file_size(key, payload.nbytes)
         with self._lock:
-            victims = self._reserve_locked(size, batch)
+            victims = self._index.reserve(size, batch, self._capacity or 0)
+            if victims is not None:
+                self._counters.num_evictions += len(victims)
         if victims is None:
             return "full"
         for victim in victims:
-            self._unlink(self._path(victim))
+            unlink(self._path(victim))
         try:
             published = self._write_file(key, path, payload, new_dirs)
         except OSError as exc:
             with self._lock:
-                self._pending_bytes -= size
+                self._index.pending_bytes -= size
             self._log_write_error(key, exc)
             return write_failure_reason(exc)
         with self._lock:
-            self._pending_bytes -= size
+            self._index.pending_bytes -= size
             if published:
                 self._counters.num_written += 1
-            self._touch_locked(key, size)
+            self._index.touch(key, size)
         return None
-
-    def _reserve_locked(self, size: int, batch: set[str]) -> list[str] | None:
-        """Make room for `size` bytes: pick and forget least recently used objects (never
-        ones this put already stored), reserve the bytes, and return the victims to delete.
-        None (nothing changed) when the object cannot fit."""
-        cap = self._capacity or 0
-        excess = self._used_bytes + self._pending_bytes + size - cap
-        victims: list[str] = []
-        if cap > 0 and excess > 0:
-            for key, key_size in self._lru.items():
-                if key in batch:
-                    continue
-                victims.append(key)
-                excess -= key_size
-                if excess <= 0:
-                    break
-            if excess > 0:
-                return None
-        for key in victims:
-            self._forget_locked(key)
-        self._counters.num_evictions += len(victims)
-        self._pending_bytes += size
-        return victims
 
     def _write_file(self, key: str, path: str, payload: memoryview, new_dirs: set[str]) -> bool:
         """Write the object atomically; False when another writer published it first."""
@@ -588,38 +354,12 @@ class FileBackend(StorageBackend):
                 f.write(payload)
                 f.flush()
                 os.fsync(f.fileno())
-            published = self._link(tmp, path)
+            published = link_no_replace(tmp, path)
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         new_dirs.add(fan)
         return published
-
-    @staticmethod
-    def _link(tmp: str, path: str) -> bool:
-        """Publish the complete temp file under its key's name, never replacing a winner;
-        False when another writer published first."""
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False  # the winner's object is complete and has the same content
-        except OSError as exc:
-            if exc.errno not in _NO_HARD_LINK_ERRNOS:
-                raise
-            os.replace(tmp, path)
-        return True
-
-    @staticmethod
-    def _sync_dirs(dirs: Iterable[str]) -> None:
-        """fsync directories so new names survive a crash (best effort: not every
-        filesystem allows it)."""
-        for d in dirs:
-            with contextlib.suppress(OSError):
-                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
 
     def _record_write_failure(self, reason: WriteFailure, key: str) -> None:
         with self._lock:
@@ -652,25 +392,13 @@ class FileBackend(StorageBackend):
 
     def _touch(self, key: str, size: int) -> None:
         with self._lock:
-            self._touch_locked(key, size)
-
-    def _touch_locked(self, key: str, size: int) -> None:
-        old = self._lru.pop(key, None)
-        if old is not None:
-            self._used_bytes -= old
-        self._lru[key] = size
-        self._used_bytes += size
+            self._index.touch(key, size)
 
     def _forget(self, key: str, miss: bool = False) -> None:
         with self._lock:
-            self._forget_locked(key)
+            self._index.forget(key)
             if miss:
                 self._counters.num_misses += 1
-
-    def _forget_locked(self, key: str) -> None:
-        size = self._lru.pop(key, None)
-        if size is not None:
-            self._used_bytes -= size
 
     # ---------------------------------------------------------------- start-up scan
 
@@ -679,12 +407,7 @@ class FileBackend(StorageBackend):
         found: list[tuple[int, str, int]] = []  # (mtime_ns, key, size)
         stale_before = time.time() - STALE_TMP_S
         try:
-            for fan in self._fan_dirs():
-                with os.scandir(fan) as entries:
-                    for entry in entries:
-                        if self._cancel_scan.is_set():
-                            return
-                        self._scan_entry(entry, os.path.basename(fan), stale_before, found)
+            scan_fans(self._fan_dirs(), stale_before, self._cancel_scan, found)
         except OSError as exc:
             log.warning("storage scan of %s stopped: %s", self.root, exc)
         finally:
@@ -693,34 +416,12 @@ class FileBackend(StorageBackend):
                 self._trim_quarantine()
             self._scanned.set()
 
-    @staticmethod
-    def _scan_entry(
-        entry: os.DirEntry[str], fan: str, stale_before: float, found: list[tuple[int, str, int]]
-    ) -> None:
-        try:
-            if not entry.is_file(follow_symlinks=False):
-                return
-            st = entry.stat(follow_symlinks=False)
-        except OSError:
-            return  # vanished
-        if entry.name.startswith(TMP_PREFIX):
-            if st.st_mtime < stale_before:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-        elif is_valid_key(entry.name) and entry.name[:2] == fan:
-            found.append((st.st_mtime_ns, entry.name, st.st_size))
-
     def _merge_scan(self, found: list[tuple[int, str, int]]) -> None:
         """Put scanned objects behind everything touched while the scan ran; fix the
         default cap now that the store's size is known."""
-        found.sort(reverse=True)  # newest first, each moved to the front in turn
         with self._lock:
-            for _, key, size in found:
-                if key not in self._lru:
-                    self._lru[key] = size
-                    self._used_bytes += size
-                    self._lru.move_to_end(key, last=False)
-            used = self._used_bytes
+            self._index.merge_older(found)
+            used = self._index.used_bytes
         if self.config.capacity_bytes is None:
             with contextlib.suppress(OSError):
                 cap = default_capacity_bytes(self.root, used)
@@ -754,21 +455,9 @@ class FileBackend(StorageBackend):
         """The fan-out directories (names not starting with ".")."""
         return [
             os.path.join(self.root, name)
-            for name in self._listdir(self.root)
+            for name in listdir(self.root)
             if not name.startswith(".") and os.path.isdir(os.path.join(self.root, name))
         ]
-
-    @staticmethod
-    def _listdir(path: str) -> list[str]:
-        try:
-            return os.listdir(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
-    @staticmethod
-    def _unlink(path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
     def _check_open(self) -> None:
         if self._closed:
