@@ -28,6 +28,8 @@ from typing import IO, Any
 
 import orjson
 
+from router.protocol import SAMPLING_FIELDS
+
 log = logging.getLogger(__name__)
 
 FORMAT = "hicache-mesh-record"
@@ -37,34 +39,21 @@ TOKEN_IDS = ("keep", "hash", "drop")  # --record-token-ids
 # carry no user text, and only values of the types listed (numbers, booleans, lists of token
 # ids, logit_bias's id -> number). Everything else is dropped: prompts, messages, `text`,
 # `stop` strings, `user`, `cache_salt`, unknown fields, any string (`model` stays when it
-# names a served model, else it reads "(redacted)").
-SAFE_FIELDS = frozenset(
-    {
-        "max_tokens",
-        "max_completion_tokens",
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-        "n",
-        "stream",
-        "stream_options",
-        "include_usage",
-        "logprobs",
-        "top_logprobs",
-        "return_logprob",
-        "top_logprobs_num",
-        "ignore_eos",
-        "stop_token_ids",
-        "logit_bias",
-        "sampling_params",
-    }
-)
+# names a served model, else it reads "(redacted)"). The sampling fields are /generate's
+# (`router.protocol`), but `stop`, whose strings are text.
+SAFE_FIELDS = (SAMPLING_FIELDS - {"stop"}) | {
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "include_usage",
+    "logprobs",
+    "top_logprobs",
+    "return_logprob",
+    "top_logprobs_num",
+    "sampling_params",
+}
 # dropped fields a redacted record names (`redacted_fields`), so replay knows what is gone;
 # other dropped names (unknown fields) are not written: a name can be text too
 TEXT_FIELDS = frozenset(
