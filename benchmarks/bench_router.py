@@ -61,7 +61,7 @@ from nats.aio.msg import Msg
 from bus_schemas import GenerateRequest, Heartbeat, Progress, Sampling, SchemaError, TokenChunk
 from bus_schemas import subjects as subj
 from bus_schemas.token_ids import TokenIds, as_token_ids
-from router.generation import parse_server_timing
+from router.outcome import parse_server_timing
 from services.launch.servers import free_port, start_nats, start_redis
 
 PROMPT_LENS = (64, 1024, 8192, 32768)

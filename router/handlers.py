@@ -33,8 +33,9 @@ from router.auth import ANONYMOUS, shared_salt, tenant_salt
 from router.choices import Choices
 from router.engines import EngineView, can_serve
 from router.errors import ApiError, bad_request, json_response
-from router.generation import Generation, Timings, no_engine_error
+from router.generation import Generation, no_engine_error
 from router.models import ServedModel
+from router.outcome import Timings
 from router.protocol import (
     CHARS_PER_TOKEN,
     MAX_SEED,
