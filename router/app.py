@@ -32,10 +32,10 @@ from router.middlewares import auth_middleware, body_middleware, errors_middlewa
 from router.models import ModelCards
 from router.prompt_workers import PromptWorkers
 from router.record import Recorder, header
+from router.reply_hub import ReplyHub
 from router.resp import RespClient
 from router.routing import PrefixIndex, Router
 from router.server import GUARD, ConnectionGuard
-from router.stream import ReplyHub
 
 log = logging.getLogger(__name__)
 

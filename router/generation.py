@@ -39,8 +39,9 @@ from router.metrics import RouterMetrics
 from router.models import ServedModel
 from router.outcome import Delta, Outcome, Timings, TokenLogprob
 from router.protocol import GenerationSpec
+from router.reply_hub import ReplyHub
 from router.routing import RouteChoice, Router
-from router.stream import DECODE_ERRORS, EngineFailure, EngineStream, ReplyHub
+from router.stream import DECODE_ERRORS, EngineFailure, EngineStream
 
 RETRY_AFTER_S = 1
 MAX_ATTEMPTS = 2
