@@ -277,7 +277,7 @@ class Generation:
             async with EngineStream(
                 self.hub, self.table, self.config, decode, rid, DECODE_ERRORS
             ) as stream:
-                prefill_reply_to = stream.watch(prefill)
+                watch = stream.watch(prefill)
                 request = DecodeAdmit(
                     request_id=rid,
                     input_ids=ids,
@@ -297,9 +297,9 @@ class Generation:
                     cache_salt=self.spec.cache_salt,
                     decode_prefix_len=admitted.decode_prefix_len,
                     kv_subject=admitted.kv_subject,
-                    reply_to=prefill_reply_to,
+                    reply_to=watch.subject,
                 )
-                await stream.tell_watched(subjects.engine_prefill(prefill), prefill_request)
+                await watch.tell(subjects.engine_prefill(prefill), prefill_request)
                 async for delta in self._consume(stream):
                     prefill_lease.close()  # prefill's part ended with the first chunk
                     yield delta
