@@ -35,7 +35,7 @@ import aiohttp
 import orjson
 from tqdm import tqdm
 
-from router.generation import parse_server_timing
+from router.outcome import parse_server_timing
 from services.launch.servers import free_port
 
 

@@ -26,15 +26,16 @@ from router.audit import PredictionAudit
 from router.auth import KeyRing
 from router.config import RouterConfig
 from router.engines import EngineTable
-from router.handlers import add_routes, auth_middleware, body_middleware, errors_middleware
+from router.handlers import add_routes
 from router.metrics import RouterMetrics
+from router.middlewares import auth_middleware, body_middleware, errors_middleware
 from router.models import ModelCards
 from router.prompt_workers import PromptWorkers
 from router.record import Recorder, header
+from router.reply_hub import ReplyHub
 from router.resp import RespClient
 from router.routing import PrefixIndex, Router
 from router.server import GUARD, ConnectionGuard
-from router.stream import ReplyHub
 
 log = logging.getLogger(__name__)
 

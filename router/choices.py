@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable
 
-from router.generation import Delta, Generation
+from router.generation import Generation
+from router.outcome import Delta
 
 MakeChoice = Callable[[int, str | None], Generation]  # (choice, preferred engine) -> choice
 

@@ -13,9 +13,9 @@ from router.metrics import RouterMetrics
 from router.models import ModelCards
 from router.prompt_workers import PromptWorkers
 from router.record import Recorder
+from router.reply_hub import ReplyHub
 from router.resp import RespClient
 from router.routing import Router
-from router.stream import ReplyHub
 
 CONFIG = web.AppKey("config", RouterConfig)
 KEYRING = web.AppKey("keyring", KeyRing)  # the API, admin and tenant keys

@@ -18,6 +18,7 @@ pages go first. `max_bytes=0` turns the cache off.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,8 @@ from bus_schemas.token_ids import TokenIds
 CHAINS_PER_HEAD = 4  # prompts kept per first page (conversations sharing a system prompt)
 
 _Head = tuple[str, str, int, bytes]  # namespace, cache_salt, page_size, first page's bytes
+# (parent digest, whole pages' token bytes, page_size) -> the pages' chained digests
+HashPages = Callable[[bytes, bytes, int], bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +46,10 @@ class _Chain:
 class PageChains:
     """Page hashes of prompts, reusing those of recent prompts with the same start."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, hash_pages: HashPages | None = None) -> None:
+        """`hash_pages`: what hashes pages (default `chain_digests`; tests count its calls)."""
         self.max_bytes = max_bytes
+        self._hash_pages = chain_digests if hash_pages is None else hash_pages
         self.num_bytes = 0  # held now
         self._heads: OrderedDict[_Head, list[_Chain]] = OrderedDict()  # oldest first
 
@@ -58,7 +63,7 @@ class PageChains:
             return ""
         data = data[: num_pages * page_bytes]
         if self.max_bytes <= 0:
-            return _digests(root_hash(namespace, cache_salt), data, page_size).hex()
+            return self._hash_pages(root_hash(namespace, cache_salt), data, page_size).hex()
         head = (namespace, cache_salt, page_size, data[:page_bytes])
         chains = self._heads.get(head)
         best, shared = None, 0
@@ -67,12 +72,13 @@ class PageChains:
             if n > shared:
                 best, shared = chain, n
         if best is None:
-            digests = _digests(root_hash(namespace, cache_salt), data, page_size)
+            digests = self._hash_pages(root_hash(namespace, cache_salt), data, page_size)
         elif shared == num_pages:
             digests = best.digests[: shared * DIGEST_SIZE]
         else:
             known = best.digests[: shared * DIGEST_SIZE]
-            digests = known + _digests(known[-DIGEST_SIZE:], data[shared * page_bytes :], page_size)
+            rest = data[shared * page_bytes :]
+            digests = known + self._hash_pages(known[-DIGEST_SIZE:], rest, page_size)
         self._keep(head, chains, best, _Chain(data, digests))
         return digests.hex()
 
@@ -112,7 +118,8 @@ def _shared_pages(cached: bytes, data: bytes, page_bytes: int) -> int:
     return int(np.argmax((a != b).any(axis=1)))  # some page differs: startswith failed
 
 
-def _digests(parent: bytes, data: bytes, page_size: int) -> bytes:
+def chain_digests(parent: bytes, data: bytes, page_size: int) -> bytes:
+    """The chained digests of `data`'s pages (whole pages of uint32 token ids) after `parent`."""
     ids = TokenIds("I")
     ids.frombytes(data)
     return b"".join(chain_hashes(parent, ids, page_size))

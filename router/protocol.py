@@ -11,11 +11,8 @@ Validation happens in two steps, both before anything is sent to an engine:
    `max_completion_tokens`) must be >= 1; `/generate` takes SGLang's `max_new_tokens: 0`.
    An error names only values the client sent.
 
-Prompt ids become a `TokenIds` (array('I')) here, once, and stay compact to the bus. Their
-checks are vectorised (a 32K-token prompt must cost well under a millisecond): the array
-conversion rejects negatives, non-integers and ids >= 2**32 in C, bools are looked for in C
-among the ids that converted to 0 or 1 (`_has_bool`), the vocabulary bound is one `max()`;
-the per-element loop runs only to name the first bad id in the error.
+Prompt ids become a `TokenIds` (array('I')) here, once, and stay compact to the bus; their
+checks are vectorised (`router.fields.parse_token_ids`).
 
 OpenAI endpoints ignore unknown top-level fields (clients send many) but reject, with a 400
 naming the parameter, a set value of a feature the router does not implement (tools and
@@ -34,31 +31,25 @@ logprobs; chat: `logprobs` true and `top_logprobs`; `/generate`: `return_logprob
 
 from __future__ import annotations
 
-import math
-from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
-import numpy as np
 import orjson
 from aiohttp import web
 
 from bus_schemas import Sampling
 from bus_schemas.token_ids import TokenIds, as_token_ids
-from router.chat import ROLES, ChatMessage, ChatTemplateError
+from router.chat import ChatTemplateError
 from router.errors import ApiError, bad_request
+from router.fields import Fields, nonempty, parse_messages, parse_token_ids
 from router.models import ServedModel
 from router.prompt_workers import PromptText, encode_prompt
 
 DEFAULT_MAX_NEW_TOKENS = 128  # /generate without sampling_params.max_new_tokens (SGLang's)
 MAX_SEED = 2**63  # seeds are in [0, 2**63): they seed a 64-bit generator
-MAX_SALT_LEN = 1024
-MAX_STOP_LEN = 1024
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs (the engine's too)
-MAX_LOGIT_BIAS = 100.0
-MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 1024  # the engine checks every output token against them
 # a text prompt longer than this many characters per token of the model's context cannot
 # fit it with any tokenizer we know (the byte tokenizer: 1; BPE vocabularies: about 4)
@@ -189,7 +180,7 @@ def prompt_text(
         value = body.get("messages")
         if not isinstance(value, list) or not value:
             return None
-        messages = tuple(_messages(value))
+        messages = tuple(parse_messages(value))
         _check_chars("messages", sum(len(m.content) for m in messages), max_chars)
         return PromptText("messages", messages=messages, refuse_special=refuse_special)
     param = "text" if endpoint == "generate" else "prompt"
@@ -225,7 +216,7 @@ def parse_completion(
     None: tokenized here (tests)."""
     _reject_unsupported(body)
     ids, max_id = _prompt_ids(body.get("prompt"), model, encoded)
-    logprobs = _Fields(body).int_("logprobs", 0, MAX_LOGPROBS)
+    logprobs = Fields(body).int_("logprobs", 0, MAX_LOGPROBS)
     return _openai_spec("completions", body, ids, max_stop, logprobs, max_id)
 
 
@@ -238,20 +229,20 @@ def parse_chat(
     """`encoded`: the rendered and tokenized messages (`router.prompt_workers`); None: done
     here (tests)."""
     _reject_unsupported(body)
-    f = _Fields(body)
+    f = Fields(body)
     want = f.bool_("logprobs", False)
     top = f.int_("top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not want:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if encoded is None:
-        messages = tuple(_messages(body.get("messages")))
+        messages = tuple(parse_messages(body.get("messages")))
         try:
             encoded = encode_prompt(model, PromptText("messages", messages=messages), None)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages", "chat_template_error") from None
         except ValueError as e:
             raise ApiError(500, str(e), code="chat_template_unusable") from None
-    ids = _nonempty(encoded, "messages")
+    ids = nonempty(encoded, "messages")
     return _openai_spec("chat", body, ids, max_stop, (top or 0) if want else None)
 
 
@@ -274,9 +265,9 @@ def parse_generate(
             raise bad_request("'text' must be a string", "text", "invalid_type")
         if encoded is None:
             encoded = as_token_ids(tok.encode(text))
-        input_ids, max_id = _nonempty(encoded, "text"), None
+        input_ids, max_id = nonempty(encoded, "text"), None
     else:
-        input_ids, max_id = _token_ids(ids, "input_ids")
+        input_ids, max_id = parse_token_ids(ids, "input_ids")
     sp = body.get("sampling_params")
     if sp is None:
         sp = {}
@@ -286,13 +277,13 @@ def parse_generate(
     if unknown:
         param = f"sampling_params.{unknown[0]}"
         raise bad_request(f"unknown sampling parameter(s) {unknown}", param, "unknown_field")
-    top = _Fields(body)
+    top = Fields(body)
     want = top.bool_("return_logprob", False)
     num = top.int_("top_logprobs_num", 0, MAX_LOGPROBS)
     return GenerationSpec(
         endpoint="generate",
         input_ids=input_ids,
-        max_tokens=_Fields(sp, "sampling_params.").int_("max_new_tokens", 0, None),
+        max_tokens=Fields(sp, "sampling_params.").int_("max_new_tokens", 0, None),
         **_sampling(sp, "sampling_params.", max_stop),
         logprobs=(num or 0) if want else None,
         stream=top.bool_("stream", False),
@@ -371,7 +362,7 @@ def _openai_spec(
     logprobs: int | None,
     max_input_id: int | None = None,
 ) -> GenerationSpec:
-    f = _Fields(body)
+    f = Fields(body)
     max_tokens = f.int_("max_tokens", 1, None)
     if endpoint == "chat":
         alias = f.int_("max_completion_tokens", 1, None)
@@ -400,7 +391,7 @@ def _openai_spec(
 
 def _sampling(body: Mapping[str, Any], prefix: str, max_stop: int) -> dict[str, Any]:
     """The sampling fields every endpoint shares, as GenerationSpec keywords."""
-    f = _Fields(body, prefix)
+    f = Fields(body, prefix)
     stop_token_ids = body.get("stop_token_ids")
     if isinstance(stop_token_ids, list) and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         param = prefix + "stop_token_ids"
@@ -419,7 +410,7 @@ def _sampling(body: Mapping[str, Any], prefix: str, max_stop: int) -> dict[str, 
         "stop": f.stop(max_stop),
         "stop_token_ids": ()
         if stop_token_ids is None
-        else tuple(_token_ids(stop_token_ids, prefix + "stop_token_ids", empty_ok=True)[0]),
+        else tuple(parse_token_ids(stop_token_ids, prefix + "stop_token_ids", empty_ok=True)[0]),
         "ignore_eos": f.bool_("ignore_eos", False),
     }
 
@@ -432,7 +423,7 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
         raise bad_request("'stream_options' needs 'stream': true", "stream_options")
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options", "invalid_type")
-    return _Fields(options, "stream_options.").bool_("include_usage", False)
+    return Fields(options, "stream_options.").bool_("include_usage", False)
 
 
 def _reject_unsupported(body: Mapping[str, Any]) -> None:
@@ -449,7 +440,7 @@ def _reject_unsupported(body: Mapping[str, Any]) -> None:
             "response_format",
             "unsupported_parameter",
         )
-    if _Fields(body).int_("best_of", 1, None) not in (None, 1):
+    if Fields(body).int_("best_of", 1, None) not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of", "unsupported_value")
 
 
@@ -461,11 +452,11 @@ def _prompt_ids(
     if isinstance(prompt, str):
         if encoded is None:
             encoded = as_token_ids(model.tokenizer.encode(prompt))
-        return _nonempty(encoded, "prompt"), None
+        return nonempty(encoded, "prompt"), None
     if isinstance(prompt, list):
         if prompt and all(isinstance(p, str | list) for p in prompt):
             raise bad_request("only one prompt per request", "prompt", "unsupported_value")
-        return _token_ids(prompt, "prompt")
+        return parse_token_ids(prompt, "prompt")
     if prompt is None:
         raise bad_request("'prompt' is required", "prompt", "missing_required")
     raise bad_request(
@@ -477,210 +468,3 @@ def _unbatched(prompt: Any) -> Any:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         return prompt[0]  # a batch of one
     return prompt
-
-
-def _messages(value: Any) -> list[ChatMessage]:
-    if value is None:
-        raise bad_request("'messages' is required", "messages", "missing_required")
-    if not isinstance(value, list):
-        raise bad_request("'messages' must be a list", "messages", "invalid_type")
-    if not value:
-        raise bad_request("'messages' must not be empty", "messages", "empty")
-    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
-
-
-def _message(m: Any, param: str) -> ChatMessage:
-    if not isinstance(m, dict):
-        raise bad_request(f"{param} must be an object", param, "invalid_type")
-    role = m.get("role")
-    if role not in ROLES:
-        raise bad_request(f"{param}.role must be one of {list(ROLES)}", f"{param}.role")
-    content = m.get("content")
-    if isinstance(content, list):  # content parts: only text parts
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise bad_request("only text content parts are supported", f"{param}.content")
-            if not isinstance(part.get("text"), str):
-                raise bad_request("a text part needs a string 'text'", f"{param}.content[{j}]")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise bad_request(f"{param}.content must be a string", f"{param}.content", "invalid_type")
-    return ChatMessage(role, content)
-
-
-def _token_ids(value: Any, param: str, empty_ok: bool = False) -> tuple[TokenIds, int | None]:
-    """A JSON list of token ids as array('I'), and its max (None when empty)."""
-    if not isinstance(value, list):
-        raise bad_request(f"'{param}' must be a list of token ids", param, "invalid_type")
-    if not value and not empty_ok:
-        raise bad_request(f"'{param}' must not be empty", param, "empty")
-    try:
-        ids = array("I", value)  # in C: OverflowError below 0 or from 2**32, TypeError
-    except (OverflowError, TypeError):
-        _raise_bad_id(value, param)
-    if not ids:
-        return ids, None
-    view = np.frombuffer(ids, dtype=np.uint32)  # no copy; max() in C (Python's: 0.3 ms at 32K)
-    if _has_bool(value, view):
-        _raise_bad_id(value, param)
-    return ids, int(view.max())
-
-
-def _has_bool(values: list[Any], converted: np.ndarray) -> bool:
-    """True when a JSON-decoded list of ints holds a bool. A JSON true/false converted to 1/0,
-    so only the positions holding 0 or 1 are looked at, their types gathered in C (a small
-    vocabulary has ids 0 and 1 in ~1% of positions: 250 at 32K tokens, 16 us). When they are
-    many (a prompt of zeros), one pass over the whole list in C is cheaper: orjson writes ints
-    as digits and bools as `true`/`false`."""
-    suspects = np.flatnonzero(converted <= 1).tolist()
-    if len(suspects) <= len(values) // 8:
-        return bool in set(map(type, map(values.__getitem__, suspects)))
-    dumped = orjson.dumps(values)
-    return b"true" in dumped or b"false" in dumped
-
-
-def _raise_bad_id(values: Sequence[Any], param: str) -> NoReturn:
-    """Name the first id that is not an integer in [0, 2**32) (the slow path, errors only)."""
-    for i, t in enumerate(values):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise bad_request(
-                f"{param}[{i}] is {t!r}: token ids must be integers >= 0", param, "invalid_token_id"
-            )
-        if t >= 2**32:
-            raise bad_request(
-                f"{param}[{i}] is {t}: token ids must be integers in [0, 2**32)",
-                param,
-                "invalid_token_id",
-            )
-    raise AssertionError(f"no bad id in {param}")  # only called after a failed conversion
-
-
-def _nonempty(ids: TokenIds, param: str) -> TokenIds:
-    if not ids:
-        raise bad_request(f"'{param}' must not be empty", param, "empty")
-    return ids
-
-
-class _Fields:
-    """Typed reads of optional fields; `null` is "not given". Param names carry `prefix`."""
-
-    def __init__(self, body: Mapping[str, Any], prefix: str = "") -> None:
-        self.body = body
-        self.prefix = prefix
-
-    def int_(self, name: str, lo: int, hi: int | None) -> int | None:
-        v = self.body.get(name)
-        if v is None:
-            return None
-        param = self.prefix + name
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise bad_request(f"'{param}' must be an integer", param, "invalid_type")
-        if v < lo or (hi is not None and v > hi):
-            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise bad_request(f"'{param}' must be {bound}, got {v}", param)
-        return v
-
-    def float_(self, name: str) -> float | None:
-        v = self.body.get(name)
-        if v is None:
-            return None
-        param = self.prefix + name
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            raise bad_request(f"'{param}' must be a number", param, "invalid_type")
-        if not math.isfinite(v):
-            raise bad_request(f"'{param}' must be finite", param)
-        return float(v)
-
-    def temperature(self) -> float:
-        v = self.float_("temperature")
-        if v is not None and v < 0:
-            param = self.prefix + "temperature"
-            raise bad_request(f"'{param}' must be >= 0, got {v}", param)
-        return 0.0 if v is None else v
-
-    def top_p(self) -> float:
-        v = self.float_("top_p")
-        if v is not None and not 0 < v <= 1:
-            param = self.prefix + "top_p"
-            raise bad_request(f"'{param}' must be in (0, 1], got {v}", param)
-        return 1.0 if v is None else v
-
-    def ranged(self, name: str, default: float, lo: float, hi: float) -> float:
-        v = self.float_(name)
-        if v is None:
-            return default
-        if not lo <= v <= hi:
-            param = self.prefix + name
-            raise bad_request(f"'{param}' must be in [{lo:g}, {hi:g}], got {v}", param)
-        return v
-
-    def positive(self, name: str, default: float) -> float:
-        v = self.float_(name)
-        if v is None:
-            return default
-        if v <= 0:
-            param = self.prefix + name
-            raise bad_request(f"'{param}' must be > 0, got {v}", param)
-        return v
-
-    def logit_bias(self) -> tuple[tuple[int, float], ...]:
-        """`{"token id": bias}` as (id, bias) pairs, ids ascending."""
-        v = self.body.get("logit_bias")
-        param = self.prefix + "logit_bias"
-        if v is None:
-            return ()
-        if not isinstance(v, dict):
-            raise bad_request(f"'{param}' must be an object", param, "invalid_type")
-        if len(v) > MAX_LOGIT_BIAS_ENTRIES:
-            raise bad_request(f"'{param}' allows at most {MAX_LOGIT_BIAS_ENTRIES} entries", param)
-        out = []
-        for key, bias in v.items():
-            if not (key.isascii() and key.isdigit()) or len(key) > 10:
-                raise bad_request(f"'{param}' keys must be token ids, got {key!r}", param)
-            if isinstance(bias, bool) or not isinstance(bias, int | float):
-                raise bad_request(f"'{param}' values must be numbers", param, "invalid_type")
-            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                raise bad_request(f"'{param}' values must be in [-100, 100], got {bias}", param)
-            out.append((int(key), float(bias)))
-        return tuple(sorted(out))
-
-    def bool_(self, name: str, default: bool) -> bool:
-        v = self.body.get(name)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            param = self.prefix + name
-            raise bad_request(f"'{param}' must be a boolean", param, "invalid_type")
-        return v
-
-    def str_(self, name: str) -> str | None:
-        v = self.body.get(name)
-        if v is not None and not isinstance(v, str):
-            param = self.prefix + name
-            raise bad_request(f"'{param}' must be a string", param, "invalid_type")
-        return v
-
-    def salt(self, name: str) -> str:
-        v = self.str_(name) or ""
-        if len(v) > MAX_SALT_LEN:
-            param = self.prefix + name
-            raise bad_request(f"'{param}' is longer than {MAX_SALT_LEN} characters", param)
-        return v
-
-    def stop(self, max_stop: int) -> tuple[str, ...]:
-        v = self.body.get("stop")
-        param = self.prefix + "stop"
-        if v is None:
-            return ()
-        stops = [v] if isinstance(v, str) else v
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise bad_request(
-                f"'{param}' must be a string or a list of strings", param, "invalid_type"
-            )
-        if len(stops) > max_stop:
-            raise bad_request(f"'{param}' allows at most {max_stop} strings", param)
-        if any(not s or len(s) > MAX_STOP_LEN for s in stops):
-            raise bad_request(f"stop strings must have 1 to {MAX_STOP_LEN} characters", param)
-        return tuple(stops)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.choices import Choices
-from router.generation import Timings
+from router.outcome import Timings
 from router.protocol import GenerationSpec
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from router.generation import Outcome, TokenLogprob
+from router.outcome import Outcome, TokenLogprob
 from router.tokenizer import Tokenizer
 
 DONE = b"data: [DONE]\n\n"

@@ -12,8 +12,8 @@ request (`Progress`: it holds the request queued or computing and computes, so a
 engine's long prefill is waited for and a hung step loop is not), and checks every
 `liveness_poll_s` that the engine still heartbeats, so a killed or frozen engine is noticed
 within a few heartbeat intervals. A P/D request's stream is the decode engine's; it also
-`watch`es the prefill engine until the first chunk: an error the prefill engine reports on
-`watch`'s subject, or its heartbeats stopping, fails the stream at once
+`watch`es the prefill engine until the first chunk (`PrefillWatch`): an error the prefill
+engine reports on the watch's subject, or its heartbeats stopping, fails the stream at once
 (`EngineFailure.engine_id` names it), and its progress on the request counts as the
 stream's.
 """
@@ -22,16 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
-import secrets
-import time
-from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -48,6 +41,7 @@ from bus_schemas import (
 )
 from router.config import RouterConfig
 from router.engines import EngineTable
+from router.reply_hub import RECONNECTED, ReplyHub
 
 FAILURE_STATUS = {  # EngineFailure.kind -> the HTTP status the client sees
     "timeout": 504,  # no chunk (or admit reply) within its timeout
@@ -69,10 +63,6 @@ DECODE_ERRORS: Mapping[int, str] = {400: "rejected", 409: "restore_failed", 503:
 # a watched P/D prefill engine's: 502 is a KV transfer that failed on its side
 PREFILL_ERRORS: Mapping[int, str] = {**ENGINE_ERRORS, 502: "transfer_failed"}
 
-Reply = tuple[str, bytes]  # (subject, payload) of one message to a ReplyHub subject
-# The subject of a ReplyHub marker (never a NATS subject): NATS reconnected, on the router's
-# side (payload b"") or on one engine's (its id); replies may have been lost in between.
-RECONNECTED = ""
 RESUBSCRIBE_WAIT_S = 0.05  # after a reconnect, between questions the engine cannot hear yet
 RESUBSCRIBE_GRACE_S = 5.0  # how long after a reconnect "no responders" may mean "not yet"
 
@@ -98,65 +88,6 @@ class EngineFailure(Exception):
     def engine_broken(self) -> bool:
         """Whether the engine itself should sit out (not just this request failed)."""
         return self.kind in ("timeout", "lost", "bad_message", "unavailable", "engine_crashed")
-
-
-class ReplyHub:
-    """One wildcard subscription for every request's replies.
-
-    Each request gets a subject under the router's own inbox prefix and a queue; the hub
-    delivers by subject. This saves a SUB and an UNSUB round of protocol per request. Every
-    engine may publish into the router's inbox (its replies go there), so a subject ends in
-    a random part: an engine told one request's subject cannot guess another's.
-    """
-
-    def __init__(self, nc: NATS) -> None:
-        self.nc = nc
-        self._prefix = nc.new_inbox()
-        self._queues: dict[str, asyncio.Queue[Reply]] = {}
-        self._next = 0
-        self._sub: Subscription | None = None
-        # reconnects seen, the router's own under "" and each engine's under its id
-        self.reconnects: Counter[str] = Counter()
-        self._last_reconnect = -math.inf  # time.monotonic() of the latest
-
-    async def start(self) -> None:
-        self._sub = await self.nc.subscribe(f"{self._prefix}.*", cb=self._on_msg)
-
-    async def stop(self) -> None:
-        if self._sub is not None:
-            sub, self._sub = self._sub, None
-            with contextlib.suppress(NatsError):
-                await sub.unsubscribe()
-
-    def open(self, queue: asyncio.Queue[Reply] | None = None) -> tuple[str, asyncio.Queue[Reply]]:
-        """A new subject, delivering into `queue` (default: a new one) until `close`."""
-        self._next += 1
-        subject = f"{self._prefix}.{self._next}-{secrets.token_hex(8)}"
-        if queue is None:
-            queue = asyncio.Queue()
-        self._queues[subject] = queue
-        return subject, queue
-
-    def close(self, subject: str) -> None:
-        self._queues.pop(subject, None)
-
-    def reconnected(self, engine_id: str = "") -> None:
-        """NATS came back, for this router (`engine_id` "") or for one engine: every open
-        stream (of that engine) asks its engine what it sent (`EngineStream.next_chunk`)."""
-        self.reconnects[engine_id] += 1
-        self._last_reconnect = time.monotonic()
-        marker = (RECONNECTED, engine_id.encode())
-        for queue in {id(q): q for q in self._queues.values()}.values():
-            queue.put_nowait(marker)
-
-    def reconnected_within(self, seconds: float) -> bool:
-        """Whether NATS came back (for this router or any engine) in the last `seconds`."""
-        return time.monotonic() - self._last_reconnect < seconds
-
-    async def _on_msg(self, msg: Msg) -> None:
-        queue = self._queues.get(msg.subject)
-        if queue is not None:
-            queue.put_nowait((msg.subject, msg.data))
 
 
 class EngineStream:
@@ -186,11 +117,9 @@ class EngineStream:
         self.started = False  # the engine may hold the request (abort it unless finished)
         self.finished = False  # the engine sent its last chunk (no abort needed)
         self._pending: dict[int, TokenChunk] = {}  # arrived ahead of their turn, by seq
-        self._watched: str | None = None  # an engine whose failure fails the first chunk
-        self._watch_subject: str | None = None
-        self._watched_told = False  # the watched engine got work (abort it on a failure)
+        # an engine whose failure fails the first chunk (a P/D stream's prefill engine)
+        self.watched: PrefillWatch | None = None
         self._check_again_at: float | None = None  # after a reconnect: until the engine answers
-        self._check_watched_at: float | None = None  # the same, for the watched engine
 
     def bind(self, engine_id: str) -> None:
         """The engine the request goes to (a stream opened with engine_id "" gets it here,
@@ -209,10 +138,8 @@ class EngineStream:
         tb: TracebackType | None,
     ) -> None:
         self.hub.close(self.reply_to)
-        if self._watch_subject is not None:
-            self.hub.close(self._watch_subject)
-            if self._watched is not None and self._watched_told and self.num_chunks == 0:
-                await self._abort(self._watched)  # its work is of no use any more
+        if self.watched is not None:
+            await self.watched.close()
         if self.started and not self.finished:
             await self.abort()
 
@@ -296,22 +223,11 @@ class EngineStream:
         """NATS reconnects so far of the router and of this stream's engine."""
         return self.hub.reconnects[""] + self.hub.reconnects[self.engine_id]
 
-    def watch(self, engine_id: str) -> str:
+    def watch(self, engine_id: str) -> PrefillWatch:
         """Until the first chunk, also fail when `engine_id` stops heartbeating or sends an
-        error chunk to the returned subject."""
-        self._watched = engine_id
-        self.epochs[engine_id] = self.table.epoch_of(engine_id)
-        self._watch_subject, _ = self.hub.open(self._queue)
-        return self._watch_subject
-
-    async def tell_watched(self, subject: str, message: Message) -> None:
-        """Publish `message` to the watched engine."""
-        assert self._watched is not None, "watch() first"
-        self._watched_told = True
-        try:
-            await self.nc.publish(subject, message.encode())
-        except NatsError as e:
-            raise self._failure("bus", f"NATS publish failed: {e!r}", self._watched) from None
+        error chunk to the returned watch's `subject`."""
+        self.watched = PrefillWatch(self, engine_id)
+        return self.watched
 
     async def abort(self) -> None:
         """Tell the engine to stop (fire and forget); no more chunks are expected."""
@@ -325,10 +241,7 @@ class EngineStream:
 
     # ------------------------------------------------------------ from the engine
 
-    def __aiter__(self) -> AsyncIterator[TokenChunk]:
-        return self._chunks()
-
-    async def _chunks(self) -> AsyncIterator[TokenChunk]:
+    async def __aiter__(self) -> AsyncIterator[TokenChunk]:
         while not self.finished:
             yield await self.next_chunk()
 
@@ -352,8 +265,8 @@ class EngineStream:
                 self._check_alive()
                 if self._check_again_at is not None and loop.time() >= self._check_again_at:
                     await self._check_stream()  # the engine may not have resubscribed yet
-                if self._check_watched_at is not None and loop.time() >= self._check_watched_at:
-                    await self._check_watched()
+                if self.watched is not None and self.watched.check_due(loop.time()):
+                    await self.watched.check()
                 continue
             if subject == self.reply_to:
                 progressed = self._accept(data)
@@ -361,10 +274,11 @@ class EngineStream:
                 progressed = False
                 if data.decode() in ("", self.engine_id) and self.started:
                     await self._check_stream()
-                if data.decode() in ("", self._watched) and self._watched_told:
-                    await self._check_watched()
-            else:
-                progressed = self.num_chunks == 0 and self._on_watched(data)
+                if self.watched is not None and self.watched.may_have_lost(data.decode()):
+                    await self.watched.check()
+            else:  # only `watch` opens another subject into this queue
+                assert self.watched is not None
+                progressed = self.num_chunks == 0 and self.watched.on_message(data)
             if progressed:
                 deadline = loop.time() + timeout_s
         chunk = self._pending.pop(self.num_chunks)
@@ -383,19 +297,8 @@ class EngineStream:
             raise self._failure("lost", f"engine {self.engine_id} stopped sending heartbeats")
         if self._restarted(self.engine_id):
             raise self._failure("lost", f"engine {self.engine_id} restarted: the request is lost")
-        watched = self._watched
-        if watched is None or self.num_chunks > 0:
-            return
-        if not self.table.is_alive(watched):
-            raise self._failure(
-                "lost",
-                f"prefill engine {watched} stopped sending heartbeats before its KV arrived",
-                watched,
-            )
-        if self._restarted(watched):
-            raise self._failure(
-                "lost", f"prefill engine {watched} restarted before its KV arrived", watched
-            )
+        if self.watched is not None and self.num_chunks == 0:
+            self.watched.check_alive()
 
     def _restarted(self, engine_id: str) -> bool:
         """The engine heartbeats with a new epoch: a new process that never had the request."""
@@ -411,20 +314,6 @@ class EngineStream:
         check = StreamCheck(self.request_id, self.reply_to)
         with contextlib.suppress(NatsError):  # the bus is down again: asked again later
             await self.nc.publish(subjects.engine_stream_check(self.engine_id), check.encode())
-
-    async def _check_watched(self) -> None:
-        """After a reconnect, before the first chunk: ask the watched (prefill) engine whether
-        it got the request. One it never got would leave the decode engine waiting for KV
-        until its transfer timeout."""
-        if self.num_chunks > 0 or self._watch_subject is None:
-            self._check_watched_at = None
-            return
-        loop = asyncio.get_running_loop()
-        self._check_watched_at = loop.time() + self.config.liveness_poll_s
-        check = StreamCheck(self.request_id, self._watch_subject)
-        assert self._watched is not None  # watch() sets both
-        with contextlib.suppress(NatsError):
-            await self.nc.publish(subjects.engine_stream_check(self._watched), check.encode())
 
     def _accept(self, data: bytes) -> bool:
         """Take a message of the engine; True when it is progress on the request."""
@@ -466,46 +355,108 @@ class EngineStream:
                 "replies lost while NATS reconnected",
             )
 
-    def _on_watched(self, data: bytes) -> bool:
-        """A message of the watched engine: an error report, the answer to a check, or its
-        progress on the request (True)."""
-        assert self._watched is not None
+    def _failure(self, kind: str, message: str, engine_id: str | None = None) -> EngineFailure:
+        engine_id = engine_id or self.engine_id
+        epoch = self.epochs.get(engine_id, "")
+        return EngineFailure(kind, engine_id, message, self.num_chunks, epoch)
+
+
+class PrefillWatch:
+    """The prefill engine a P/D stream watches until its first chunk: the engine's error
+    reports and its answers to stream checks come on `subject` (into the stream's queue), and
+    the stream fails (`EngineFailure.engine_id` naming this engine) when the engine stops
+    heartbeating, restarts, reports an error or lost the request on the bus."""
+
+    def __init__(self, stream: EngineStream, engine_id: str) -> None:
+        self.stream = stream
+        self.engine_id = engine_id
+        stream.epochs[engine_id] = stream.table.epoch_of(engine_id)
+        self.subject, _ = stream.hub.open(stream._queue)
+        self.told = False  # the engine got work (abort it on a failure)
+        self.check_at: float | None = None  # after a reconnect: until the engine answers
+
+    async def tell(self, subject: str, message: Message) -> None:
+        """Publish `message` to the watched engine."""
+        self.told = True
+        try:
+            await self.stream.nc.publish(subject, message.encode())
+        except NatsError as e:
+            raise self._failure("bus", f"NATS publish failed: {e!r}") from None
+
+    async def close(self) -> None:
+        """Stop taking the engine's messages; abort its work when it got some and the stream
+        delivered no chunk (the work is of no use any more)."""
+        self.stream.hub.close(self.subject)
+        if self.told and self.stream.num_chunks == 0:
+            await self.stream._abort(self.engine_id)
+
+    def check_alive(self) -> None:
+        """Raise when the engine stopped heartbeating or restarted."""
+        watched = self.engine_id
+        if not self.stream.table.is_alive(watched):
+            raise self._failure(
+                "lost",
+                f"prefill engine {watched} stopped sending heartbeats before its KV arrived",
+            )
+        if self.stream._restarted(watched):
+            raise self._failure("lost", f"prefill engine {watched} restarted before its KV arrived")
+
+    def check_due(self, now: float) -> bool:
+        """Whether a `check` went unanswered for `liveness_poll_s`: it is asked again."""
+        return self.check_at is not None and now >= self.check_at
+
+    def may_have_lost(self, reconnected: str) -> bool:
+        """Whether a NATS reconnect (the router's: "", or an engine's: its id) may have lost
+        what the engine was told."""
+        return self.told and reconnected in ("", self.engine_id)
+
+    async def check(self) -> None:
+        """After a reconnect, before the first chunk: ask the engine whether it got the
+        request. One it never got would leave the decode engine waiting for KV until its
+        transfer timeout."""
+        stream = self.stream
+        if stream.num_chunks > 0:
+            self.check_at = None
+            return
+        loop = asyncio.get_running_loop()
+        self.check_at = loop.time() + stream.config.liveness_poll_s
+        check = StreamCheck(stream.request_id, self.subject)
+        with contextlib.suppress(NatsError):
+            await stream.nc.publish(subjects.engine_stream_check(self.engine_id), check.encode())
+
+    def on_message(self, data: bytes) -> bool:
+        """A message of the engine: an error report, the answer to a check, or its progress
+        on the request (True)."""
         try:
             chunk = TokenChunk.decode(data)
         except SchemaError as e:
             other = _status_message(data)
             if other is None:
-                raise self._failure(
-                    "bad_message", f"undecodable chunk: {e}", self._watched
-                ) from None
+                raise self._failure("bad_message", f"undecodable chunk: {e}") from None
             if isinstance(other, Progress):
-                return other.request_id == self.request_id
-            self._on_watched_state(other)
+                return other.request_id == self.stream.request_id
+            self._on_state(other)
             return False
-        if chunk.request_id != self.request_id or chunk.error is None:
+        if chunk.request_id != self.stream.request_id or chunk.error is None:
             return False
         kind = PREFILL_ERRORS.get(chunk.error_code, "engine_error")
         if chunk.engine_crashed:
             kind = "engine_crashed"
-        raise self._failure(kind, f"prefill engine {self._watched}: {chunk.error}", self._watched)
+        raise self._failure(kind, f"prefill engine {self.engine_id}: {chunk.error}")
 
-    def _on_watched_state(self, state: StreamState) -> None:
-        """The watched engine's answer to `_check_watched`: it holds the request (or has
-        delivered its KV), or the request was lost on the bus (retried at once)."""
-        if state.request_id != self.request_id or self._check_watched_at is None:
+    def _on_state(self, state: StreamState) -> None:
+        """The engine's answer to `check`: it holds the request (or has delivered its KV),
+        or the request was lost on the bus (retried at once)."""
+        if state.request_id != self.stream.request_id or self.check_at is None:
             return
-        self._check_watched_at = None
+        self.check_at = None
         if not state.held:
             raise self._failure(
-                "bus",
-                f"prefill engine {self._watched} does not hold the request: lost on the bus",
-                self._watched,
+                "bus", f"prefill engine {self.engine_id} does not hold the request: lost on the bus"
             )
 
-    def _failure(self, kind: str, message: str, engine_id: str | None = None) -> EngineFailure:
-        engine_id = engine_id or self.engine_id
-        epoch = self.epochs.get(engine_id, "")
-        return EngineFailure(kind, engine_id, message, self.num_chunks, epoch)
+    def _failure(self, kind: str, message: str) -> EngineFailure:
+        return self.stream._failure(kind, message, self.engine_id)
 
 
 def _status_message(data: bytes) -> StreamState | Progress | None:

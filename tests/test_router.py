@@ -28,8 +28,8 @@ from router.app import init
 from router.chat import ChatMessage, ChatTemplate
 from router.config import RouterConfig
 from router.detokenize import TextAssembler
-from router.generation import parse_server_timing
 from router.keys import TABLE
+from router.outcome import parse_server_timing
 from router.tokenizer import ByteTokenizer, HFTokenizer
 from services.launch.servers import ServerProcess, free_port
 

@@ -24,24 +24,26 @@ def expected(values: list[int], salt: str = "", page: int = PAGE, ns: str = NS) 
     return "".join(page_hashes(values, page, ns, salt))
 
 
+class CountingHasher:
+    """`chain_digests` that notes the number of pages each call hashed, in order."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def __call__(self, parent: bytes, data: bytes, page_size: int) -> bytes:
+        self.counts.append(len(data) // (4 * page_size))
+        return pc.chain_digests(parent, data, page_size)
+
+
 @pytest.fixture
-def hashed_pages(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The number of pages each call of `PageChains` hashed, in order."""
-    counts: list[int] = []
-    real = pc._digests
-
-    def counting(parent: bytes, data: bytes, page_size: int) -> bytes:
-        counts.append(len(data) // (4 * page_size))
-        return real(parent, data, page_size)
-
-    monkeypatch.setattr(pc, "_digests", counting)
-    return counts
+def hasher() -> CountingHasher:
+    return CountingHasher()
 
 
 def test_repeat_extend_diverge_and_shorter_prompts_hash_only_new_pages(
-    hashed_pages: list[int],
+    hasher: CountingHasher,
 ) -> None:
-    chains = PageChains(1 << 20)
+    chains = PageChains(1 << 20, hasher)
     turn1 = list(range(1, 19))  # 4 whole pages and 2 tokens
     assert chains.hex_hashes(ids(turn1), PAGE, NS, "") == expected(turn1)
     assert chains.hex_hashes(ids(turn1), PAGE, NS, "") == expected(turn1)  # a resend
@@ -52,17 +54,17 @@ def test_repeat_extend_diverge_and_shorter_prompts_hash_only_new_pages(
     shorter = turn2[:12]  # a prefix of what is held
     assert chains.hex_hashes(ids(shorter), PAGE, NS, "") == expected(shorter)
     assert chains.hex_hashes(ids(turn2), PAGE, NS, "") == expected(turn2)
-    assert hashed_pages == [4, 2, 2]
+    assert hasher.counts == [4, 2, 2]
 
 
-def test_salt_namespace_and_page_size_seed_separate_chains(hashed_pages: list[int]) -> None:
-    chains = PageChains(1 << 20)
+def test_salt_namespace_and_page_size_seed_separate_chains(hasher: CountingHasher) -> None:
+    chains = PageChains(1 << 20, hasher)
     values = list(range(100, 116))
     assert chains.hex_hashes(ids(values), PAGE, NS, "") == expected(values)
     assert chains.hex_hashes(ids(values), PAGE, NS, "alice") == expected(values, "alice")
     assert chains.hex_hashes(ids(values), PAGE, "other", "") == expected(values, ns="other")
     assert chains.hex_hashes(ids(values), 8, NS, "") == expected(values, page=8)
-    assert hashed_pages == [4, 4, 4, 2]
+    assert hasher.counts == [4, 4, 4, 2]
 
 
 def test_short_prompts_and_a_disabled_cache() -> None:
@@ -75,9 +77,9 @@ def test_short_prompts_and_a_disabled_cache() -> None:
 
 
 def test_conversations_sharing_a_first_page_keep_their_own_chains(
-    hashed_pages: list[int],
+    hasher: CountingHasher,
 ) -> None:
-    chains = PageChains(1 << 20)
+    chains = PageChains(1 << 20, hasher)
     system = [7, 7, 7, 7]
     convs = [system + [c] * 8 for c in range(pc.CHAINS_PER_HEAD)]
     for conv in convs:
@@ -85,7 +87,7 @@ def test_conversations_sharing_a_first_page_keep_their_own_chains(
     for conv in convs:  # every conversation's next turn reuses its own 3 pages
         turn = conv + [99] * 4
         assert chains.hex_hashes(ids(turn), PAGE, NS, "") == expected(turn)
-    assert hashed_pages == [3] + [2] * (pc.CHAINS_PER_HEAD - 1) + [1] * pc.CHAINS_PER_HEAD
+    assert hasher.counts == [3] + [2] * (pc.CHAINS_PER_HEAD - 1) + [1] * pc.CHAINS_PER_HEAD
 
 
 def test_memory_stays_within_the_budget_least_recently_used_first() -> None:

@@ -391,7 +391,7 @@ def test_reply_subjects_cannot_be_guessed_from_another() -> None:
     them the subjects of other requests (a counter alone would)."""
     from nats.aio.client import Client
 
-    from router.stream import ReplyHub
+    from router.reply_hub import ReplyHub
 
     hub = ReplyHub(Client())
     (a, _), (b, _) = hub.open(), hub.open()
