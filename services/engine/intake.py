@@ -27,7 +27,7 @@ from bus_schemas import subjects as subj
 from gpu_worker.engine.engine import InvalidRequestError
 from gpu_worker.scheduler.request import RequestError
 from services.engine.bus import EngineBus
-from services.engine.pd import PrefillSide
+from services.engine.pd_prefill import PrefillSide
 from services.engine.runner import EngineCrashedError, EngineRunner
 from services.engine.sampling import sampling_params
 from services.engine.streams import Streams

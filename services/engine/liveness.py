@@ -14,7 +14,7 @@ from bus_schemas import Heartbeat, Progress
 from bus_schemas import subjects as subj
 from gpu_worker.engine.engine import Engine
 from services.engine.bus import EngineBus
-from services.engine.pd import PrefillSide
+from services.engine.pd_prefill import PrefillSide
 from services.engine.runner import EngineRunner
 from services.engine.streams import Stream, Streams
 from services.tasks import OwnedTasks

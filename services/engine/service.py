@@ -43,7 +43,9 @@ from services.engine.bus import STOP_STEP_TIMEOUT_S, EngineBus, bounded
 from services.engine.card import build_card
 from services.engine.intake import Intake, KVEvents, ServiceState
 from services.engine.liveness import EngineIdentity, Liveness
-from services.engine.pd import DecodeSide, PDConfig, PrefillSide
+from services.engine.pd import PDConfig
+from services.engine.pd_decode import DecodeSide
+from services.engine.pd_prefill import PrefillSide
 from services.engine.runner import EngineRunner
 from services.engine.streams import Streams, token_chunk
 from services.engine.updates import TokenUpdate

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from bus_schemas import TokenChunk
 from gpu_worker.scheduler.request import RequestError
-from services.engine.pd import DecodeTransfer
+from services.engine.pd_decode import DecodeTransfer
 from services.engine.updates import TokenUpdate
 
 
