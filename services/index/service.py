@@ -74,7 +74,15 @@ from services.index.store import IndexStore, connect
 
 log = logging.getLogger("hicache.index")
 
-__all__ = ["EngineLanes", "IndexConfig", "IndexService", "IndexStats", "build_parser", "main", "run"]
+__all__ = [
+    "EngineLanes",
+    "IndexConfig",
+    "IndexService",
+    "IndexStats",
+    "build_parser",
+    "main",
+    "run",
+]
 
 
 class IndexService:
