@@ -18,8 +18,9 @@ process then exits non-zero, and its supervisor starts a fresh engine (new epoch
 The parts, each with one job: `bus.EngineBus` (the NATS connection and the ordered
 publisher), `streams.Streams` (each held request's reply stream), `intake.Intake` (generate,
 abort, stream checks, flush, stats, card, snapshot), `intake.KVEvents` (batches for the
-index), `liveness.Liveness` (heartbeats and progress), `pd.DecodeSide` / `pd.PrefillSide`
-(P/D roles). `EngineService` wires them to the runner and owns their start and stop.
+index), `liveness.Liveness` (heartbeats and progress), `pd_decode.DecodeSide` and
+`pd_prefill.PrefillSide` (the P/D roles). `EngineService` wires them to the runner and owns
+their start and stop.
 """
 
 from __future__ import annotations
