@@ -388,7 +388,7 @@ def test_no_command_line_shows_the_key(
     up.add_up_args(parser)
     plan = up.Mesh(parser.parse_args(["--api-key", "s3cret-key"]))
     try:
-        router_argv = plan._router_argv(nats_server.url, redis_server.url)
+        router_argv = plan.router_argv(nats_server.url, redis_server.url)
         assert not any("s3cret-key" in a for a in router_argv)
         key_file = Path(router_argv[router_argv.index("--api-key-file") + 1])
         assert key_file.read_text().strip() == "s3cret-key"

@@ -31,8 +31,9 @@ from bus_schemas import redis_keys, subjects
 from bus_schemas.codec import Message
 from bus_schemas.messages import Heartbeat, KVEvent, KVEventBatch, SnapshotRequest
 from bus_schemas.page_hash import page_hashes
+from services.index.cli import build_parser
 from services.index.fencing import Action, Fence, decide_batch, epoch_order, parse_epoch
-from services.index.service import EngineLanes, IndexConfig, IndexService, build_parser
+from services.index.service import EngineLanes, IndexConfig, IndexService
 from services.launch.servers import ServerProcess, start_redis
 
 REPO = Path(__file__).resolve().parents[1]

@@ -392,7 +392,8 @@ def test_prefill_frames_carry_the_exported_ranks_in_the_whole_world() -> None:
     of a world of 4 (so the decode side knows the layout to cut), chunk by chunk."""
     from bus_schemas.kv_frame import HEADER_SIZE, decode_frame
     from gpu_worker.scheduler.request import CachedTokens, KVExport
-    from services.engine.pd import PDConfig, PrefillSide
+    from services.engine.pd import PDConfig
+    from services.engine.pd_prefill import PrefillSide
 
     page_bytes = 4 * PAGE * LATENT * 4  # one page of a stage's latent: 4 layers, float32
     side = PrefillSide(

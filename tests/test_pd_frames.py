@@ -20,7 +20,7 @@ import torch
 from bus_schemas import KVChunkAck, PrefillRequest, Sampling
 from bus_schemas.kv_frame import HEADER_SIZE, KVFrameHeader, decode_frame
 from gpu_worker.scheduler.request import CachedTokens, KVExport
-from services.engine.pd import PDConfig, PrefillSide, _PrefillJob
+from services.engine.pd import PDConfig
 from services.engine.pd_frames import (
     ByteWindow,
     FrameSizeError,
@@ -28,6 +28,7 @@ from services.engine.pd_frames import (
     cut_frames,
     payload_limit,
 )
+from services.engine.pd_prefill import PrefillSide
 from services.launch.servers import nats_kind, start_server
 
 SMOLLM2_TOKEN_BYTES = 30 * 3 * 64 * 2 * 4
@@ -191,7 +192,7 @@ async def test_frames_in_flight_stay_within_the_byte_window() -> None:
     config = PDConfig(frame_bytes=HEADER_SIZE + 65536, window=8, window_bytes=200 * 1024)
     side = side_for(publish, config, failed, closed, lambda: 8 << 20)
     rid = uuid.uuid4().hex
-    side.jobs[rid] = _PrefillJob(PrefillRequest(rid, [1] * 40, Sampling(1), "", 0, "kv", "w"))
+    side.track(PrefillRequest(rid, [1] * 40, Sampling(1), "", 0, "kv", "w"))
     export = export_of(4, 10, 16384)  # 64 KiB pages: one a frame
     side.exported(rid, export, CachedTokens())
     for acked in range(10):
@@ -237,7 +238,7 @@ async def test_a_frame_the_server_refuses_fails_the_transfer_at_once() -> None:
         )
         rid = uuid.uuid4().hex
         req = PrefillRequest(rid, [1] * 40, Sampling(1), "", 0, "hicache.engine.d.kv", "w")
-        side.jobs[rid] = _PrefillJob(req)
+        side.track(req)
         side.exported(rid, export_of(4, 10, 16384), CachedTokens())  # 64 KiB pages
         for _ in range(200):
             if failed:

@@ -37,7 +37,8 @@ from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.request import CachedTokens, KVExport
-from services.engine.pd import PDConfig, PrefillSide, _PrefillJob
+from services.engine.pd import PDConfig
+from services.engine.pd_prefill import PrefillSide
 from services.launch.servers import ServerProcess
 
 PAGE = 4
@@ -381,7 +382,7 @@ async def test_prefill_sends_unacked_frames_again_after_a_nats_reconnect() -> No
     )
     rid = uuid.uuid4().hex
     req = PrefillRequest(rid, list(range(8)), Sampling(1), "", 0, "kv", "watch")
-    side.jobs[rid] = _PrefillJob(req)
+    side.track(req)
     export = KVExport((torch.zeros(2, 1, 1, 2, 4, 1, 128),), 0, 8, 5)  # 2 pages of 4 KiB: 2 frames
     side.exported(rid, export, CachedTokens())
 

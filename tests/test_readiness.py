@@ -247,12 +247,12 @@ def test_up_is_ready_only_when_the_router_is_and_says_what_is_missing() -> None:
     import threading
 
     from services.launch import up
-    from services.launch.supervisor import Child, ChildSpec
+    from services.launch.readiness import wait_ready
 
     parser = argparse.ArgumentParser()
     up.add_up_args(parser)
     plan = up.Mesh(parser.parse_args(["--bucket", "short:max_len=64", "--bucket", "long"]))
-    names = [name for name, _ in plan._engines()]
+    names = [name for name, _ in plan.engines()]
     missing = "bucket 'long': no ready engine (colocated, or prefill and decode)"
     ready: dict[str, Any] = {"status": "not_ready", "missing": [missing], "buckets": {}}
     health: dict[str, Any] = {"status": "ok", "ready_engines": names}
@@ -276,10 +276,9 @@ def test_up_is_ready_only_when_the_router_is_and_says_what_is_missing() -> None:
     url = f"http://127.0.0.1:{server.server_address[1]}"
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        plan.supervisor.children["router"] = Child(ChildSpec("router", ["sleep"], 1), sleeper)
         health["pid"] = ready["pid"] = sleeper.pid
         with pytest.raises(TimeoutError, match=r"not ready within .*bucket 'long': no ready"):
-            plan._wait_healthy(url, 1.5, lambda: False)
+            wait_ready(url, set(names), sleeper.pid, 1.5, lambda: False)
         ready.update(
             status="ready",
             missing=[],
@@ -288,7 +287,7 @@ def test_up_is_ready_only_when_the_router_is_and_says_what_is_missing() -> None:
                 "long": {"engines": {"colocated": names[1:]}},
             },
         )
-        plan._wait_healthy(url, 10.0, lambda: False)
+        wait_ready(url, set(names), sleeper.pid, 10.0, lambda: False)
     finally:
         server.shutdown()
         sleeper.kill()

@@ -414,7 +414,7 @@ def test_up_hands_children_the_files_of_a_given_credentials_dir(tmp_path: Path) 
     subprocess.run([*argv, grants, "--force"], check=True, capture_output=True)
     mesh = Mesh(build_parser().parse_args(up))
     try:
-        router = mesh._router_argv("nats://x:4222", "redis://x:6379/0")
+        router = mesh.router_argv("nats://x:4222", "redis://x:6379/0")
         assert router[router.index("--nats-credentials") + 1] == str(out.resolve() / "nats/router")
         assert router[router.index("--redis-credentials") + 1] == str(
             out.resolve() / "redis/router"

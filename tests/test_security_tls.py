@@ -310,7 +310,7 @@ def test_tls_flags_are_checked_before_anything_starts(tmp_path: Path, other_ca: 
     mesh = mesh_of("--tls")  # makes its own CA (openssl), and hands its children the CA
     try:
         assert mesh.tls is not None
-        router = mesh._router_argv("tls://x:4222", "rediss://x:6379/0")
+        router = mesh.router_argv("tls://x:4222", "rediss://x:6379/0")
         assert _flag(tuple(router), "--nats-tls-ca-file") == str(mesh.tls.ca_file)
         assert stat.S_IMODE(mesh.tls.key_file.stat().st_mode) == 0o600
     finally:

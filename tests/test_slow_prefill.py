@@ -145,7 +145,7 @@ def test_up_passes_on_the_router_timeouts_it_is_given() -> None:
     def router_argv(*flags: str) -> list[str]:
         mesh = Mesh(build_parser().parse_args(["up", "--model", "tiny", *flags]))
         try:
-            return mesh._router_argv("nats://n", "redis://r")
+            return mesh.router_argv("nats://n", "redis://r")
         finally:
             mesh.workdir.cleanup()
 

@@ -36,8 +36,9 @@ from fake_engine import FakeEngine, running_mesh
 from fault_helpers import kill_session
 
 from services.launch import servers, up
+from services.launch.readiness import wait_ready
 from services.launch.servers import ServerProcess, free_port, start_nats
-from services.launch.supervisor import Child, ChildSpec, RestartPolicy, Supervisor
+from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
 
 UP = [sys.executable, "-m", "services.cli", "up", "--model", "tiny"]
 NO_REDIS = ["--redis-url", "redis://127.0.0.1:1/0"]  # both services start without Redis
@@ -103,23 +104,20 @@ def test_free_port_skips_the_ports_a_mesh_already_chose(monkeypatch: pytest.Monk
     assert free_port(avoid=chosen) == 7002
 
 
-def test_up_gives_nats_redis_and_the_router_distinct_ports(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_up_gives_nats_redis_and_the_router_distinct_ports() -> None:
     parser = argparse.ArgumentParser()
     up.add_up_args(parser)
-    plan = up.Mesh(parser.parse_args(["--port", "7001"]))
+    ports = iter([7001, 7001, 7002, 7002, 7001, 7003])  # what the kernel hands out
+
+    def kernel(avoid: Collection[int] = ()) -> int:
+        return next(p for p in ports if p not in avoid)
+
+    started: list[ChildSpec] = []
+    hooks = up.MeshHooks(free_port=kernel, start_child=started.append)
+    plan = up.Mesh(parser.parse_args(["--port", "7001"]), hooks)
     try:
-        ports = iter([7001, 7001, 7002, 7002, 7001, 7003])  # what the kernel hands out
-
-        def kernel(avoid: Collection[int] = ()) -> int:
-            return next(p for p in ports if p not in avoid)
-
-        monkeypatch.setattr(up, "free_port", kernel)
-        started: list[ChildSpec] = []
-        monkeypatch.setattr(plan.supervisor, "start", started.append)
-        plan._server(servers.NATS)
-        plan._server(servers.REDIS)
+        plan.start_server(servers.NATS)
+        plan.start_server(servers.REDIS)
         assert [c.port for c in started] == [7002, 7003]
     finally:
         plan.workdir.cleanup()
@@ -178,7 +176,7 @@ def test_up_waits_for_its_own_router_not_one_already_on_the_port() -> None:
     parser = argparse.ArgumentParser()
     up.add_up_args(parser)
     plan = up.Mesh(parser.parse_args(["--port", "7001"]))
-    engines = {"colocated": [name for name, _ in plan._engines()]}
+    engines = {"colocated": [name for name, _ in plan.engines()]}
     answer: dict[str, Any] = {"buckets": {"default": {"engines": engines}}, "missing": []}
 
     class Health(http.server.BaseHTTPRequestHandler):
@@ -198,12 +196,12 @@ def test_up_waits_for_its_own_router_not_one_already_on_the_port() -> None:
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         with sleeper() as ours:
-            plan.supervisor.children["router"] = Child(ChildSpec("router", SLEEPER, 1), ours)
+            names = set(engines["colocated"])
             answer["pid"] = ours.pid + 1  # another router
             with pytest.raises(TimeoutError, match="not ready"):
-                plan._wait_healthy(url, 1.0, lambda: False)
+                wait_ready(url, names, ours.pid, 1.0, lambda: False)
             answer["pid"] = ours.pid
-            plan._wait_healthy(url, 5.0, lambda: False)
+            wait_ready(url, names, ours.pid, 5.0, lambda: False)
     finally:
         server.shutdown()
         plan.workdir.cleanup()

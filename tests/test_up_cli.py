@@ -136,12 +136,12 @@ def test_up_passes_the_pd_transfer_settings_on(tmp_path: Path) -> None:
     ]
     mesh = Mesh(build_parser().parse_args(flags))
     try:
-        engines = dict(mesh._engines())
+        engines = dict(mesh.engines())
         sent = ["--disaggregation-frame-bytes", "65536", "--disaggregation-window", "4"]
         sent += ["--disaggregation-window-bytes", "1048576", "--disaggregation-ack-timeout", "3.0"]
         assert engines["prefill-0"] == ["--disaggregation-mode", "prefill", *sent]
         assert not any(f.startswith("--disaggregation-w") for f in engines["decode-0"])
-        router = " ".join(mesh._router_argv("nats://n", "redis://r"))
+        router = " ".join(mesh.router_argv("nats://n", "redis://r"))
         assert "--pd-transfer-timeout 5.0" in router and "--pd-admit-timeout 7.0" in router
         mesh.nats.argv(4222, str(tmp_path))
         assert "max_payload: 2097152" in (tmp_path / "nats.conf").read_text()

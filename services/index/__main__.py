@@ -2,7 +2,7 @@
 
 import sys
 
-from services.index.service import build_parser, main
+from services.index.cli import build_parser, main
 
 __all__ = ["build_parser", "main"]
 

@@ -25,220 +25,33 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import socket
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
-from services.engine.flags import (
-    add_engine_args,
-    add_pd_transfer_args,
-    engine_argv,
-    pd_transfer_argv,
-)
+from services.engine.flags import engine_argv, pd_transfer_argv
 from services.launch import credentials as creds
 from services.launch import tls as tls_files
 from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
-from services.launch.router_flags import add_router_flags, router_flags_argv
-from services.launch.servers import (
-    NATS_MAX_PAYLOAD,
-    ServerKind,
-    free_port,
-    nats_kind,
-    redis_kind,
-)
+from services.launch.readiness import StartupStopped, wait_ready
+from services.launch.router_flags import router_flags_argv
+from services.launch.servers import ServerKind, free_port, nats_kind, redis_kind
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
+from services.launch.up_flags import PROGRESS_ROUNDS, ROUTER_TIMEOUTS, add_up_args
+
+__all__ = ["Mesh", "MeshHooks", "add_up_args", "check_port_free", "run_up"]
 
 ROUTER_TIER, SERVICE_TIER, SERVER_TIER = 2, 1, 0  # stop order: router, services, servers
 
 
-def add_up_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
-    parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    parser.add_argument(
-        "--credentials-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="NATS and Redis credentials made by `hicache-mesh credentials DIR` (for external "
-        "servers given those configs); default: fresh ones in up's work directory",
-    )
-    tls = parser.add_argument_group("TLS for NATS and Redis (deployments across hosts)")
-    tls.add_argument(
-        "--tls",
-        action="store_true",
-        help="make a private CA and a server certificate (needs `openssl`) in the work "
-        "directory: the servers `up` starts serve TLS only, every child verifies them",
-    )
-    tls.add_argument(
-        "--tls-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="the same with DIR's ca.pem, server.pem and server-key.pem (0600), e.g. made by "
-        "`hicache-mesh credentials DIR --tls-hosts ...` (in DIR/tls)",
-    )
-    for server in ("nats", "redis"):
-        tls.add_argument(
-            f"--{server}-tls-ca-file",
-            default=None,
-            metavar="PEM",
-            help=f"with --{server}-url: the CA that signed that server's certificate; the "
-            "children connect over TLS only, verifying it",
-        )
-    parser.add_argument("--engines", type=int, default=1, help="colocated engines to start")
-    pd = parser.add_argument_group("prefill/decode disaggregation")
-    pd.add_argument(
-        "--pd",
-        action="store_true",
-        help="start prefill and decode engines instead of colocated ones",
-    )
-    pd.add_argument("--num-prefill", type=int, default=1)
-    pd.add_argument("--num-decode", type=int, default=1)
-    pd.add_argument(
-        "--decode-max-total-tokens",
-        type=int,
-        default=None,
-        help="device KV pool of decode engines (default: --max-total-tokens)",
-    )
-    parser.add_argument(
-        "--nats-max-payload",
-        type=int,
-        default=NATS_MAX_PAYLOAD,
-        metavar="BYTES",
-        help="max_payload of the nats-server `up` starts (P/D KV frames are sized from what "
-        "the server announces)",
-    )
-    add_pd_transfer_args(parser)
-    parser.add_argument(
-        "--bucket",
-        action="append",
-        metavar="NAME[:tp=N,pp=N,max_len=N,engines=N]",
-        help="an engine bucket with its own parallel layout, serving prompt + max_tokens up "
-        "to max_len (repeat for several; services/launch/buckets.py); default: one bucket "
-        "'default' of --engines engines",
-    )
-    parser.add_argument(
-        "--buckets-file",
-        type=Path,
-        default=None,
-        metavar="FILE.toml",
-        help="the buckets as [[bucket]] tables (name, tp, pp, max_len, engines)",
-    )
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("HICACHE_ROUTER_API_KEY"),
-        help="the router requires it (default: $HICACHE_ROUTER_API_KEY); it reaches the router "
-        "in a 0600 file, never on its command line. Deprecated as a flag (`ps` shows up's own "
-        "command line): give the variable or --api-key-file",
-    )
-    parser.add_argument(
-        "--api-key-file", default=None, metavar="FILE", help="the router reads its key here"
-    )
-    parser.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="the router's cap on completions and chat that send no max_tokens (default: "
-        "up to the context length minus the prompt)",
-    )
-    parser.add_argument(
-        "--record",
-        default=None,
-        metavar="FILE",
-        help="record the traffic as JSON lines for `hicache-mesh replay` (docs/recording.md)",
-    )
-    parser.add_argument(
-        "--record-redact",
-        action="store_true",
-        help="records keep only known-safe request fields (sampling numbers), no text",
-    )
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0)
-    add_router_flags(parser)
-    parser.add_argument(
-        "--max-engines",
-        type=int,
-        default=None,
-        metavar="N",
-        help="engines the router tracks and the index indexes at once (default 512 each)",
-    )
-    add_router_timeout_args(parser)
-    parser.add_argument("--startup-timeout", type=float, default=120.0)
-    parser.add_argument(
-        "--status-file",
-        type=Path,
-        default=None,
-        help="keep a JSON file with each child's pid, port and restart count",
-    )
-    parser.add_argument(
-        "--restart-backoff",
-        type=float,
-        default=RestartPolicy().initial_s,
-        help="seconds before the first restart of a dead child (doubles up to 10 s)",
-    )
-    add_engine_args(parser)
-
-
-PROGRESS_ROUNDS = 3  # --request-timeout spans at least this many heartbeat intervals
-# the router's timeouts `up` passes on: (its flag, help); unset ones keep the router's default
-ROUTER_TIMEOUTS = (
-    (
-        "--request-timeout",
-        "longest an engine may send nothing on a request and show no progress on it "
-        "(router default 30; a busy engine's long prefill shows progress)",
-    ),
-    (
-        "--pd-admit-timeout",
-        "P/D: wait for a decode engine to admit a request (default 10; alias "
-        "--disaggregation-admit-timeout)",
-    ),
-    (
-        "--pd-transfer-timeout",
-        "P/D: how long decode engines wait for KV while the prefill engine shows no progress "
-        "(default 0.8 x --request-timeout; alias --disaggregation-transfer-timeout)",
-    ),
-    ("--read-timeout", "a request's headers, then its body, must arrive within this (default 30)"),
-)
-
-
-# the same settings under SGLang-style P/D names (one flag each, two spellings)
-ROUTER_TIMEOUT_ALIASES = {
-    "--pd-admit-timeout": ("--disaggregation-admit-timeout",),
-    "--pd-transfer-timeout": ("--disaggregation-transfer-timeout",),
-}
-
-
-def add_router_timeout_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("router timeouts (seconds)")
-    for flag, help_text in ROUTER_TIMEOUTS:
-        names = [flag, *ROUTER_TIMEOUT_ALIASES.get(flag, ())]
-        g.add_argument(*names, type=_positive_seconds, default=None, metavar="S", help=help_text)
-
-
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
 class PortInUseError(RuntimeError):
     pass
-
-
-class StartupStopped(Exception):
-    """Ctrl-C or SIGTERM arrived before the mesh was healthy."""
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -254,11 +67,21 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+@dataclass(frozen=True, slots=True)
+class MeshHooks:
+    """Test hooks of a `Mesh`: where the servers' free ports come from (`free_port(avoid)`),
+    and what starts each child (None: the mesh's `Supervisor`)."""
+
+    free_port: Callable[[Collection[int]], int] = free_port
+    start_child: Callable[[ChildSpec], object] | None = None
+
+
 class Mesh:
     """The specs of one mesh's processes, started in order under one Supervisor."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, hooks: MeshHooks = MeshHooks()) -> None:
         self.args = args
+        self.hooks = hooks
         declared = [parse_bucket(b) for b in args.bucket or []]
         if args.buckets_file is not None:
             declared += load_buckets(args.buckets_file)
@@ -298,6 +121,7 @@ class Mesh:
         self.supervisor = Supervisor(
             RestartPolicy(initial_s=args.restart_backoff), args.status_file
         )
+        self._start_child = hooks.start_child or self.supervisor.start
 
     def start(self, stopping: Callable[[], bool] = lambda: False) -> str:
         """Start everything; the router URL once healthy. Raises StartupStopped when
@@ -307,37 +131,37 @@ class Mesh:
         url = f"http://{a.host}:{a.port}"
         self.supervisor.extra_status["url"] = url
         self.supervisor.extra_status["credentials_dir"] = str(self.creds_dir)
-        nats_url = a.nats_url or self._server(self.nats)
-        redis_url = a.redis_url or self._server(self.redis)
+        nats_url = a.nats_url or self.start_server(self.nats)
+        redis_url = a.redis_url or self.start_server(self.redis)
         py = sys.executable
         index = [py, "-m", "services.index", "--nats-url", nats_url, "--redis-url", redis_url]
         index += self._credential_flags(creds.INDEX, redis=True) + self._max_engines_argv()
         index += self._tls_flags(redis=True)
-        self.supervisor.start(ChildSpec("index", index, SERVICE_TIER))
-        for name, extra in self._engines():
+        self._start_child(ChildSpec("index", index, SERVICE_TIER))
+        for name, extra in self.engines():
             argv = [py, "-m", "services.engine", "--engine-id", name]
             argv += ["--nats-url", nats_url, "--heartbeat-interval", str(a.heartbeat_interval)]
             argv += self._credential_flags(creds.engine_user(name)) + self._tls_flags()
-            self.supervisor.start(ChildSpec(name, argv + engine_argv(a) + extra, SERVICE_TIER))
-        self.supervisor.start(
-            ChildSpec("router", self._router_argv(nats_url, redis_url), ROUTER_TIER, a.port)
+            self._start_child(ChildSpec(name, argv + engine_argv(a) + extra, SERVICE_TIER))
+        self._start_child(
+            ChildSpec("router", self.router_argv(nats_url, redis_url), ROUTER_TIER, a.port)
         )
         self._wait_healthy(url, a.startup_timeout, stopping)
         return url
 
-    def _server(self, kind: ServerKind) -> str:
+    def start_server(self, kind: ServerKind) -> str:
         """Start nats/redis on a free port that stays its port across restarts."""
-        port = free_port(avoid=self._ports)  # not the router's, nor the other server's
+        port = self.hooks.free_port(self._ports)  # not the router's, nor the other server's
         self._ports.add(port)
         workdir = Path(self.workdir.name) / kind.name
         workdir.mkdir()
         url = kind.url.format(port)
         self.supervisor.extra_status[f"{kind.name}_url"] = url
         argv, ready = kind.argv(port, str(workdir)), kind.ready(port, str(workdir))
-        self.supervisor.start(ChildSpec(kind.name, argv, SERVER_TIER, port, ready, quiet=True))
+        self._start_child(ChildSpec(kind.name, argv, SERVER_TIER, port, ready, quiet=True))
         return url
 
-    def _router_argv(self, nats_url: str, redis_url: str) -> list[str]:
+    def router_argv(self, nats_url: str, redis_url: str) -> list[str]:
         a = self.args
         argv = [sys.executable, "-m", "router", "--host", a.host, "--port", str(a.port)]
         argv += ["--nats-url", nats_url, "--redis-url", redis_url]
@@ -418,7 +242,7 @@ class Mesh:
                 flag(extra, "--bucket", "default"),
                 flag(extra, "--disaggregation-mode", "colocated"),
             )
-            for name, extra in self._engines()
+            for name, extra in self.engines()
         ]
 
     def _record_meta(self) -> dict[str, object]:
@@ -430,10 +254,10 @@ class Mesh:
             "dtype": a.dtype,
             "page_size": a.page_size,
             "mesh_flags": _up_flags(getattr(a, "command_line", None) or sys.argv[1:]),
-            "engine_flags": {name: engine_argv(a) + extra for name, extra in self._engines()},
+            "engine_flags": {name: engine_argv(a) + extra for name, extra in self.engines()},
         }
 
-    def _engines(self) -> list[tuple[str, list[str]]]:
+    def engines(self) -> list[tuple[str, list[str]]]:
         """(engine id, flags beyond the shared engine flags) of every engine to start."""
         a = self.args
         if self.declared:
@@ -455,58 +279,15 @@ class Mesh:
         ]
 
     def _wait_healthy(self, url: str, timeout_s: float, stopping: Callable[[], bool]) -> None:
-        """Return once our router's /ready is 200 (every bucket has a ready engine of each
-        role it needs) and lists every engine we started as ready. A child dying during
-        startup is a configuration error, not a fault to heal: raise with its name and exit
-        code. On timeout the error says what /ready still missed."""
-        engines = {name for name, _ in self._engines()}
+        """Return once our router is ready with every engine we started (`wait_ready`);
+        a child that died during startup raises with its name and exit code."""
+        engines = {name for name, _ in self.engines()}
         router = self.supervisor.children["router"].pid
-        deadline = time.monotonic() + timeout_s
-        missing = "the router did not answer"
-        while time.monotonic() < deadline and not stopping():
-            for child in self.supervisor.exited():
-                raise RuntimeError(
-                    f"{child.spec.name} exited with code {child.proc.returncode if child.proc else None} during startup"
-                )
-            answer = _get_ready(url)
-            # another mesh's router on a port drawn at the same moment is not ours (ours
-            # then fails to bind, and exits: raised above)
-            if answer is not None and answer[1].get("pid") == router:
-                status, body = answer
-                ready = {
-                    engine_id
-                    for bucket in body.get("buckets", {}).values()
-                    for ids in bucket.get("engines", {}).values()
-                    for engine_id in ids
-                }
-                if status == 200 and engines <= ready:
-                    return
-                missing = "; ".join(body.get("missing") or []) or (
-                    f"engines not ready yet: {', '.join(sorted(engines - ready))}"
-                )
-            time.sleep(0.2)
-        if stopping():
-            raise StartupStopped("stopped during startup")
-        raise TimeoutError(f"the mesh at {url} was not ready within {timeout_s}s: {missing}")
+        wait_ready(url, engines, router, timeout_s, stopping, self.supervisor.exited)
 
     def stop(self) -> None:
         self.supervisor.stop()
         self.workdir.cleanup()
-
-
-def _get_ready(url: str) -> tuple[int, dict[str, Any]] | None:
-    """(status, body) of the router's /ready, or None when it does not answer in JSON."""
-    try:
-        with urllib.request.urlopen(f"{url}/ready", timeout=1) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:  # 503: not ready, the body says why
-        with e:
-            try:
-                return e.code, json.loads(e.read())
-            except ValueError:
-                return None
-    except (urllib.error.URLError, ConnectionError, OSError, ValueError):
-        return None
 
 
 def _up_flags(command_line: list[str]) -> list[str]:
