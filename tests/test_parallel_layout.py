@@ -15,7 +15,7 @@ from gpu_worker.model.shard import ModelShard
 from gpu_worker.parallel.config import ParallelConfig, stage_layers
 from gpu_worker.parallel.groups import rank_device
 from gpu_worker.storage import BACKENDS
-from gpu_worker.storage.layout import KEY_SCHEMES
+from gpu_worker.storage.layout import KEY_SCHEMES, ShardNames, shard_names
 from services.engine import flags
 from services.engine.config import engine_config_from_args
 
@@ -23,12 +23,41 @@ from services.engine.config import engine_config_from_args
 def test_ranks_are_stage_major() -> None:
     p = ParallelConfig(tp_size=2, pp_size=3)
     assert p.world_size == 6
-    assert [p.coords(r) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    coords = [p.coords(r) for r in range(6)]
+    assert [(c.pp, c.tp) for c in coords] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [c.cp for c in coords] == [0] * 6
     assert p.stage_ranks(1) == [2, 3] and p.rank_of(2, 1) == 5
+    assert p.cp_ranks(1, 1) == [3]  # CP 1: a CP group is one rank
     with pytest.raises(ValueError, match="outside"):
         p.coords(6)
     with pytest.raises(ValueError, match="--tp-size must be a positive integer"):
         ParallelConfig(tp_size=0)
+
+
+def test_context_parallelism_is_refused_until_built() -> None:
+    assert ParallelConfig(2, 3, cp_size=1) == ParallelConfig(2, 3)
+    with pytest.raises(ValueError, match="context parallelism is not supported yet"):
+        ParallelConfig(cp_size=2)
+    with pytest.raises(ValueError, match="--cp-size must be a positive integer"):
+        ParallelConfig(cp_size=0)
+
+
+def test_rank_suffix_names_are_the_stored_ones_at_cp_1() -> None:
+    """Objects stored before CP existed stay readable: the names at CP 1 are unchanged."""
+    p = ParallelConfig(tp_size=2, pp_size=2)
+    names = [shard_names(p, r, replicated=False) for r in range(4)]
+    assert [n.shard for n in names] == [
+        "tp0of2pp0of2",
+        "tp1of2pp0of2",
+        "tp0of2pp1of2",
+        "tp1of2pp1of2",
+    ]
+    assert {n.layout for n in names} == {"tp2pp2"}
+    mla = [shard_names(p, r, replicated=True).shard for r in range(4)]
+    assert mla == ["tp0of2pp0of2", "tp0of2pp0of2", "tp0of2pp1of2", "tp0of2pp1of2"]
+    assert shard_names(ParallelConfig(), 0, replicated=False) == ShardNames(
+        "tp0of1pp0of1", "tp1pp1"
+    )
 
 
 def test_layers_split_evenly_the_last_stage_never_longer() -> None:

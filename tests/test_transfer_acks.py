@@ -25,7 +25,8 @@ from gpu_worker.kernels.page_transfer import PageView
 from gpu_worker.memory.allocator import PageId
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.model.sampling import SamplingParams
-from gpu_worker.scheduler.scheduler import Scheduler
+from gpu_worker.scheduler.admission import Admission
+from gpu_worker.scheduler.request import Req, ReqState
 
 CPU = torch.device("cpu")
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype=torch.float64)
@@ -194,14 +195,12 @@ def test_prefill_before_load_consumed_is_caught(monkeypatch: pytest.MonkeyPatch)
     eng.cache.drain()
     eng.cache.evict_device(eng.cache.tree.num_device_pages)
 
-    def eager(self: Scheduler) -> None:  # a broken scheduler: prefill without the ACK
-        from gpu_worker.scheduler.request import ReqState
-
-        for req in self.running:
+    def eager(self: Admission, running: list[Req]) -> None:  # broken: prefill without the ACK
+        for req in running:
             if req.state is ReqState.LOADING:
                 req.state = ReqState.PREFILL
 
-    monkeypatch.setattr(Scheduler, "_finish_loads", eager)
+    monkeypatch.setattr(Admission, "finish_loads", eager)
     with pytest.raises(RuntimeError, match="load has not completed"):
         eng.generate(prompt, sampling)
     eng.close()

@@ -56,7 +56,7 @@ from gpu_worker.parallel.sync import StepSync, agree_min
 from gpu_worker.scheduler.request import GenerateOutput, RemoteKV, Req, ReqState
 from gpu_worker.scheduler.scheduler import Scheduler, SchedulerConfig
 from gpu_worker.storage import StorageBackend, StorageConfig, default_storage_dir, make_backend
-from gpu_worker.storage.layout import StorageNamespace, shard_cells
+from gpu_worker.storage.layout import StorageNamespace, shard_cells, shard_names
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +207,11 @@ class Engine:
         stage writes a page's objects, and every TP rank reads those (rank-suffix: all name
         them `tp0of{T}...`; unified: `mla_replicated` cells have no `_H`)."""
         cc, par = config.cache, config.parallel
-        pp_rank, tp_rank = par.coords(rank)
-        shard = f"tp{0 if mc.mla else tp_rank}of{par.tp_size}pp{pp_rank}of{par.pp_size}"
+        tp_rank = par.coords(rank).tp
+        names = shard_names(par, rank, replicated=mc.mla)
         if cc.hicache_storage_key_scheme != "unified":
             writes = tp_rank == 0 or not mc.mla
-            return StorageLayout(shard, layout=f"tp{par.tp_size}pp{par.pp_size}", writes=writes)
+            return StorageLayout(names.shard, layout=names.layout, writes=writes)
         namespace = StorageNamespace(
             model=config.model,
             kv_dtype=config.dtype,
@@ -231,7 +231,7 @@ class Engine:
             (heads.start, heads.stop),
             tp_rank,
         )
-        return StorageLayout(shard, namespace, cells, f"tp{par.tp_size}pp{par.pp_size}")
+        return StorageLayout(names.shard, namespace, cells, names.layout)
 
     @staticmethod
     def _storage_backend(config: EngineConfig) -> StorageBackend | None:

@@ -65,7 +65,8 @@ class ModelExecutor:
     def run(
         self, batch: ForwardBatch, pool: KVCache, specs: list[SampleSpec | None]
     ) -> list[SampleOutcome | None]:
-        """Forward `batch`; an outcome for every row whose spec is not None."""
+        """Forward `batch`; for every row whose spec is not None, an outcome with the tokens
+        appended to its request (one, sampled at the row's last position)."""
         g = self.groups
         shape = (len(batch.input_ids), batch.batch_size)
         if self.guard_tp:
@@ -178,13 +179,13 @@ class ModelExecutor:
 
 
 def _sample(logits: torch.Tensor, spec: SampleSpec) -> SampleOutcome:
-    """Sample one row (vocab,). An error here is this request's alone (a 500 for it): odd
+    """Sample one token from one row's logits (vocab,): an outcome that appends one token. An error here is this request's alone (a 500 for it): odd
     logits or a torch error on odd values never stop the batch."""
     traced = logits.detach().clone().cpu() if spec.trace else None
     seed = spec.sampling.seed
     try:
         gen = None if seed is None else step_generator(seed, spec.step)
         s = sample_with_logprobs(logits, spec.sampling, gen, spec.prompt_ids, spec.output_ids)
-        return SampleOutcome(s.token, None, traced, s.logprob, s.top_logprobs)
+        return SampleOutcome.one(s, traced)
     except Exception as e:  # the request fails, with the reason; the engine keeps going
-        return SampleOutcome(None, f"sampling failed: {e}", traced)
+        return SampleOutcome((), f"sampling failed: {e}", () if traced is None else (traced,))

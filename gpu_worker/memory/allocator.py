@@ -9,52 +9,80 @@ HostPageId = NewType("HostPageId", int)  # a host-pool page
 
 
 class PageAllocator:
-    """Hands out page ids, lowest first.
+    """Hands out page ids, lowest first, by owner class.
+
+    Page `p` belongs to owner class `p % num_owners`, and each class has its own free list:
+    `alloc(n, owner)` takes from that class only. Context parallelism will hand a sequence's
+    pages out round-robin over its CP ranks' classes; with one class (today) every page is
+    class 0.
 
     Lowest-first (rather than a LIFO stack) makes the ids a deterministic function of the
     sequence of alloc/free calls, which is what lets ranks of one engine, and tests, agree on
-    exact page ids. The free list is kept unsorted and sorted lazily on the next `alloc`, so a
-    burst of frees costs O(n) appends and one sort.
+    exact page ids. A free list is kept unsorted and sorted lazily on the next `alloc` from
+    it, so a burst of frees costs O(n) appends and one sort.
     """
 
-    def __init__(self, num_pages: int, name: str = "device") -> None:
+    def __init__(self, num_pages: int, name: str = "device", num_owners: int = 1) -> None:
         if num_pages <= 0:
             raise ValueError(f"{name} pool needs at least one page, got {num_pages}")
+        if num_owners <= 0 or num_owners > num_pages:
+            raise ValueError(f"{name} pool of {num_pages} pages cannot have {num_owners} owners")
         self.name = name
         self.num_pages = num_pages
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._sorted = True
+        self.num_owners = num_owners
+        self._free: list[list[int]] = []  # per owner class, highest id first once sorted
+        self._sorted: list[bool] = []
+        self.reset()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Free pages of every owner class together."""
+        if self.num_owners == 1:
+            return len(self._free[0])
+        return sum(len(f) for f in self._free)
 
-    def can_alloc(self, n: int) -> bool:
-        return n <= len(self._free)
+    def num_free_of(self, owner: int) -> int:
+        return len(self._free[owner])
 
-    def alloc(self, n: int) -> list[int] | None:
-        """Take `n` pages, or None (and nothing taken) when fewer are free."""
-        if n > len(self._free):
+    def can_alloc(self, n: int, owner: int = 0) -> bool:
+        return n <= len(self._free[owner])
+
+    def alloc(self, n: int, owner: int = 0) -> list[int] | None:
+        """Take `n` pages of owner class `owner`, or None (and nothing taken) when fewer of
+        its pages are free."""
+        free = self._free[owner]
+        if n > len(free):
             return None
-        if not self._sorted:
-            self._free.sort(reverse=True)
-            self._sorted = True
+        if not self._sorted[owner]:
+            free.sort(reverse=True)
+            self._sorted[owner] = True
         if n == 0:
             return []
-        taken = self._free[-n:]
-        del self._free[-n:]
+        taken = free[-n:]
+        del free[-n:]
         taken.reverse()
         return taken
 
     def free(self, page_ids: list[int]) -> None:
-        """Return pages. The caller must own them; a double free corrupts the pool."""
-        if page_ids:
-            self._free.extend(page_ids)
-            self._sorted = False
+        """Return pages, each to its owner class. The caller must own them; a double free
+        corrupts the pool."""
+        if not page_ids:
+            return
+        if self.num_owners == 1:
+            self._free[0].extend(page_ids)
+            self._sorted[0] = False
+            return
+        for p in page_ids:
+            owner = p % self.num_owners
+            self._free[owner].append(p)
+            self._sorted[owner] = False
 
     def free_set(self) -> set[int]:
-        return set(self._free)
+        """Free pages of every owner class."""
+        return {p for f in self._free for p in f}
 
     def reset(self) -> None:
-        self._free = list(range(self.num_pages - 1, -1, -1))
-        self._sorted = True
+        """Every page free again."""
+        k = self.num_owners
+        self._free = [list(range(o, self.num_pages, k))[::-1] for o in range(k)]
+        self._sorted = [True] * k

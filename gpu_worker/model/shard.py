@@ -49,9 +49,9 @@ class ModelShard:
             parallel.tp_size,
             kv_replicated=config.mla,
         )
-        pp_rank, tp_rank = parallel.coords(rank)
-        layers = stage_layers(config.num_layers, parallel.pp_size, pp_rank)
-        return cls(layers, config.num_layers, tp_rank, parallel.tp_size)
+        where = parallel.coords(rank)
+        layers = stage_layers(config.num_layers, parallel.pp_size, where.pp)
+        return cls(layers, config.num_layers, where.tp, parallel.tp_size)
 
     @property
     def first_stage(self) -> bool:

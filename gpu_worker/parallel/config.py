@@ -1,9 +1,14 @@
-"""The parallel layout of one engine: TP x PP ranks, which rank holds what.
+"""The parallel layout of one engine: PP x CP x TP ranks, which rank holds what.
 
 Torch-free, so launchers and flags can describe a layout without loading torch. Ranks are
-numbered stage-major: `rank = pp_rank * tp_size + tp_rank`, so the ranks of one pipeline
-stage are consecutive and world rank 0 is TP rank 0 of the first stage (the rank that talks
-to the engine service).
+numbered stage-major, TP innermost: `rank = (pp_rank * cp_size + cp_rank) * tp_size +
+tp_rank`, so the ranks of one pipeline stage are consecutive, those of one TP group too, and
+world rank 0 is TP rank 0 of the first stage (the rank that talks to the engine service).
+With `cp_size` 1 (the only size supported yet) this is `pp_rank * tp_size + tp_rank`.
+
+Context parallelism (CP) will shard a sequence's KV pages over `cp_size` ranks of a stage,
+each owning the pages of one owner class (`memory/allocator.py`); it is refused until it is
+built.
 """
 
 from __future__ import annotations
@@ -12,42 +17,69 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class RankCoords:
+    """Where one world rank sits on each parallel axis."""
+
+    pp: int  # pipeline stage
+    cp: int  # context-parallel rank within the stage (always 0 yet)
+    tp: int  # tensor-parallel rank within its TP group
+
+
+@dataclass(frozen=True, slots=True)
 class ParallelConfig:
     tp_size: int = 1  # --tp-size: KV heads (and attention/MLP weights) split across ranks
     pp_size: int = 1  # --pp-size: layers split across pipeline stages
+    cp_size: int = 1  # KV pages of a sequence split across ranks (not supported yet: 1)
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size"):
+        for name in ("tp_size", "pp_size", "cp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+        if self.cp_size > 1:
+            raise ValueError(
+                f"context parallelism is not supported yet (cp_size {self.cp_size}); use 1"
+            )
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.tp_size * self.cp_size * self.pp_size
 
-    def rank_of(self, pp_rank: int, tp_rank: int) -> int:
-        return pp_rank * self.tp_size + tp_rank
+    def rank_of(self, pp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return (pp_rank * self.cp_size + cp_rank) * self.tp_size + tp_rank
 
-    def coords(self, rank: int) -> tuple[int, int]:
-        """(pp_rank, tp_rank) of world rank `rank`."""
+    def coords(self, rank: int) -> RankCoords:
+        """Where world rank `rank` sits: its stage, CP rank and TP rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
-        return divmod(rank, self.tp_size)
+        group, tp = divmod(rank, self.tp_size)
+        pp, cp = divmod(group, self.cp_size)
+        return RankCoords(pp, cp, tp)
 
-    def stage_ranks(self, pp_rank: int) -> list[int]:
-        """The world ranks of pipeline stage `pp_rank` (its TP group), in TP order."""
-        return [self.rank_of(pp_rank, t) for t in range(self.tp_size)]
+    def stage_ranks(self, pp_rank: int, cp_rank: int = 0) -> list[int]:
+        """The world ranks of TP group `cp_rank` of pipeline stage `pp_rank` (with CP 1:
+        the whole stage), in TP order."""
+        return [self.rank_of(pp_rank, t, cp_rank) for t in range(self.tp_size)]
+
+    def cp_ranks(self, pp_rank: int, tp_rank: int) -> list[int]:
+        """The world ranks that share stage `pp_rank` and TP rank `tp_rank` (a CP group),
+        in CP order."""
+        return [self.rank_of(pp_rank, tp_rank, c) for c in range(self.cp_size)]
 
     def kv_ranks(self, replicated: bool) -> tuple[int, ...]:
         """The world ranks whose KV shards differ: every rank, or, with KV replicated over
-        TP (MLA's latent), TP rank 0 of each stage (the others hold copies of its shard)."""
+        TP (MLA's latent), TP rank 0 of each stage (and CP rank; the others hold copies of
+        its shard)."""
         if replicated:
-            return tuple(self.rank_of(p, 0) for p in range(self.pp_size))
+            ranks = (
+                self.rank_of(p, 0, c) for p in range(self.pp_size) for c in range(self.cp_size)
+            )
+            return tuple(ranks)
         return tuple(range(self.world_size))
 
     def describe(self) -> str:
-        return f"TP{self.tp_size}/PP{self.pp_size}"
+        cp = f"/CP{self.cp_size}" if self.cp_size > 1 else ""
+        return f"TP{self.tp_size}/PP{self.pp_size}{cp}"
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:

@@ -10,6 +10,8 @@ Groups:
   of `pp_sync`, sampled tokens) and start-up agreement. The same group as `world` on CPU.
 - `tp` / `tp_cpu`: this stage's TP group for tensors (the row-parallel all_reduce) and for
   control (rank 0's command list and the ready-ACK MIN); None at TP 1.
+- `cp`: the ranks of this stage with this rank's TP index, which will share a sequence's KV
+  pages (context parallelism); None at CP 1, the only size supported yet.
 - `consensus`: a dedicated gloo group over the world for the rank consensus checker's side
   thread, so its collectives never interleave with the scheduler's; None when it is off.
 - `storage_hit` / `storage_progress` / `storage_write`: three gloo groups over the world for
@@ -40,6 +42,7 @@ class ParallelGroups:
     cpu_world: dist.ProcessGroup | None = None
     tp: dist.ProcessGroup | None = None
     tp_cpu: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None
     consensus: dist.ProcessGroup | None = None
     storage_hit: dist.ProcessGroup | None = None
     storage_progress: dist.ProcessGroup | None = None
@@ -56,11 +59,15 @@ class ParallelGroups:
 
     @property
     def pp_rank(self) -> int:
-        return self.config.coords(self.rank)[0]
+        return self.config.coords(self.rank).pp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.config.coords(self.rank).cp
 
     @property
     def tp_rank(self) -> int:
-        return self.config.coords(self.rank)[1]
+        return self.config.coords(self.rank).tp
 
     @property
     def first_stage(self) -> bool:
@@ -73,11 +80,11 @@ class ParallelGroups:
     @property
     def tp_src(self) -> int:
         """World rank of TP rank 0 in this stage (the source of its broadcasts)."""
-        return self.config.rank_of(self.pp_rank, 0)
+        return self.config.rank_of(self.pp_rank, 0, self.cp_rank)
 
     def stage_peer(self, pp_rank: int) -> int:
-        """The world rank with this rank's TP index in stage `pp_rank`."""
-        return self.config.rank_of(pp_rank, self.tp_rank)
+        """The world rank with this rank's TP (and CP) index in stage `pp_rank`."""
+        return self.config.rank_of(pp_rank, self.tp_rank, self.cp_rank)
 
     def describe(self) -> str:
         return f"rank {self.rank} (PP{self.pp_rank}/TP{self.tp_rank} of {self.config.describe()})"
@@ -121,15 +128,8 @@ def init_parallel_groups(
     )
     world = dist.group.WORLD
     cpu_world = dist.new_group(backend="gloo", timeout=timeout) if cuda else world
-    pp_rank = config.coords(rank)[0]
-    tp = tp_cpu = None
-    if config.tp_size > 1:
-        for stage in range(config.pp_size):  # every rank creates every stage's groups
-            ranks = config.stage_ranks(stage)
-            group = dist.new_group(ranks, timeout=timeout)
-            cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if cuda else group
-            if stage == pp_rank:
-                tp, tp_cpu = group, cpu_group
+    tp, tp_cpu = _tp_groups(config, rank, timeout, cuda)
+    cp = _cp_group(config, rank, timeout)
     consensus_group = dist.new_group(backend="gloo", timeout=timeout) if consensus else None
     storage_hit = dist.new_group(backend="gloo", timeout=timeout) if storage else None
     storage_progress = dist.new_group(backend="gloo", timeout=timeout) if storage else None
@@ -141,11 +141,48 @@ def init_parallel_groups(
         cpu_world,
         tp,
         tp_cpu,
+        cp,
         consensus_group,
         storage_hit,
         storage_progress,
         storage_write,
     )
+
+
+def _tp_groups(
+    config: ParallelConfig, rank: int, timeout: datetime.timedelta, cuda: bool
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's TP group for tensors and for control (the same on CPU); None at TP 1.
+    Every rank creates every TP group, stage by stage."""
+    if config.tp_size == 1:
+        return None, None
+    own = config.coords(rank)
+    tp = tp_cpu = None
+    for stage in range(config.pp_size):
+        for cp_rank in range(config.cp_size):
+            ranks = config.stage_ranks(stage, cp_rank)
+            group = dist.new_group(ranks, timeout=timeout)
+            cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout) if cuda else group
+            if (stage, cp_rank) == (own.pp, own.cp):
+                tp, tp_cpu = group, cpu_group
+    return tp, tp_cpu
+
+
+def _cp_group(
+    config: ParallelConfig, rank: int, timeout: datetime.timedelta
+) -> dist.ProcessGroup | None:
+    """This rank's CP group; None at CP 1 (the only size `ParallelConfig` accepts yet).
+    Every rank creates every CP group."""
+    if config.cp_size == 1:
+        return None
+    own = config.coords(rank)
+    cp = None
+    for stage in range(config.pp_size):
+        for tp_rank in range(config.tp_size):
+            group = dist.new_group(config.cp_ranks(stage, tp_rank), timeout=timeout)
+            if (stage, tp_rank) == (own.pp, own.tp):
+                cp = group
+    return cp
 
 
 def destroy_parallel_groups(groups: ParallelGroups) -> None:

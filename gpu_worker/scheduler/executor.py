@@ -16,14 +16,15 @@ import torch
 
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.forward_batch import ForwardBatch, KVCache
-from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.model.sampling import Sampled, SamplingParams
 from gpu_worker.parallel.groups import ParallelGroups
 
 
 @dataclass(frozen=True, slots=True)
 class SampleSpec:
-    """How to sample one batch row: its request's sampling, which output token this is,
-    and the tokens seen so far (read only by penalties; this rank's replica of them)."""
+    """How to sample one batch row (at its last position): its request's sampling, which
+    output token this is, and the tokens seen so far (read only by penalties; this rank's
+    replica of them)."""
 
     sampling: SamplingParams
     step: int  # index of the output token being sampled
@@ -34,11 +35,17 @@ class SampleSpec:
 
 @dataclass(frozen=True, slots=True)
 class SampleOutcome:
-    token: int | None  # None when sampling failed
-    error: str | None = None
-    logits: torch.Tensor | None = None  # (vocab,) when traced
-    logprob: float | None = None  # when the request asked for logprobs
-    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """What a step appended to one request: n >= 0 sampled tokens, in order (decode today:
+    one), each with its logprobs when the request asked for them; or why sampling failed."""
+
+    tokens: tuple[Sampled, ...] = ()
+    error: str | None = None  # set when sampling failed (then `tokens` is empty)
+    logits: tuple[torch.Tensor, ...] = ()  # when traced: (vocab,) per sampled position
+
+    @staticmethod
+    def one(sampled: Sampled, logits: torch.Tensor | None = None) -> SampleOutcome:
+        """The outcome of a step that sampled one token (a decode step, a last chunk)."""
+        return SampleOutcome((sampled,), None, () if logits is None else (logits,))
 
 
 class StepExecutor(Protocol):

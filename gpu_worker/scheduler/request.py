@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +101,53 @@ class KVExport:
         return self.stagings[0]
 
 
+@dataclass(slots=True)
+class ReqLens:
+    """A request's token lengths: the one place that says what each means.
+
+    Every length counts tokens of the sequence prompt + output from position 0:
+    - `cached_len`: the front whose pages belong to the radix tree, pinned by `Req.last_node`
+      (page-aligned; it grows when the request inserts its KV into the tree);
+    - `computed_len`: prompt tokens whose KV is in the pool: the cached prefix, what was
+      loaded from the host tier (for P/D decode, `RemoteKV.prefix_len`, the part it did not
+      receive), then the chunks computed; `prompt_len` once prefill is done;
+    - `kv_len`: tokens whose KV is in the pool: `computed_len` until the first output token,
+      then every token but the last output (a step writes the KV of the tokens it feeds and
+      appends the tokens it samples after them);
+    - `seq_len`: prompt + output;
+    - `max_kv_len`: slots the request may ever write: the prompt and all but the last of
+      `max_new_tokens` outputs (admission reserves pages for them up front).
+
+    Invariant, checked by `check`, from admission until the request finishes:
+    cached_len <= computed_len <= kv_len <= seq_len, computed_len <= prompt_len, and
+    kv_len <= max_kv_len. A step appends n >= 0 output tokens (`Req.append_outputs`; a
+    decode step today appends exactly one, a prefill chunk before the last none).
+    """
+
+    prompt_len: int
+    max_new_tokens: int
+    cached_len: int = 0
+    computed_len: int = 0
+    output_len: int = 0  # len(Req.output_ids), kept by `Req.append_outputs`
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.output_len
+
+    @property
+    def kv_len(self) -> int:
+        return self.seq_len - 1 if self.output_len else self.computed_len
+
+    @property
+    def max_kv_len(self) -> int:
+        return self.prompt_len + max(self.max_new_tokens - 1, 0)
+
+    def check(self) -> None:
+        """Raise AssertionError when the invariant does not hold."""
+        assert 0 <= self.cached_len <= self.computed_len <= self.kv_len <= self.seq_len, self
+        assert self.computed_len <= self.prompt_len and self.kv_len <= self.max_kv_len, self
+
+
 @dataclass(eq=False, slots=True)
 class Req:
     rid: int
@@ -107,11 +155,10 @@ class Req:
     sampling: SamplingParams
     cache_salt: str = ""  # requests share cached KV only with the same salt
     state: ReqState = ReqState.WAITING
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # appended by `append_outputs` only
     page_ids: list[PageId] = field(default_factory=list)  # position x -> page_ids[x // page_size]
-    cached_len: int = 0  # tokens at the front whose pages belong to the tree (pinned by last_node)
+    lens: ReqLens = field(init=False)  # what its lengths mean, and their invariant
     last_node: TreeNode | None = None  # the tree node this request holds locked
-    computed_len: int = 0  # tokens whose KV is in the pool (cached prefix + computed chunks)
     load: LoadTicket | None = None
     prefetch: Prefetch | None = None  # from external storage, while it waits (never pickled)
     cached: CachedTokens = CachedTokens()
@@ -130,6 +177,7 @@ class Req:
 
     def __post_init__(self) -> None:
         self.prompt_ids = as_token_ids(self.prompt_ids)
+        self.lens = ReqLens(len(self.prompt_ids), self.sampling.max_new_tokens)
 
     def token_ids(self, n: int) -> TokenIds:
         """The first `n` tokens of prompt + output, compact (what the tree inserts)."""
@@ -139,23 +187,24 @@ class Req:
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt_ids)
+        return self.lens.prompt_len
 
-    @property
-    def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def kv_len(self) -> int:
-        """Tokens whose KV is in the pool: the computed prompt, then all but the last output."""
-        if self.state is ReqState.DECODE:
-            return self.seq_len - 1
-        return self.computed_len
-
-    @property
-    def max_seq_len(self) -> int:
-        """Slots this request may ever write: prompt + all but the last generated token."""
-        return self.prompt_len + max(self.sampling.max_new_tokens - 1, 0)
+    def append_outputs(self, tokens: Sequence[int], eos_token_ids: Collection[int]) -> int:
+        """Append the n >= 0 tokens a step produced, in order, up to and including the first
+        that finishes the request (a stop token, an EOS unless ignored, or the
+        `max_new_tokens`-th output), and set `finish_reason` if one did. Returns how many
+        were appended (the rest are dropped)."""
+        sp = self.sampling
+        for i, token in enumerate(tokens):
+            self.output_ids.append(token)
+            self.lens.output_len += 1
+            if token in sp.stop_token_ids or (not sp.ignore_eos and token in eos_token_ids):
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= sp.max_new_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason is not None:
+                return i + 1
+        return len(tokens)
 
     def output(self) -> GenerateOutput:
         assert self.finish_reason is not None

@@ -4,15 +4,15 @@ One step (driven by `Engine.step`):
 1. `consume_acks(n)`: apply the first `n` transfer ACKs, in order; `n` is agreed by every
    rank (`gpu_worker/parallel/sync.py`), never read from this rank's own queue alone;
 2. the engine applies the step's commands (new requests, aborts, ...);
-3. `step()`: move requests whose load-back completed on to prefill; admit waiting requests
-   first-come-first-served while the page budget allows (the matched prefix is locked,
-   pages for the host part to load and for every token the request may still write are
-   reserved up front, so nothing is ever preempted);
-4. run one forward over a ragged batch (every decoding request plus prefill chunks up to
-   `chunked_prefill_size` tokens) through the `StepExecutor` (the engine's `ModelExecutor`,
-   seen through `gpu_worker/scheduler/executor.py`), which returns the sampled tokens on
-   every rank;
-5. finish requests, and insert their KV into the tree.
+3. `step()`: move requests whose load-back completed on to prefill and admit waiting
+   requests while the page budget allows (`Admission`, `scheduler/admission.py`);
+4. plan one forward over a ragged batch (every decoding request plus prefill chunks up to
+   `chunked_prefill_size` tokens) and run it through the `StepExecutor` (the engine's
+   `ModelExecutor`, seen through `gpu_worker/scheduler/executor.py`), which returns on every
+   rank the tokens each request appended (n >= 0; a decode step today appends one);
+5. finish requests, and insert their KV into the tree (`KVHandOff`, `scheduler/handoff.py`).
+P/D decode requests receive their prompt's KV through `RemoteKVReceiver`
+(`scheduler/remote_kv.py`). A request's lengths, and what they mean, are `Req.lens`.
 
 Every rank runs the same steps on the same inputs; no decision here reads a clock (the one
 timing taken, of prefill throughput, only feeds rank 0's load-cost measurements, which
@@ -28,27 +28,31 @@ from dataclasses import dataclass
 
 import torch
 
-from bus_schemas.token_ids import TokenIds
 from gpu_worker.cache.hicache import PrefixCache
 from gpu_worker.consensus.checker import rank_consensus
-from gpu_worker.kernels.moves import move_pages
-from gpu_worker.kernels.relayout import RunView
 from gpu_worker.model.forward_batch import ForwardBatch
-from gpu_worker.scheduler.executor import SampleSpec, StepExecutor
-from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState, RequestError
+from gpu_worker.scheduler.admission import Admission
+from gpu_worker.scheduler.config import SchedulerConfig
+from gpu_worker.scheduler.executor import SampleOutcome, SampleSpec, StepExecutor
+from gpu_worker.scheduler.handoff import KVHandOff
+from gpu_worker.scheduler.remote_kv import RemoteKVReceiver
+from gpu_worker.scheduler.request import Req, ReqState
+
+__all__ = ["PlannedRow", "Scheduler", "SchedulerConfig"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    chunked_prefill_size: int = 512  # prompt tokens computed per step, all requests together
-    max_running_requests: int = 64
-    check_integrity_when_idle: bool = False
+class PlannedRow:
+    """One request's row of a step: it feeds `new_ids` at positions [kv_len, kv_len +
+    len(new_ids)), whose KV the forward writes, and, when `samples`, appends the tokens
+    sampled after them (n >= 0)."""
 
-    def __post_init__(self) -> None:
-        if self.chunked_prefill_size <= 0 or self.max_running_requests <= 0:
-            raise ValueError("chunked_prefill_size and max_running_requests must be positive")
+    req: Req
+    new_ids: list[int]
+    kv_len: int  # the request's `lens.kv_len` before the step
+    samples: bool  # False for a prefill chunk before the last: no token yet
 
 
 class Scheduler:
@@ -59,7 +63,10 @@ class Scheduler:
         cache: PrefixCache,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
+        perturb_sampler: bool = False,
     ) -> None:
+        """`perturb_sampler`: test hook (`DebugHooks.perturb_sampler`): change each request's
+        third output token, so ranks or runs that should agree do not."""
         self.config = config
         self.executor = executor
         self.cache = cache
@@ -68,11 +75,14 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.last_step_worked = False  # whether the last step ran a forward
         self.running: list[Req] = []  # admitted, in admission order
-        self.perturb_sampler = False  # test hook (DebugHooks.perturb_sampler)
+        self.perturb_sampler = perturb_sampler
         # transfer ACKs `consume_acks` took before their copy had finished (measured only):
         # 0 on the first stage, whose counts every TP rank holds finished; a later stage
         # may wait for its own copy of what PP0 counted
         self.num_ack_waits = 0
+        self.admission = Admission(config, cache)
+        self.handoff = KVHandOff(cache, executor, device)
+        self.remote_kv = RemoteKVReceiver(cache, self.handoff, self.eos_token_ids, device)
 
     @property
     def idle(self) -> bool:
@@ -105,6 +115,13 @@ class Scheduler:
         if self.cache.storage is not None:
             self.cache.storage.stop(rid)
 
+    def write_remote_kv(
+        self, req: Req, token_start: int, token_end: int, staging: torch.Tensor
+    ) -> None:
+        """P/D decode: write received KV of tokens [token_start, token_end) into the pages
+        `req` reserved (`RemoteKVReceiver.write` says what `staging` holds)."""
+        self.remote_kv.write(req, token_start, token_end, staging)
+
     # ----------------------------------------------------------------- step
 
     @rank_consensus(same_params=["num_acks"])
@@ -122,165 +139,48 @@ class Scheduler:
         the requests that finished in it."""
         if self.cache.storage is not None:
             self.cache.storage.grant()
-        self._finish_loads()
+        self.admission.finish_loads(self.running)
         finished = self._finish_aborted()
-        self._admit()
-        finished += self._finish_received()
+        self.admission.admit(self.waiting, self.running)
+        finished += self._drop_finished(self.remote_kv.finish_received(self.running))
         finished += self._forward()
         if self.idle and self.config.check_integrity_when_idle:
             self.cache.drain()
             self.check_integrity()
         return finished
 
-    def _finish_loads(self) -> None:
-        for req in self.running:
-            if req.state is ReqState.LOADING and req.load is not None and req.load.failed:
-                self._load_failed(req)
-            elif req.state is ReqState.LOADING and req.load is not None and req.load.done:
-                ticket, old = req.load, req.last_node
-                assert old is not None
-                self.cache.lock(ticket.last_node)
-                self.cache.unlock(old)
-                req.last_node, req.load = ticket.last_node, None
-                prefix = self.cache.tree.path_device_page_ids(ticket.last_node)
-                req.page_ids[: len(prefix)] = prefix
-                req.cached_len = len(prefix) * self.cache.page_size
-                req.state = ReqState.RECEIVING if req.remote else ReqState.PREFILL
-
-    def _load_failed(self, req: Req) -> None:
-        """The host hit could not be loaded. A local request computes that range instead (its
-        pages are already reserved); a P/D decode request promised it to prefill, so it fails
-        with 409 and the router retries without reuse."""
-        req.load = None
-        req.computed_len = req.cached_len
-        req.cached = CachedTokens(device=req.cached_len, host=0)
-        if req.remote is not None:
-            req.error = RequestError("restore could not deliver the promised prefix", 409)
-            req.aborted = True
-            req.state = ReqState.RECEIVING
-        else:
-            req.state = ReqState.PREFILL
-
-    def _finish_received(self) -> list[Req]:
-        """P/D decode: requests whose restore and KV reception are both complete start
-        decoding with the first token prefill sampled."""
-        done = []
-        for req in self.running:
-            remote = req.remote
-            if (
-                req.state is not ReqState.RECEIVING
-                or req.aborted
-                or remote is None
-                or remote.first_token is None
-                or remote.received_end < req.prompt_len
-            ):
-                continue
-            req.computed_len = req.prompt_len
-            req.state = ReqState.DECODE
-            self._cache_prompt(req)
-            req.output_ids.append(remote.first_token)
-            if req.sampling.logprobs is not None:  # prefill sampled it: its logprob is there
-                req.logprobs.append((None, ()))
-            if self._is_finished(req, remote.first_token):
-                self._finish(req)
-                done.append(req)
-        if done:
-            self.running = [r for r in self.running if r.state is not ReqState.FINISHED]
-        return done
-
     def _finish_aborted(self) -> list[Req]:
         aborted = [r for r in self.running if r.aborted and r.state is not ReqState.LOADING]
         for req in aborted:
             req.finish_reason = "abort"
-            self._finish(req)
-        if aborted:
+            self.handoff.finish(req)
+        return self._drop_finished(aborted)
+
+    def _drop_finished(self, finished: list[Req]) -> list[Req]:
+        """Take the `finished` requests out of `running`; returns them."""
+        if finished:
             self.running = [r for r in self.running if r.state is not ReqState.FINISHED]
-        return aborted
-
-    def _admit(self) -> None:
-        """First come, first served while pages allow; a request whose storage prefetch may
-        not end yet (its policy) waits without holding back those behind it."""
-        storage = self.cache.storage
-        for req in list(self.waiting):
-            if len(self.running) >= self.config.max_running_requests:
-                return
-            p = req.prefetch
-            if p is not None and storage is not None and not p.finished:
-                if not storage.ready(p):
-                    continue
-                storage.finish(p)
-            if not self._admit_next(req):
-                return
-
-    @rank_consensus(
-        same_params=["req.rid", "req.prompt_len"],
-        same_results=["result", "req.cached", "list(req.page_ids)"],
-    )
-    def _admit_next(self, req: Req) -> bool:
-        """Admit waiting request `req` if the page budget allows; whether it did."""
-        cache, ps = self.cache, self.cache.page_size
-        match = (
-            cache.no_match()
-            if req.remote is not None and not req.remote.reuse
-            else cache.match(req.prompt_ids, req.cache_salt)
-        )
-        cache.lock(match.last_device_node)
-        load_pages = len(match.host_page_ids)
-        own_pages = -(-req.max_seq_len // ps) - match.total_len // ps
-        if load_pages + own_pages > cache.num_available_device_pages:
-            cache.unlock(match.last_device_node)
-            # nothing running and no copy in flight (a backup's ACK unlocks its pages, a
-            # failed load's frees them): nothing will ever free more (the engine checks
-            # sizes). The queued count is the same on every rank: ACKs queue at submission.
-            if not self.running and not cache.num_queued_acks:
-                raise RuntimeError(f"request {req.rid} does not fit the device pool")
-            return False
-        self.waiting.remove(req)
-        ticket = cache.start_load(match)
-        if ticket is None and match.host_len:  # no room to load: compute it instead
-            own_pages += load_pages
-        pages = cache.alloc(own_pages)
-        assert pages is not None, "the budget check guaranteed these pages"
-        req.last_node = match.last_device_node
-        req.cached_len = match.device_len
-        host_len = match.host_len if ticket is not None else 0
-        req.computed_len = match.device_len + host_len
-        storage_len = self._storage_len(req, match.device_len, match.device_len + host_len)
-        req.cached = CachedTokens(match.device_len, host_len - storage_len, storage_len)
-        req.page_ids = list(match.device_page_ids) + (ticket.page_ids if ticket else []) + pages
-        req.load = ticket
-        idle = ReqState.RECEIVING if req.remote is not None else ReqState.PREFILL
-        req.state = ReqState.LOADING if ticket else idle
-        if req.remote is not None:
-            req.remote.prefix_len = req.remote.received_end = req.computed_len
-        cache.stats.device_hit_tokens += match.device_len
-        cache.stats.host_hit_tokens += host_len - storage_len
-        cache.stats.storage_hit_tokens += storage_len
-        if req.prefetch is not None and cache.storage is not None:
-            cache.storage.release(req.prefetch)  # its load (if any) pins what it reads now
-        self.running.append(req)
-        return True
-
-    @staticmethod
-    def _storage_len(req: Req, lo: int, hi: int) -> int:
-        """Tokens of the loaded range [lo, hi) that this request's prefetch brought in."""
-        if req.prefetch is None:
-            return 0
-        a, b = req.prefetch.storage_range
-        return max(0, min(b, hi) - max(a, lo))
+        return finished
 
     # ----------------------------------------------------------------- forward
 
-    def _plan(self) -> list[tuple[Req, list[int]]]:
-        """Which requests run this step, with the new tokens each feeds."""
-        plan = [(r, [r.output_ids[-1]]) for r in self.running if r.state is ReqState.DECODE]
+    def _plan(self) -> list[PlannedRow]:
+        """Which requests run this step, with the new tokens each feeds: a decoding request
+        its outputs whose KV is not written yet (today the last one), then prefill chunks
+        while the budget lasts."""
+        plan = [
+            PlannedRow(r, r.output_ids[r.lens.kv_len - r.prompt_len :], r.lens.kv_len, True)
+            for r in self.running
+            if r.state is ReqState.DECODE
+        ]
         budget = self.config.chunked_prefill_size
         for req in self.running:
             if req.state is not ReqState.PREFILL or budget == 0:
                 continue
-            chunk = req.prompt_ids[req.computed_len : req.computed_len + budget].tolist()
+            start = req.lens.computed_len
+            chunk = req.prompt_ids[start : start + budget].tolist()
             budget -= len(chunk)
-            plan.append((req, chunk))
+            plan.append(PlannedRow(req, chunk, start, start + len(chunk) >= req.prompt_len))
         return plan
 
     def _forward(self) -> list[Req]:
@@ -290,152 +190,54 @@ class Scheduler:
             return []
         pool = self.cache.device_pool
         seqs = []
-        for req, new_ids in plan:
-            prefix_len = req.computed_len if req.state is ReqState.PREFILL else req.seq_len - 1
-            slots = pool.slot_ids(req.page_ids, prefix_len + len(new_ids))
-            seqs.append((new_ids, prefix_len, slots))
+        for row in plan:
+            slots = pool.slot_ids(row.req.page_ids, row.kv_len + len(row.new_ids))
+            seqs.append((row.new_ids, row.kv_len, slots))
         batch = ForwardBatch.build(seqs, self.device)
-        specs = [
-            _spec(req)
-            if req.state is ReqState.DECODE or req.computed_len + len(new_ids) >= req.prompt_len
-            else None  # a prefill chunk before the last: no token yet
-            for req, new_ids in plan
-        ]
+        specs = [_spec(row.req) if row.samples else None for row in plan]
         start = time.perf_counter()
-        outcomes = self.executor.run(batch, self.cache.device_pool, specs)
-        num_prefill = sum(len(ids) for r, ids in plan if r.state is ReqState.PREFILL)
+        outcomes = self.executor.run(batch, pool, specs)
+        num_prefill = sum(len(row.new_ids) for row in plan if row.req.state is ReqState.PREFILL)
         if num_prefill:  # rank 0's measurement for the load-or-recompute estimate only
             self.cache.cost.observe_prefill(len(batch.input_ids), time.perf_counter() - start)
-        finished = []
-        for (req, new_ids), outcome in zip(plan, outcomes, strict=True):
-            if req.state is ReqState.PREFILL:
-                req.computed_len += len(new_ids)
-                if req.computed_len < req.prompt_len:
-                    continue  # more chunks to go: no token yet
-                req.state = ReqState.DECODE
-                self._cache_prompt(req)
-            assert outcome is not None
-            if req.logits_trace is not None and outcome.logits is not None:
-                req.logits_trace.append(outcome.logits)
-            if outcome.token is None:
-                log.warning("request %d failed: %s", req.rid, outcome.error)
-                self._fail(req, outcome.error or "sampling failed")
-                finished.append(req)
-                continue
-            token = outcome.token
-            if self.perturb_sampler and len(req.output_ids) == 2:
-                token = (token + 1) % self.executor.model_config_whole.vocab_size
-            req.output_ids.append(token)
-            if outcome.logprob is not None:
-                req.logprobs.append((outcome.logprob, outcome.top_logprobs))
-            if self._is_finished(req, token):
-                self._finish(req)
-                finished.append(req)
-        if finished:
-            self.running = [r for r in self.running if r.state is not ReqState.FINISHED]
-        return finished
+        finished = [
+            row.req
+            for row, outcome in zip(plan, outcomes, strict=True)
+            if self._apply(row, outcome)
+        ]
+        return self._drop_finished(finished)
 
-    def _fail(self, req: Req, message: str) -> None:
-        """Finish `req` with an internal error; its KV goes back without entering the tree
-        (what it computed may be the reason it failed)."""
-        req.error = RequestError(message, 500)
-        req.finish_reason = "error"
-        req.state = ReqState.FINISHED
-        assert req.last_node is not None
-        self.cache.unlock(req.last_node)
-        self.cache.free(req.page_ids[req.cached_len // self.cache.page_size :])
-        req.page_ids, req.last_node = [], None
-
-    def _is_finished(self, req: Req, token: int) -> bool:
-        sp = req.sampling
-        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
-            req.finish_reason = "stop"
-        elif len(req.output_ids) >= sp.max_new_tokens:
-            req.finish_reason = "length"
-        return req.finish_reason is not None
-
-    # ----------------------------------------------------------------- cache hand-off
-
-    def _cache_prompt(self, req: Req) -> None:
-        """After prefill, share the prompt's KV through the tree for requests behind it."""
-        if not self.cache.config.enable_radix_cache:
-            return
-        self._insert(req, req.prompt_ids)
-
-    def _insert(self, req: Req, ids: TokenIds) -> None:
-        prefix = self.cache.insert(ids, req.page_ids, req.cached_len, req.cache_salt)
-        self.cache.lock(prefix.last_node)
-        assert req.last_node is not None
-        self.cache.unlock(req.last_node)
-        req.last_node = prefix.last_node
-        req.page_ids[: len(prefix.page_ids)] = prefix.page_ids
-        req.cached_len = len(prefix.page_ids) * self.cache.page_size
-
-    def _finish(self, req: Req) -> None:
-        """Insert the KV the request computed into the tree and release the rest."""
-        if req.export_from is not None and req.output_ids and req.error is None:
-            req.export = self._pack_export(req)
-        kv_len = req.kv_len
-        req.state = ReqState.FINISHED
-        if self.cache.config.enable_radix_cache:
-            self._insert(req, req.token_ids(kv_len))
-        assert req.last_node is not None
-        self.cache.unlock(req.last_node)
-        self.cache.free(req.page_ids[req.cached_len // self.cache.page_size :])
-        req.page_ids, req.last_node = [], None
-
-    def _pack_export(self, req: Req) -> KVExport:
-        """P/D prefill: pack the prompt's KV from `export_from` into a staging buffer in the
-        unified order, one KV head per group, with the relayout kernel (the wire sends it,
-        and a decode engine of any TP x PP layout cuts its ranks' heads and layers from it;
-        this request's pages can go)."""
-        assert req.export_from is not None
-        ps = self.cache.page_size
-        first_page = req.export_from // ps
-        last_page = -(-req.prompt_len // ps)
-        src = req.page_ids[first_page:last_page]
-        spec = self.cache.spec
-        staging = torch.empty(
-            (len(src), spec.num_kv_heads, spec.num_layers, spec.num_kv, ps, 1, spec.head_dim),
-            dtype=spec.dtype,
-            device=self.device,
-        )
-        move_pages(
-            self.cache.device_pool.run_view(1),
-            RunView.unified(staging),
-            torch.tensor(src, dtype=torch.int64, device=self.device),
-            torch.arange(len(src), dtype=torch.int64, device=self.device),
-        )
-        ranks, stagings = self.executor.collect_export(staging.cpu())  # all, on rank 0
-        first = req.output_ids[0]
-        world = self.executor.groups.world_size
-        return KVExport(stagings, req.export_from, req.prompt_len, first, ranks, world)
-
-    def write_remote_kv(
-        self, req: Req, token_start: int, token_end: int, staging: torch.Tensor
-    ) -> None:
-        """P/D decode: write received KV of tokens [token_start, token_end) into the pages this
-        request reserved. `staging` is this rank's heads and layers in the unified order, one
-        head per group (`_pack_export`), its first page at `token_start` (aligned)."""
-        remote, ps = req.remote, self.cache.page_size
-        if remote is None or req.state not in (ReqState.LOADING, ReqState.RECEIVING):
-            raise ValueError(f"request {req.rid} is not waiting for KV")
-        if token_start != remote.received_end or token_end > req.prompt_len:
-            raise ValueError(
-                f"KV chunk [{token_start}, {token_end}) does not continue "
-                f"[{remote.prefix_len}, {remote.received_end}) of a {req.prompt_len}-token prompt"
-            )
-        num_pages = staging.shape[0]
-        if token_start % ps or num_pages != -(-(token_end - token_start) // ps):
-            raise ValueError("KV chunk pages do not match its token range")
-        dst = req.page_ids[token_start // ps : token_start // ps + num_pages]
-        move_pages(
-            RunView.unified(staging.to(self.device)),
-            self.cache.device_pool.run_view(1),
-            torch.arange(num_pages, dtype=torch.int64, device=self.device),
-            torch.tensor(dst, dtype=torch.int64, device=self.device),
-        )
-        remote.received_end = token_end
+    def _apply(self, row: PlannedRow, outcome: SampleOutcome | None) -> bool:
+        """Advance `row`'s request by what the step did: the prompt tokens it computed, then
+        the n >= 0 tokens it appended. Whether the request finished."""
+        req = row.req
+        if req.state is ReqState.PREFILL:
+            req.lens.computed_len += len(row.new_ids)
+            if req.lens.computed_len < req.prompt_len:
+                return False  # more chunks to go: no token yet
+            req.state = ReqState.DECODE
+            self.handoff.cache_prompt(req)
+        assert outcome is not None
+        if req.logits_trace is not None:
+            req.logits_trace.extend(outcome.logits)
+        if outcome.error is not None:
+            log.warning("request %d failed: %s", req.rid, outcome.error)
+            self.handoff.fail(req, outcome.error)
+            return True
+        tokens = [s.token for s in outcome.tokens]
+        if self.perturb_sampler:
+            vocab = self.executor.model_config_whole.vocab_size
+            tokens = [
+                (t + 1) % vocab if len(req.output_ids) + i == 2 else t for i, t in enumerate(tokens)
+            ]
+        n = req.append_outputs(tokens, self.eos_token_ids)
+        for s in outcome.tokens[:n]:
+            if s.logprob is not None:
+                req.logprobs.append((s.logprob, s.top_logprobs))
+        if req.finish_reason is None:
+            return False
+        self.handoff.finish(req)
+        return True
 
     # ----------------------------------------------------------------- checks
 
@@ -443,11 +245,13 @@ class Scheduler:
         """Device pages owned by running requests (their own pages, not the tree's)."""
         held: set[int] = set()
         for req in self.running:
-            held.update(req.page_ids[req.cached_len // self.cache.page_size :])
+            held.update(req.page_ids[req.lens.cached_len // self.cache.page_size :])
         return held
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.held_page_ids())
+        for req in self.running:
+            req.lens.check()
 
 
 def _spec(req: Req) -> SampleSpec:

@@ -1,7 +1,7 @@
 """Which stored objects hold a rank's part of a page: the two key schemes (DESIGN.md 5).
 
 - `rank-suffix`: one object per page per rank shard, named `{page_hash}_tp{t}of{T}pp{p}of{P}`
-  and laid out as the rank's own page (`page_first`: layers, K/V, tokens, its heads, dim).
+  (`shard_names`) and laid out as the rank's own page (`page_first`: layers, K/V, tokens, its heads, dim).
   Only an engine of the same layout can read it.
 - `unified`: each page is cut on a fixed grid of layer ranges (`--hicache-storage-layer-
   partition` layers each) x KV-head groups (`--hicache-storage-head-partition` heads each)
@@ -25,6 +25,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from typing import Literal
+
+from gpu_worker.parallel.config import ParallelConfig
 
 SCHEMA_VERSION = 1
 KeyScheme = Literal["rank-suffix", "unified"]
@@ -164,3 +166,25 @@ def shard_cells(
     groups = range(h0 // hp, h1 // hp)
     cells = tuple(Cell(a, b, g) for g in groups for a, b in ranges)
     return ShardCells(cells, l0, h0 // hp, writes=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardNames:
+    """The rank-suffix scheme's names for one rank of an engine layout."""
+
+    shard: str  # the object suffix of this rank's part, e.g. "tp0of2pp1of2"
+    layout: str  # the engine layout, e.g. "tp2pp2" (only engines of the same one share)
+
+
+def shard_names(parallel: ParallelConfig, rank: int, replicated: bool) -> ShardNames:
+    """The rank-suffix names of world rank `rank` of an engine of layout `parallel`.
+
+    `replicated`: KV is the same on every TP rank of a stage (MLA's latent), so every TP
+    rank names TP rank 0's objects. A CP size above 1 appears in both names
+    (`..cp{c}of{C}..`); at CP 1 the names are the ones stored objects have always had."""
+    where = parallel.coords(rank)
+    tp, pp, cp = parallel.tp_size, parallel.pp_size, parallel.cp_size
+    cp_tag = f"cp{where.cp}of{cp}" if cp > 1 else ""
+    shard = f"tp{0 if replicated else where.tp}of{tp}{cp_tag}pp{where.pp}of{pp}"
+    layout = f"tp{tp}{f'cp{cp}' if cp > 1 else ''}pp{pp}"
+    return ShardNames(shard, layout)

@@ -1,0 +1,128 @@
+"""Admission: which waiting requests start, what each reserves, and their load-back.
+
+A request is admitted first come, first served while the page budget allows: its matched
+prefix is locked, and pages for the host part to load and for every token it may still
+write (`ReqLens.max_kv_len`) are reserved up front, so nothing is ever preempted. An
+admitted request with a host hit waits in LOADING until the load's ACK is consumed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from gpu_worker.cache.hicache import PrefixCache
+from gpu_worker.consensus.checker import rank_consensus
+from gpu_worker.scheduler.config import SchedulerConfig
+from gpu_worker.scheduler.request import CachedTokens, Req, ReqState, RequestError
+
+
+class Admission:
+    """Moves requests from the scheduler's waiting queue into its running list, and on from
+    LOADING once their load-back completed (or failed)."""
+
+    def __init__(self, config: SchedulerConfig, cache: PrefixCache) -> None:
+        self.config = config
+        self.cache = cache
+
+    def admit(self, waiting: deque[Req], running: list[Req]) -> None:
+        """First come, first served while pages allow; a request whose storage prefetch may
+        not end yet (its policy) waits without holding back those behind it."""
+        storage = self.cache.storage
+        for req in list(waiting):
+            if len(running) >= self.config.max_running_requests:
+                return
+            p = req.prefetch
+            if p is not None and storage is not None and not p.finished:
+                if not storage.ready(p):
+                    continue
+                storage.finish(p)
+            if not self._admit_next(req, waiting, running):
+                return
+
+    @rank_consensus(
+        same_params=["req.rid", "req.prompt_len"],
+        same_results=["result", "req.cached", "list(req.page_ids)"],
+    )
+    def _admit_next(self, req: Req, waiting: deque[Req], running: list[Req]) -> bool:
+        """Admit waiting request `req` if the page budget allows; whether it did."""
+        cache, ps = self.cache, self.cache.page_size
+        match = (
+            cache.no_match()
+            if req.remote is not None and not req.remote.reuse
+            else cache.match(req.prompt_ids, req.cache_salt)
+        )
+        cache.lock(match.last_device_node)
+        load_pages = len(match.host_page_ids)
+        own_pages = -(-req.lens.max_kv_len // ps) - match.total_len // ps
+        if load_pages + own_pages > cache.num_available_device_pages:
+            cache.unlock(match.last_device_node)
+            # nothing running and no copy in flight (a backup's ACK unlocks its pages, a
+            # failed load's frees them): nothing will ever free more (the engine checks
+            # sizes). The queued count is the same on every rank: ACKs queue at submission.
+            if not running and not cache.num_queued_acks:
+                raise RuntimeError(f"request {req.rid} does not fit the device pool")
+            return False
+        waiting.remove(req)
+        ticket = cache.start_load(match)
+        if ticket is None and match.host_len:  # no room to load: compute it instead
+            own_pages += load_pages
+        pages = cache.alloc(own_pages)
+        assert pages is not None, "the budget check guaranteed these pages"
+        req.last_node = match.last_device_node
+        req.lens.cached_len = match.device_len
+        host_len = match.host_len if ticket is not None else 0
+        req.lens.computed_len = match.device_len + host_len
+        storage_len = self._storage_len(req, match.device_len, match.device_len + host_len)
+        req.cached = CachedTokens(match.device_len, host_len - storage_len, storage_len)
+        req.page_ids = list(match.device_page_ids) + (ticket.page_ids if ticket else []) + pages
+        req.load = ticket
+        idle = ReqState.RECEIVING if req.remote is not None else ReqState.PREFILL
+        req.state = ReqState.LOADING if ticket else idle
+        if req.remote is not None:
+            req.remote.prefix_len = req.remote.received_end = req.lens.computed_len
+        cache.stats.device_hit_tokens += match.device_len
+        cache.stats.host_hit_tokens += host_len - storage_len
+        cache.stats.storage_hit_tokens += storage_len
+        if req.prefetch is not None and cache.storage is not None:
+            cache.storage.release(req.prefetch)  # its load (if any) pins what it reads now
+        running.append(req)
+        return True
+
+    @staticmethod
+    def _storage_len(req: Req, lo: int, hi: int) -> int:
+        """Tokens of the loaded range [lo, hi) that this request's prefetch brought in."""
+        if req.prefetch is None:
+            return 0
+        a, b = req.prefetch.storage_range
+        return max(0, min(b, hi) - max(a, lo))
+
+    def finish_loads(self, running: list[Req]) -> None:
+        """Requests whose load-back completed take the loaded pages as their cached prefix
+        and move on (to prefill, or for P/D decode to receiving)."""
+        for req in running:
+            if req.state is ReqState.LOADING and req.load is not None and req.load.failed:
+                self._load_failed(req)
+            elif req.state is ReqState.LOADING and req.load is not None and req.load.done:
+                ticket, old = req.load, req.last_node
+                assert old is not None
+                self.cache.lock(ticket.last_node)
+                self.cache.unlock(old)
+                req.last_node, req.load = ticket.last_node, None
+                prefix = self.cache.tree.path_device_page_ids(ticket.last_node)
+                req.page_ids[: len(prefix)] = prefix
+                req.lens.cached_len = len(prefix) * self.cache.page_size
+                req.state = ReqState.RECEIVING if req.remote else ReqState.PREFILL
+
+    def _load_failed(self, req: Req) -> None:
+        """The host hit could not be loaded. A local request computes that range instead (its
+        pages are already reserved); a P/D decode request promised it to prefill, so it fails
+        with 409 and the router retries without reuse."""
+        req.load = None
+        req.lens.computed_len = req.lens.cached_len
+        req.cached = CachedTokens(device=req.lens.cached_len, host=0)
+        if req.remote is not None:
+            req.error = RequestError("restore could not deliver the promised prefix", 409)
+            req.aborted = True
+            req.state = ReqState.RECEIVING
+        else:
+            req.state = ReqState.PREFILL

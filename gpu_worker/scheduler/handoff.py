@@ -1,0 +1,93 @@
+"""Finishing a request: its KV into the radix tree, the rest of its pages back to the pool.
+
+`KVHandOff` is the one place that moves a request's pages to the tree (after prefill, for
+requests behind it; at the end, everything it computed) or frees them, and that packs a P/D
+prefill request's KV for the wire before its pages go.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bus_schemas.token_ids import TokenIds
+from gpu_worker.cache.hicache import PrefixCache
+from gpu_worker.kernels.moves import move_pages
+from gpu_worker.kernels.relayout import RunView
+from gpu_worker.scheduler.executor import StepExecutor
+from gpu_worker.scheduler.request import KVExport, Req, ReqState, RequestError
+
+
+class KVHandOff:
+    def __init__(self, cache: PrefixCache, executor: StepExecutor, device: torch.device) -> None:
+        self.cache = cache
+        self.executor = executor
+        self.device = device
+
+    def cache_prompt(self, req: Req) -> None:
+        """After prefill, share the prompt's KV through the tree for requests behind it."""
+        if not self.cache.config.enable_radix_cache:
+            return
+        self._insert(req, req.prompt_ids)
+
+    def _insert(self, req: Req, ids: TokenIds) -> None:
+        """Insert `ids`' KV from `req`'s pages; `req` then holds the tree's node and pages
+        for them (its `cached_len` grows to what the tree holds)."""
+        prefix = self.cache.insert(ids, req.page_ids, req.lens.cached_len, req.cache_salt)
+        self.cache.lock(prefix.last_node)
+        assert req.last_node is not None
+        self.cache.unlock(req.last_node)
+        req.last_node = prefix.last_node
+        req.page_ids[: len(prefix.page_ids)] = prefix.page_ids
+        req.lens.cached_len = len(prefix.page_ids) * self.cache.page_size
+
+    def finish(self, req: Req) -> None:
+        """Insert the KV the request computed into the tree and release the rest."""
+        if req.export_from is not None and req.output_ids and req.error is None:
+            req.export = self._pack_export(req)
+        kv_len = req.lens.kv_len
+        req.state = ReqState.FINISHED
+        if self.cache.config.enable_radix_cache:
+            self._insert(req, req.token_ids(kv_len))
+        self._release(req)
+
+    def fail(self, req: Req, message: str) -> None:
+        """Finish `req` with an internal error; its KV goes back without entering the tree
+        (what it computed may be the reason it failed)."""
+        req.error = RequestError(message, 500)
+        req.finish_reason = "error"
+        req.state = ReqState.FINISHED
+        self._release(req)
+
+    def _release(self, req: Req) -> None:
+        """Unlock the tree node `req` holds and free its own pages (past `cached_len`)."""
+        assert req.last_node is not None
+        self.cache.unlock(req.last_node)
+        self.cache.free(req.page_ids[req.lens.cached_len // self.cache.page_size :])
+        req.page_ids, req.last_node = [], None
+
+    def _pack_export(self, req: Req) -> KVExport:
+        """P/D prefill: pack the prompt's KV from `export_from` into a staging buffer in the
+        unified order, one KV head per group, with the relayout kernel (the wire sends it,
+        and a decode engine of any TP x PP layout cuts its ranks' heads and layers from it;
+        this request's pages can go)."""
+        assert req.export_from is not None
+        ps = self.cache.page_size
+        first_page = req.export_from // ps
+        last_page = -(-req.prompt_len // ps)
+        src = req.page_ids[first_page:last_page]
+        spec = self.cache.spec
+        staging = torch.empty(
+            (len(src), spec.num_kv_heads, spec.num_layers, spec.num_kv, ps, 1, spec.head_dim),
+            dtype=spec.dtype,
+            device=self.device,
+        )
+        move_pages(
+            self.cache.device_pool.run_view(1),
+            RunView.unified(staging),
+            torch.tensor(src, dtype=torch.int64, device=self.device),
+            torch.arange(len(src), dtype=torch.int64, device=self.device),
+        )
+        ranks, stagings = self.executor.collect_export(staging.cpu())  # all, on rank 0
+        first = req.output_ids[0]
+        world = self.executor.groups.world_size
+        return KVExport(stagings, req.export_from, req.prompt_len, first, ranks, world)
