@@ -54,6 +54,7 @@ from bus_schemas import (
 from bus_schemas import subjects as subj
 from bus_schemas.connection import Backoff, Credentials, connect_nats
 from bus_schemas.messages import MAX_HEARTBEAT_INTERVAL_S, MIN_HEARTBEAT_INTERVAL_S
+from gpu_worker.cache.kv_events import KVEventRecord
 from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
 from gpu_worker.scheduler.request import CachedTokens, KVExport, RequestError
 from gpu_worker.storage import StorageBackend
@@ -508,18 +509,18 @@ class EngineService:
         events = await asyncio.wrap_future(self._runner.query(lambda e: e.cache.snapshot_events()))
         self._enqueue_events(events, snapshot=True)
 
-    def kv_events(self, events: list[tuple[str, str, list[str]]]) -> None:
+    def kv_events(self, events: list[KVEventRecord]) -> None:
         """Runner callback (on the loop): publish tree changes to the index."""
         self._enqueue_events(events, snapshot=False)
 
-    def _enqueue_events(self, events: list[tuple[str, str, list[str]]], snapshot: bool) -> None:
+    def _enqueue_events(self, events: list[KVEventRecord], snapshot: bool) -> None:
         batch = KVEventBatch(
             self.config.engine_id,
             self.config.bucket,
             self.epoch,
             self._event_seq,
             self.namespace,
-            [KVEvent(kind, tier, hashes) for kind, tier, hashes in events],
+            [KVEvent(e.kind, e.tier, e.page_hashes) for e in events],
             snapshot,
             self._store_id,
         )
