@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from bus_schemas.token_ids import TokenIds
 
@@ -113,8 +113,16 @@ class TreeNode:
 # ----------------------------------------------------------------- paths (read only)
 
 
-def path(node: TreeNode) -> list[tuple[int, TreeNode]]:
-    """`(start_token, node)` for every node from the root's child down to `node`."""
+class PathStep(NamedTuple):
+    """A node of a path and the token of the path where its key starts (a NamedTuple:
+    callers unpack `for start, node in path(...)`)."""
+
+    start: int
+    node: TreeNode
+
+
+def path(node: TreeNode) -> list[PathStep]:
+    """A `PathStep` for every node from the root's child down to `node`."""
     chain: list[TreeNode] = []
     while node.parent is not None:
         chain.append(node)
@@ -122,7 +130,7 @@ def path(node: TreeNode) -> list[tuple[int, TreeNode]]:
     chain.reverse()
     out, pos = [], 0
     for n in chain:
-        out.append((pos, n))
+        out.append(PathStep(pos, n))
         pos += len(n.key)
     return out
 
@@ -136,9 +144,9 @@ def path_len(node: TreeNode) -> int:
     return total
 
 
-def path_range(last_node: TreeNode, start_len: int) -> list[tuple[int, TreeNode]]:
-    """Nodes of the path to `last_node` that start at or after token `start_len`."""
-    return [(p, n) for p, n in path(last_node) if p >= start_len]
+def path_range(last_node: TreeNode, start_len: int) -> list[PathStep]:
+    """The steps of the path to `last_node` whose nodes start at or after token `start_len`."""
+    return [step for step in path(last_node) if step.start >= start_len]
 
 
 def path_device_page_ids(node: TreeNode) -> PageIds:

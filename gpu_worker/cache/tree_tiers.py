@@ -134,7 +134,7 @@ class TreeTiers:
         for _, n in nodes:
             n.backup_pending = False
         if nodes:  # a pending child no longer keeps the covered part from eviction
-            parent = nodes[0][1].parent
+            parent = nodes[0].node.parent
             assert parent is not None
             self.host_heap.offer(parent)
 
