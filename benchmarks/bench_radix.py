@@ -49,7 +49,9 @@ from typing import Any, Protocol
 # Run as a script from a checkout where the project is not pip-installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_worker.cache.eviction import device_leaf
 from gpu_worker.cache.radix import EvictResult, RadixTree
+from gpu_worker.cache.tree_walk import child_key
 
 # ----------------------------------------------------------------- baseline
 
@@ -313,18 +315,18 @@ def evict_device_rebuild(tree: RadixTree, num_pages: int) -> EvictResult:
     """The former `evict_device`: a heap rebuilt from every node on each call (for the ratio
     only; it bypasses the tree's incremental heap, so run it last on a tree)."""
     result = EvictResult()
-    heap = [(n.last_access, n.id, n) for n in tree.iter_nodes() if tree._device_leaf(n)]
+    heap = [(n.last_access, n.id, n) for n in tree.iter_nodes() if device_leaf(n)]
     heapq.heapify(heap)
     while heap and len(result.freed_page_ids) < num_pages:
         _, _, node = heapq.heappop(heap)
         assert node.device_page_ids is not None and node.host_page_ids is None
         result.freed_page_ids += node.device_page_ids
-        tree.num_device_pages -= len(node.device_page_ids)
+        tree.tiers.num_device_pages -= len(node.device_page_ids)
         node.device_page_ids = None
         parent = node.parent
         assert parent is not None
-        del parent.children[tree._child_key(node.key)]
-        if tree._device_leaf(parent):
+        del parent.children[child_key(node.key, tree.page_size)]
+        if device_leaf(parent):
             heapq.heappush(heap, (parent.last_access, parent.id, parent))
     return result
 

@@ -12,6 +12,7 @@ import torch
 
 from bus_schemas.page_hash import page_hashes
 from gpu_worker.cache.hicache import CacheConfig, PrefixCache
+from gpu_worker.cache.kv_events import KVEventRecord
 from gpu_worker.cache.radix import RadixTree
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.memory.allocator import HostPageId
@@ -28,12 +29,12 @@ HOST_PAGES = [HostPageId(p) for p in (10, 11, 12, 13)]
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, page_size=PS, dtype=torch.float64)
 
 
-def stored(tier: str, hashes: list[str]) -> tuple[str, str, list[str]]:
-    return ("stored", tier, hashes)
+def stored(tier: str, hashes: list[str]) -> KVEventRecord:
+    return KVEventRecord("stored", tier, hashes)
 
 
-def removed(tier: str, hashes: list[str]) -> tuple[str, str, list[str]]:
-    return ("removed", tier, hashes)
+def removed(tier: str, hashes: list[str]) -> KVEventRecord:
+    return KVEventRecord("removed", tier, hashes)
 
 
 def tree_with_a_and_b() -> RadixTree:

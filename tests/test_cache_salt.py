@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from bus_schemas.page_hash import page_hashes
+from gpu_worker.cache.kv_events import KVEventRecord
 from gpu_worker.cache.radix import RadixTree
 
 NS = "tiny|float64|p4"
@@ -30,8 +31,8 @@ def test_each_salt_keeps_its_own_pages_and_hashes() -> None:
     assert list(tree.match_prefix(IDS, "bob").device_page_ids) == [4, 5, 6, 7]
     assert list(tree.match_prefix(IDS, "alice").device_page_ids) == [0, 1, 2, 3]
     assert tree.drain_events() == [
-        ("stored", "device", page_hashes(IDS[:16], PS, NS, cache_salt="alice")),
-        ("stored", "device", page_hashes(IDS[:16], PS, NS, cache_salt="bob")),
+        KVEventRecord("stored", "device", page_hashes(IDS[:16], PS, NS, cache_salt="alice")),
+        KVEventRecord("stored", "device", page_hashes(IDS[:16], PS, NS, cache_salt="bob")),
     ]
     assert page_hashes(IDS[:16], PS, NS, cache_salt="alice") != page_hashes(
         IDS[:16], PS, NS, cache_salt="bob"

@@ -154,7 +154,7 @@ def write_and_report(engine: Engine, reqs: list[list[int]]) -> dict[str, object]
     events rank 0 would send."""
     engine.run([engine.submit(p, GREEDY) for p in reqs])
     engine.drain()
-    events = [hashes for _, tier, hashes in engine.cache.drain_events() if tier == "storage"]
+    events = [e.page_hashes for e in engine.cache.drain_events() if e.tier == "storage"]
     return {"events": events}
 
 

@@ -25,6 +25,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from gpu_worker.cache import eviction
 from gpu_worker.cache.radix import (
     EvictResult,
     MatchResult,
@@ -131,7 +132,7 @@ def test_match_ending_inside_a_node_splits_it(page_size: int) -> None:
     ids = list(range(1, 4 * ps + 1))  # 4 pages
     original = tree.insert(ids, dev(0, 1, 2, 3)).last_node
     tree.lock(original)  # a pin held on the original node must survive the split
-    assert num_nodes(tree) == 1 and tree.num_locked_device_pages == 4
+    assert num_nodes(tree) == 1 and tree.tiers.num_locked_device_pages == 4
 
     m = tree.match_prefix(ids[: 2 * ps])
     upper = m.last_node
@@ -147,7 +148,7 @@ def test_match_ending_inside_a_node_splits_it(page_size: int) -> None:
     assert tree.path_len(original) == 4 * ps
     assert tree.path_device_page_ids(original) == dev(0, 1, 2, 3)
     assert upper.lock_ref == 1 and original.lock_ref == 1
-    assert tree.num_locked_device_pages == 4 and tree.num_device_pages == 4
+    assert tree.tiers.num_locked_device_pages == 4 and tree.num_device_pages == 4
     tree.check_integrity()
 
     # A query that diverges inside the lower half splits it again, where the match ends.
@@ -156,7 +157,7 @@ def test_match_ending_inside_a_node_splits_it(page_size: int) -> None:
     assert num_nodes(tree) == 3 and list(m.last_node.key) == ids[2 * ps : 3 * ps]
     assert list(original.key) == ids[3 * ps :] and original.device_page_ids == dev(3)
     tree.unlock(original)
-    assert tree.num_locked_device_pages == 0
+    assert tree.tiers.num_locked_device_pages == 0
     tree.check_integrity()
 
 
@@ -223,7 +224,7 @@ def test_lock_pins_the_path() -> None:
     n3 = tree.match_prefix([1, 2, 3]).last_node
     tree.lock(n3)
     tree.lock(n3)
-    assert tree.num_locked_device_pages == 3 and tree.num_evictable_device_pages == 1
+    assert tree.tiers.num_locked_device_pages == 3 and tree.num_evictable_device_pages == 1
     assert n3.lock_ref == 2 and n3.parent is not None and n3.parent.lock_ref == 2
 
     r = tree.evict_device(100)
@@ -231,9 +232,9 @@ def test_lock_pins_the_path() -> None:
     assert tree.num_device_pages == 3 and num_nodes(tree) == 2
     tree.unlock(n3)
     assert tree.evict_device(100).freed_page_ids == []  # still pinned once
-    assert tree.num_locked_device_pages == 3
+    assert tree.tiers.num_locked_device_pages == 3
     tree.unlock(n3)
-    assert tree.num_locked_device_pages == 0
+    assert tree.tiers.num_locked_device_pages == 0
     with pytest.raises(RuntimeError, match="unlock of an unlocked node"):
         tree.unlock(n3)
     assert tree.evict_device(100).freed_page_ids == [2, 0, 1]  # the leaf, then its parent
@@ -364,7 +365,7 @@ def test_backup_commit_lands_on_both_halves_of_a_split() -> None:
     tree.commit_backup(m, 4, host(11, 12))
     tree.unlock(m)
     assert m.host_page_ids == host(11, 12) and tree.num_host_pages == 6
-    assert tree.num_locked_device_pages == 0 and upper.lock_ref == 0
+    assert tree.tiers.num_locked_device_pages == 0 and upper.lock_ref == 0
     assert tree.host_covered_len(m) == 6
     tree.check_integrity()
 
@@ -506,10 +507,16 @@ def test_reset_returns_every_page() -> None:
     with pytest.raises(RuntimeError, match="reset with a pinned node"):
         tree.reset()
     tree.unlock(c)
-    device, host_ids = tree.reset()
-    assert sorted(device) == [0, 1, 3] and sorted(host_ids) == [0, 1, 2, 3]
+    dropped = tree.reset()
+    assert sorted(dropped.device_page_ids) == [0, 1, 3]
+    assert sorted(dropped.host_page_ids) == [0, 1, 2, 3]
     assert num_nodes(tree) == 0
-    assert (tree.num_device_pages, tree.num_locked_device_pages, tree.num_host_pages) == (0, 0, 0)
+    tiers = tree.tiers
+    assert (tiers.num_device_pages, tiers.num_locked_device_pages, tiers.num_host_pages) == (
+        0,
+        0,
+        0,
+    )
     assert tree.match_prefix([1, 2, 3]).total_len == 0
     tree.check_integrity()
     assert tree.insert([1, 2], dev(5, 6)).dup_len == 0
@@ -525,7 +532,10 @@ def test_check_integrity_catches_a_host_only_child_under_a_device_only_parent() 
     b = tree.insert([1, 2, 3], dev(0, 1, 2)).last_node
     tree.check_integrity()
     b.device_page_ids, b.host_page_ids = None, host(0)
-    tree.num_device_pages, tree.num_host_pages = 2, 1  # counters agree; only the tiers are bad
+    tree.tiers.num_device_pages, tree.tiers.num_host_pages = (
+        2,
+        1,
+    )  # counters agree; only the tiers are bad
     with pytest.raises(AssertionError, match="prefix-closed"):
         tree.check_integrity()
 
@@ -541,10 +551,10 @@ def test_check_integrity_catches_a_device_page_held_twice() -> None:
 def test_check_integrity_catches_drifted_counters() -> None:
     tree = RadixTree(2)
     n = tree.insert([1, 2, 3, 4], dev(0, 1)).last_node
-    tree.num_device_pages += 1
+    tree.tiers.num_device_pages += 1
     with pytest.raises(AssertionError, match="counters drifted"):
         tree.check_integrity()
-    tree.num_device_pages -= 1
+    tree.tiers.num_device_pages -= 1
     n.lock_ref = 1  # locked without counting its pages
     with pytest.raises(AssertionError, match="counters drifted"):
         tree.check_integrity()
@@ -576,18 +586,19 @@ def test_eviction_examines_a_few_candidates_not_every_node(
     """Issue 7, defect 10: an eviction must not scan the whole tree (it rebuilt a heap from
     every node: 51 ms at 50k nodes). Counted, not timed: eligibility checks per eviction."""
     calls = Counter[str]()
-    device_leaf, host_leaf = RadixTree._device_leaf, RadixTree._host_leaf
+    device_leaf, host_leaf = eviction.device_leaf, eviction.host_leaf
 
-    def counting_device(self: RadixTree, n: TreeNode) -> bool:
+    def counting_device(n: TreeNode) -> bool:
         calls["device"] += 1
-        return device_leaf(self, n)
+        return device_leaf(n)
 
-    def counting_host(self: RadixTree, n: TreeNode) -> bool:
+    def counting_host(n: TreeNode) -> bool:
         calls["host"] += 1
-        return host_leaf(self, n)
+        return host_leaf(n)
 
-    monkeypatch.setattr(RadixTree, "_device_leaf", counting_device)
-    monkeypatch.setattr(RadixTree, "_host_leaf", counting_host)
+    # a tree's heaps take their eligibility tests from `eviction` when the tree is built
+    monkeypatch.setattr(eviction, "device_leaf", counting_device)
+    monkeypatch.setattr(eviction, "host_leaf", counting_host)
     tree = RadixTree(2)
     for i in range(500):  # 500 leaves under 10 shared pages: 510 nodes
         tree.insert([i % 10, 0, i, 1], dev(2 * i, 2 * i + 1))
@@ -624,7 +635,7 @@ def test_check_integrity_catches_a_lost_eviction_candidate() -> None:
     tree = RadixTree(1)
     n = tree.insert([1, 2], dev(0, 1)).last_node
     tree.check_integrity()
-    heap = tree._device_heap
+    heap = tree.tiers.device_heap
     heap.entries.clear()
     heap.members.discard(n)
     with pytest.raises(AssertionError, match="device heap"):
@@ -1088,7 +1099,8 @@ class RadixMachine(RuleBasedStateMachine):
     def reset(self, go: int) -> None:
         if go:  # rare: it empties the tree
             return
-        device, host_ids = self.tree.reset()
+        dropped = self.tree.reset()
+        device, host_ids = dropped.device_page_ids, dropped.host_page_ids
         assert sorted(device) == sorted(
             p.device for p in self.model.pages.values() if p.device is not None
         )
@@ -1127,7 +1139,7 @@ class RadixMachine(RuleBasedStateMachine):
             stack.extend((c, full) for c in node.children.values())
         assert seen == len(self.model.pages)
         num_locked = sum(1 for p in self.model.pages if locks[p])
-        assert num_locked == self.tree.num_locked_device_pages
+        assert num_locked == self.tree.tiers.num_locked_device_pages
 
     @invariant()
     def no_page_leaked_or_shared(self) -> None:

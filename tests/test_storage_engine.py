@@ -333,7 +333,7 @@ def test_a_store_that_cannot_write_still_serves(tmp_path: Path, cold: Cold) -> N
 
 def storage_events(eng: Engine) -> list[list[str]]:
     """The page hashes of the "stored" storage KV events rank 0 would send now."""
-    return [hashes for kind, tier, hashes in eng.cache.drain_events() if tier == "storage"]
+    return [e.page_hashes for e in eng.cache.drain_events() if e.tier == "storage"]
 
 
 def test_a_partial_write_advertises_only_the_pages_the_store_took(tmp_path: Path) -> None:

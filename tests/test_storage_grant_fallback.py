@@ -109,7 +109,7 @@ def fall_back(engine: Engine) -> dict[str, object]:
     engine.run([engine.submit([*S, 7], SP)])
     engine.drain()
     engine.evict_device(DEVICE_PAGES)  # S stays on the host only
-    assert cache.tree.host_prefix(S)[1] == len(S), "S is on the host"  # (reads only)
+    assert cache.tree.host_prefix(S).host_len == len(S), "S is on the host"  # (reads only)
     assert cache.tree.num_device_pages == 0
     assert all(n.host_ref == 0 for n in cache.tree.iter_nodes())
 

@@ -8,10 +8,10 @@ every node, and are taken in `(last_access, id)` order: a logical clock, never w
 time, so every rank evicts the same nodes.
 
 `evict_device` and `evict_host` are the policy (which node next, what to do with one that
-has no backup, which parent becomes a candidate); the tree does the drop itself (its page
-counters, KV events and child links), through the `drop` it passes. This module knows
-nothing of the tree: a node is anything with the attributes of `EvictableNode`, so it
-imports nothing of `radix.py` (no import circle).
+has no backup, which parent becomes a candidate); the tree's tier state
+(`tree_tiers.TreeTiers`) does the drop itself (its page counters, KV events and child links),
+through the `drop` it passes. This module knows nothing of the tree: a node is anything with
+the attributes of `EvictableNode`, so it imports nothing of the tree's modules.
 """
 
 from __future__ import annotations

@@ -569,10 +569,10 @@ class PrefixCache:
     def flush(self) -> None:
         """Drop every cached page (device and host). Only valid with no request running."""
         self.drain()
-        device, host = self.tree.reset()
-        self.free(device)
+        dropped = self.tree.reset()
+        self.free(dropped.device_page_ids)
         if self.host_pool is not None:
-            self.host_pool.allocator.free(list(host))
+            self.host_pool.allocator.free(list(dropped.host_page_ids))
         self.stats = CacheStats()
 
     def drain_events(self) -> list[KVEventRecord]:

@@ -1,6 +1,6 @@
 """The KV-event records of the radix tree: what it stored and removed, per tier.
 
-A record is `(stored | removed, device | host, page hashes in hex)`. The tree calls
+A record is a `KVEventRecord`: stored or removed, on which tier, which page hashes. The tree calls
 `KVEventLog.record` at every tier change of a node, in the order the changes happen;
 `drain` hands them to the KV-event stream (rank 0 publishes them) and `snapshot` lists
 `stored` records for everything a tree holds, for a resync. Records exist only for a tree
@@ -14,9 +14,18 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-KVEventRecord = tuple[str, str, list[str]]  # (stored | removed, device | host, page hashes)
+
+@dataclass(frozen=True, slots=True, order=True)
+class KVEventRecord:
+    """One tier change of the pages a node (or a storage write) names. Ordered as the tuple
+    of its fields, so a batch can be sorted where its order does not matter."""
+
+    kind: str  # "stored" | "removed"
+    tier: str  # "device" | "host" | "storage"
+    page_hashes: list[str]  # hex, in path order
 
 
 class HashedNode(Protocol):
@@ -45,7 +54,7 @@ class KVEventLog:
     def record(self, kind: str, tier: str, node: HashedNode) -> None:
         if self.enabled:
             assert node.page_hashes is not None
-            self.events.append((kind, tier, [h.hex() for h in node.page_hashes]))
+            self.events.append(KVEventRecord(kind, tier, [h.hex() for h in node.page_hashes]))
 
     def drain(self) -> list[KVEventRecord]:
         """The records since the last drain, in order."""
@@ -60,7 +69,7 @@ def snapshot(nodes: Iterable[HashedNode]) -> list[KVEventRecord]:
         assert n.page_hashes is not None
         hashes = [h.hex() for h in n.page_hashes]
         if n.device_page_ids is not None:
-            out.append(("stored", "device", hashes))
+            out.append(KVEventRecord("stored", "device", hashes))
         if n.host_page_ids is not None:
-            out.append(("stored", "host", hashes))
+            out.append(KVEventRecord("stored", "host", hashes))
     return out

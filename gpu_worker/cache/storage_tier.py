@@ -165,7 +165,8 @@ class StorageTier:
         None when there is nothing to ask for."""
         tree, ps = self.tree, self.page_size
         limit = (len(ids) - 1) // ps * ps  # a request computes at least its last token
-        node, start = tree.host_prefix(ids[:limit], salt)
+        covered = tree.host_prefix(ids[:limit], salt)
+        node, start = covered.node, covered.host_len
         if start >= limit or tree.cached_len(ids[:limit], salt) >= limit:
             return None  # every page is held already (on the host, or on the device)
         assert node.page_hashes is not None, "the tree must hash pages to name objects"
@@ -320,9 +321,8 @@ class StorageTier:
         tree, ps = self.tree, self.page_size
         end = p.start_len + n * ps
         if n:
-            _, dup_end, unused = tree.insert_host(
-                p.ids[:end], p.host_page_ids[:n], p.start_len, p.salt
-            )
+            attached = tree.insert_host(p.ids[:end], p.host_page_ids[:n], p.start_len, p.salt)
+            dup_end, unused = attached.dup_end, attached.unused_page_ids
             self.host.free_host(unused)
             self.held_pages -= len(unused)
             p.attached_pages = n - len(unused)
@@ -330,7 +330,7 @@ class StorageTier:
             self.host.stats.storage_pages_read += n
         # The host prefix the request will load (what was covered at start, and what was
         # attached) stays pinned until `release`: the deepest node of it that is on the host.
-        p.pin_node, _ = tree.host_prefix(p.ids[:end], p.salt)
+        p.pin_node = tree.host_prefix(p.ids[:end], p.salt).node
         tree.ref_host(p.pin_node)
         tree.unref_host(p.start_node)  # the pin taken at start
         if p.read is not None and p.complete:

@@ -53,7 +53,7 @@ class StorageWrites:
         self.io = io
         self.policy = policy
         self.threshold = threshold
-        self.events: list[KVEventRecord] = []  # ("stored", "storage", hashes): rank 0 sends
+        self.events: list[KVEventRecord] = []  # "stored" on "storage": rank 0 sends them
 
     def after_backup(self, last_node: TreeNode) -> None:
         """Pages of the path to `last_node` reached the host: write-through to the store."""
@@ -105,7 +105,8 @@ class StorageWrites:
             assert isinstance(op, WriteOp)
             self.host.stats.storage_pages_written += done.local_pages
             if done.agreed_pages and self.tree.record_events:
-                self.events.append(("stored", "storage", op.page_hashes[: done.agreed_pages]))
+                hashes = op.page_hashes[: done.agreed_pages]
+                self.events.append(KVEventRecord("stored", "storage", hashes))
 
     def drain_events(self) -> list[KVEventRecord]:
         self.collect_stored()

@@ -24,6 +24,7 @@ from bus_schemas import (
     StreamState,
 )
 from bus_schemas import subjects as subj
+from gpu_worker.cache.kv_events import KVEventRecord
 from gpu_worker.engine.engine import InvalidRequestError
 from gpu_worker.scheduler.request import RequestError
 from services.engine.bus import EngineBus
@@ -72,14 +73,14 @@ class KVEvents:
         events = await asyncio.wrap_future(self.runner.query(lambda e: e.cache.snapshot_events()))
         self.enqueue(events, snapshot=True)
 
-    def enqueue(self, events: list[tuple[str, str, list[str]]], snapshot: bool) -> None:
+    def enqueue(self, events: list[KVEventRecord], snapshot: bool) -> None:
         batch = KVEventBatch(
             self.engine_id,
             self.bucket,
             self.epoch,
             self._event_seq,
             self.namespace,
-            [KVEvent(kind, tier, hashes) for kind, tier, hashes in events],
+            [KVEvent(e.kind, e.tier, e.page_hashes) for e in events],
             snapshot,
             self.store_id,
         )

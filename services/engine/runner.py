@@ -37,6 +37,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gpu_worker.cache.kv_events import KVEventRecord
 from gpu_worker.engine.commands import WriteKV
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.engine.rank import RankExit, RankProcesses, launch_engine
@@ -76,7 +77,7 @@ class Outbox(Protocol):
         """P/D prefill: a request's KV is packed and ready to send."""
         ...
 
-    def kv_events(self, events: list[tuple[str, str, list[str]]]) -> None: ...
+    def kv_events(self, events: list[KVEventRecord]) -> None: ...
 
     def crashed(self, reason: str, suspect: bool) -> None:
         """The step loop died: this runner takes no more work. `suspect`: the requests it

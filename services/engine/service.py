@@ -37,6 +37,7 @@ from nats.aio.subscription import Subscription
 from bus_schemas import subjects as subj
 from bus_schemas.connection import Credentials
 from bus_schemas.messages import MAX_HEARTBEAT_INTERVAL_S, MIN_HEARTBEAT_INTERVAL_S
+from gpu_worker.cache.kv_events import KVEventRecord
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.scheduler.request import CachedTokens, KVExport
 from gpu_worker.storage import StorageBackend
@@ -314,7 +315,7 @@ class EngineService:
         if self._prefill is not None:
             self._prefill.exported(request_id, export, cached)
 
-    def kv_events(self, events: list[tuple[str, str, list[str]]]) -> None:
+    def kv_events(self, events: list[KVEventRecord]) -> None:
         """Runner callback (on the loop): publish tree changes to the index."""
         if self._events is not None:
             self._events.enqueue(events, snapshot=False)

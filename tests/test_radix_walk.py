@@ -1,0 +1,117 @@
+"""The radix tree's one walk (`tree_walk.walk`), the verbs built on it that the match/insert
+tests of test_radix.py do not reach (`host_prefix`, `cached_len`, `insert_host`), and the
+owner rotation of a node's first page (context parallelism, CP size 1 today)."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from bus_schemas.token_ids import as_token_ids
+from gpu_worker.cache.radix import HostInsertResult, HostPrefix, PageIds, RadixTree, TreeNode
+from gpu_worker.cache.tree_node import next_owner_rotation, path_len
+from gpu_worker.cache.tree_walk import walk
+from gpu_worker.memory.allocator import HostPageId
+
+
+def dev(*ids: int) -> PageIds:
+    return array("q", ids)
+
+
+def steps(tree: RadixTree, ids: list[int], split: bool) -> list[tuple[list[int], int, int]]:
+    q = as_token_ids(ids)
+    end = len(q) - len(q) % tree.page_size
+    out = walk(tree.root, q, end, tree.page_size, tree._split if split else None)
+    return [(list(n.key), start, stop) for n, start, stop in out]
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_walk_yields_each_node_with_its_token_range(page_size: int) -> None:
+    tree = RadixTree(page_size)
+    tree.insert([1, 2, 3, 4, 5, 6], dev(*range(6 // page_size)))
+    tree.insert([1, 2, 3, 4, 7, 8], dev(*range(10, 10 + 6 // page_size)))
+    assert steps(tree, [1, 2, 3, 4, 7, 8, 9, 9], split=False) == [
+        ([1, 2, 3, 4], 0, 4),
+        ([7, 8], 4, 6),
+    ]
+    assert steps(tree, [9, 9], split=False) == []  # no child for the first page: nothing
+    tree.check_integrity()
+
+
+def test_walk_without_split_shows_where_the_query_leaves_a_node() -> None:
+    tree = RadixTree(2)
+    node = tree.insert([1, 2, 3, 4, 5, 6], dev(0, 1, 2)).last_node
+    assert steps(tree, [1, 2, 3, 4, 9, 9], split=False) == [([1, 2, 3, 4, 5, 6], 0, 4)]
+    assert steps(tree, [1, 2, 3], split=False) == [([1, 2, 3, 4, 5, 6], 0, 2)]  # ends inside
+    assert list(node.key) == [1, 2, 3, 4, 5, 6]  # nothing was cut
+    assert steps(tree, [1, 2, 3, 4, 9, 9], split=True) == [([1, 2, 3, 4], 0, 4)]
+    assert list(node.key) == [5, 6] and path_len(node) == 6  # the lower part kept the object
+    tree.check_integrity()
+
+
+def test_host_prefix_and_cached_len_read_without_changing_the_tree() -> None:
+    tree = RadixTree(2)
+    a = tree.insert([1, 2, 3, 4], dev(0, 1)).last_node
+    tree.insert([1, 2, 3, 4, 5, 6, 7, 8], dev(0, 1, 2, 3))
+    start = tree.host_covered_len(a)
+    tree.mark_backup_pending(a, start)
+    tree.lock(a)
+    tree.commit_backup(a, start, [HostPageId(7), HostPageId(8)])
+    tree.unlock(a)
+    clock, nodes = tree._clock, sorted(n.id for n in tree.iter_nodes())
+    assert tree.host_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9]) == HostPrefix(a, 4)
+    assert tree.host_prefix([1, 2, 3]) == HostPrefix(tree.root, 0)  # ends inside a
+    assert tree.cached_len([1, 2, 3, 4, 5, 6, 9, 9]) == 6  # leaves the leaf after a page
+    assert tree.cached_len([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8
+    assert tree.cached_len([1, 2], salt="other") == 0  # no root for that salt
+    assert (tree._clock, sorted(n.id for n in tree.iter_nodes())) == (clock, nodes)
+    tree.check_integrity()
+
+
+def test_insert_host_takes_pages_past_the_host_prefix_and_returns_the_rest() -> None:
+    tree = RadixTree(2)
+    a = tree.insert([1, 2], dev(0)).last_node
+    tree.mark_backup_pending(a, 0)
+    tree.lock(a)
+    tree.commit_backup(a, 0, [HostPageId(5)])
+    tree.unlock(a)
+    b = tree.insert([1, 2, 3, 4], dev(0, 1)).last_node  # on the device only
+    result = tree.insert_host([1, 2, 3, 4, 5, 6, 7], [HostPageId(6), HostPageId(7)], 2)
+    assert isinstance(result, HostInsertResult)
+    assert result.dup_end == 2 and result.unused_page_ids == []
+    assert b.host_page_ids == array("q", [6]) and b.in_storage
+    leaf = result.last_node
+    assert list(leaf.key) == [5, 6] and leaf.host_page_ids == array("q", [7])
+    assert leaf.device_page_ids is None and leaf.in_storage
+    # again: every node already has its host copy, so no page is taken; `dup_end` stops at
+    # the first node that had one (as before the walker: what it was, not what it might be)
+    again = tree.insert_host([1, 2, 3, 4, 5, 6], [HostPageId(8), HostPageId(9)], 2)
+    assert (again.last_node, again.dup_end, again.unused_page_ids) == (leaf, 4, [8, 9])
+    tree.check_integrity()
+
+
+def test_next_owner_rotation_follows_the_round_robin_cycle() -> None:
+    assert next_owner_rotation(3, 2, cp_size=4) == 1
+    assert next_owner_rotation(1, 4, cp_size=4) == 1
+    for r in range(3):  # a split then the next part equals the unsplit run
+        for p in range(5):
+            for q in range(5):
+                split = next_owner_rotation(next_owner_rotation(r, p, 3), q, 3)
+                assert split == next_owner_rotation(r, p + q, 3)
+    assert next_owner_rotation(5, 7) == 0  # CP size 1: always 0
+
+
+def test_split_and_new_nodes_keep_owner_rotations_consistent() -> None:
+    """Every node's rotation is its parent's plus the parent's pages (check_integrity checks
+    it); with CP size 1 that is 0 everywhere, through splits and new leaves."""
+    tree = RadixTree(2)
+    n = tree.insert(list(range(12)), dev(*range(6))).last_node
+    tree.match_prefix(list(range(6)))  # split after 3 pages
+    tree.insert([*range(8), 99, 99], dev(*range(10, 15)))  # split again, plus a new leaf
+    nodes: list[TreeNode] = list(tree.iter_nodes())
+    assert len(nodes) == 4 and all(x.owner_rotation == 0 for x in nodes)
+    tree.check_integrity()
+    n.owner_rotation = 1  # off its path's cycle
+    with pytest.raises(AssertionError, match="owner rotation"):
+        tree.check_integrity()
