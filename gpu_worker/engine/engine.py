@@ -196,7 +196,7 @@ class Engine:
         self._last_step = time.monotonic()
         self.stopped = False  # set by the Stop command
         self._acks_done = threading.Event()  # rung by transfer and storage workers (`run`)
-        self.cache.set_ack_listener(self._acks_done.set)
+        self.cache.acks.set_listener(self._acks_done.set)
 
     @staticmethod
     def storage_layout(config: EngineConfig, mc: ModelConfig, rank: int) -> StorageLayout:
@@ -485,7 +485,7 @@ class Engine:
     def has_queued_acks(self) -> bool:
         """Transfers or storage work still to be consumed (backups to commit, writes to the
         store to start): an idle engine keeps stepping until they are."""
-        return any(self.cache.queued_counts())
+        return any(self.cache.acks.queued_counts())
 
     @property
     def keepalive_due(self) -> bool:
@@ -522,7 +522,7 @@ class Engine:
             commands, self._commands = self._commands, []
             self._last_step = time.monotonic()
         commands, num_acks = self.sync.exchange(
-            commands, self.cache.ready_counts(), self.cache.queued_counts()
+            commands, self.cache.acks.ready_counts(), self.cache.acks.queued_counts()
         )
         self.scheduler.consume_acks(num_acks)
         for cmd in commands:
@@ -613,7 +613,7 @@ class Engine:
         self._acks_done.clear()
         finished = self.step()
         waiting = not self.scheduler.last_step_worked and self.has_queued_acks
-        if waiting and not any(self.cache.ready_counts()):
+        if waiting and not any(self.cache.acks.ready_counts()):
             self._acks_done.wait(ACK_WAIT_S)
         return finished
 

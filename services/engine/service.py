@@ -505,7 +505,9 @@ class EngineService:
 
     async def _publish_snapshot(self) -> None:
         assert self._runner is not None
-        events = await asyncio.wrap_future(self._runner.query(lambda e: e.cache.snapshot_events()))
+        events = await asyncio.wrap_future(
+            self._runner.query(lambda e: e.cache.tree.snapshot_events())
+        )
         self._enqueue_events(events, snapshot=True)
 
     def kv_events(self, events: list[tuple[str, str, list[str]]]) -> None:
