@@ -191,9 +191,11 @@ class PrefixCache:
         the cache makes those when it has a host tier."""
         self.config = config
         self.spec = spec
-        self.pools = pools or PoolGroup.target_only(
-            spec, config.num_device_pages, device, config.check_reads
-        )
+        if pools is None:
+            pools = PoolGroup.target_only(spec, config.num_device_pages, device, config.check_reads)
+        if pools.spec != spec:
+            raise ValueError(f"the pool group's target holds {pools.spec}, not {spec}")
+        self.pools = pools
         self.device_pool = self.pools.device
         self.tree = RadixTree(config.page_size, namespace, record_events)
         self.hierarchical = config.enable_hierarchical_cache and config.enable_radix_cache
