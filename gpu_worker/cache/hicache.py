@@ -227,7 +227,7 @@ class PrefixCache:
     ) -> HostTier:
         config = self.config
         unified = storage is not None and layout is not None and layout.unified
-        pool = self.pools.attach_host(
+        self.pools.attach_host(
             num_host_pages or config.num_host_pages(self.spec),
             "page_unified" if unified else config.hicache_mem_layout,
             layout.group_heads if layout is not None and unified else None,
@@ -238,7 +238,6 @@ class PrefixCache:
         transfers = TransferEngine(self.device_pool.device, config.transfer_workers, delay)
         return HostTier(
             self.pools,
-            pool,
             self.tree,
             transfers,
             self.stats,

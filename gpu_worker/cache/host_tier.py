@@ -52,7 +52,6 @@ class HostTier:
     def __init__(
         self,
         pools: PoolGroup,
-        pool: HostKVPool,
         tree: RadixTree,
         transfers: TransferEngine,
         stats: CacheStats,
@@ -60,12 +59,14 @@ class HostTier:
         estimate: Callable[[], LoadCostEstimate],
         fail_loads: int = 0,
     ) -> None:
-        """`pool`: the group's (target) host pool; `stats`: the cache's counters (one object
+        """`pools`: the group, its host pools attached; `stats`: the cache's counters (one object
         for the cache's life); `cost`: the load measurements to feed; `estimate`: the load
         cost every rank decides from, as the cache holds it now; `fail_loads`: a test hook,
         the next N loads fail."""
+        if pools.host is None:
+            raise ValueError("the host tier needs the group's host pools (attach_host)")
         self.pools = pools
-        self.pool = pool
+        self.pool: HostKVPool = pools.host  # the target's
         self.tree = tree
         self.transfers = transfers
         self.stats = stats
