@@ -45,6 +45,7 @@ from gpu_worker.engine.commands import (
 )
 from gpu_worker.engine.executor import ModelExecutor
 from gpu_worker.memory.kv_spec import KVSpec
+from gpu_worker.memory.pool_group import PoolGroup
 from gpu_worker.model.config import PRESETS, ModelConfig, parse_dtype, resolve_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.shard import ModelShard
@@ -150,6 +151,10 @@ class Engine:
         host_pages = None
         if config.cache.enable_hierarchical_cache:  # bytes per page differ between stages
             host_pages = agree_min(groups, config.cache.num_host_pages(self.kv_spec))
+        # the engine's KV pools over one slot mapping: a draft model's would join the group
+        pools = PoolGroup.target_only(
+            self.kv_spec, config.cache.num_device_pages, self.device, config.cache.check_reads
+        )
         self.cache = PrefixCache(
             config.cache,
             self.kv_spec,
@@ -164,6 +169,7 @@ class Engine:
             else None,
             storage_groups=(groups.storage_hit, groups.storage_progress, groups.storage_write),
             rank=self.rank,
+            pools=pools,
         )
         # a request reserves pages for every token it may write, so the longest one this
         # engine serves is also bounded by its device pool (SGLang's max request length)
