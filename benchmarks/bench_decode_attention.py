@@ -2,9 +2,9 @@
 
 SmolLM2-135M-Instruct in float32 on the CPU, our engine only: `--batch` rows (and one row)
 of `--prompt-len` random token ids are prefilled, then decode steps run in interleaved
-rounds of `--steps` steps, alternating the two ways `llama.DecodeGroup` can attend:
+rounds of `--steps` steps, alternating the two ways `attention_plan.DecodeGroup` can attend:
 - `in place`: each row's runs of consecutive slots are read from the KV pool as views
-  (`DevicePool.kv_slice`), one attention call per row and run;
+  (`DeviceKVPool.kv_slice`), one attention call per row and run;
 - `gathered`: every row's keys and values are gathered into one padded block first
   (`index_select`), one attention call per layer (what `MAX_DECODE_RUNS = 0` forces, and
   what a row of more than `MAX_DECODE_RUNS` runs still gets, and several rows on more than
@@ -28,13 +28,13 @@ from tqdm import tqdm
 
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
-from gpu_worker.model import llama
+from gpu_worker.model import attention_plan
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.scheduler import SchedulerConfig
 
 MODEL = "smollm2-135m-instruct"
 FIRST_ORDINARY_ID = 17  # SmolLM2's special tokens are ids 0..16
-WAYS = {"in place": llama.MAX_DECODE_RUNS, "gathered": 0}
+WAYS = {"in place": attention_plan.MAX_DECODE_RUNS, "gathered": 0}
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llama.IN_PLACE_MAX_THREADS = args.threads  # both ways at every thread count
+    attention_plan.IN_PLACE_MAX_THREADS = args.threads  # both ways at every thread count
     page_size = 16
     new_tokens = 4 + 2 * args.rounds * args.steps
     per_row = -(-(args.prompt_len + new_tokens) // page_size)
@@ -79,14 +79,14 @@ def main() -> None:
             for rnd in range(args.rounds):
                 ways = list(WAYS.items()) if rnd % 2 == 0 else list(reversed(WAYS.items()))
                 for way, max_runs in ways:
-                    llama.MAX_DECODE_RUNS = max_runs
+                    attention_plan.MAX_DECODE_RUNS = max_runs
                     start = time.perf_counter()
                     for _ in range(args.steps):
                         engine.step()
                     step_ms = (time.perf_counter() - start) / args.steps * 1e3
                     ms.setdefault((b, way), []).append(step_ms)
                     bar.update()
-            llama.MAX_DECODE_RUNS = WAYS["in place"]
+            attention_plan.MAX_DECODE_RUNS = WAYS["in place"]
             while any(r.finish_reason is None for r in reqs):
                 engine.step()
     engine.close()

@@ -1,5 +1,5 @@
 """Float32 CPU matmuls of a whole model's linear layers: torch's default (`F.linear`, MKL on
-x86 builds) against the same weights prepacked for oneDNN (`llama.pack_weight` /
+x86 builds) against the same weights prepacked for oneDNN (`layers.pack_weight` /
 `packed_linear`, what the engine runs since `LlamaModel.prepack_weights`).
 
 One process builds SmolLM2-135M's linear weights (30 layers of q/k/v/o and gate/up/down,
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.model.llama import PACK_ROWS, can_prepack, pack_weight, packed_linear
+from gpu_worker.model.layers import PACK_ROWS, can_prepack, pack_weight, packed_linear
 
 HIDDEN, INTERMEDIATE, KV_DIM, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
 

@@ -43,6 +43,8 @@ SIZES: dict[str, Any] = dict(
 
 
 class DenseKVCache:
+    contiguous_slices = False
+
     def __init__(self, model: LlamaModel, num_slots: int) -> None:
         shape = (model.num_layers, 2, num_slots, model.num_kv_heads, model.head_dim)
         self.kv = torch.zeros(shape, dtype=torch.float64)
@@ -53,6 +55,12 @@ class DenseKVCache:
 
     def get_kv(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[layer, 0, slot_ids], self.kv[layer, 1, slot_ids]
+
+    def before_attention(self, layer: int, batch: object) -> None:
+        pass
+
+    def kv_slice(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("a pool without contiguous slices is never sliced")
 
 
 def save_hf_model(kind: str, path: Path, tie: bool = False, **overrides: Any) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The MLA variant of the tiny model (issue 10, build point 4 and acceptance 2).
 
-`tiny-mla` caches one latent row per token and layer (`ModelConfig`, `llama.MLAttention`),
+`tiny-mla` caches one latent row per token and layer (`ModelConfig`, `mla.MLAttention`),
 the same on every TP rank. Checked here:
 - the model against a naive MLA written from its weights, chunked and whole;
 - MLA pages through every host layout and the relayout path, bit for bit, and a page's
@@ -51,7 +51,8 @@ from gpu_worker.memory.host_pool import ALL_LAYOUTS, HostKVPool
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.model.config import PRESETS
 from gpu_worker.model.forward_batch import ForwardBatch
-from gpu_worker.model.llama import LlamaModel, rope_tables
+from gpu_worker.model.layers import rope_tables
+from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.weights import build_model
 from gpu_worker.parallel.config import ParallelConfig

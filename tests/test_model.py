@@ -14,10 +14,11 @@ from gpu_worker.model import (
     ByteTokenizer,
     ForwardBatch,
     LlamaModel,
+    attention_plan,
     build_model,
-    llama,
     load_tokenizer,
 )
+from gpu_worker.model.layers import Linear
 from gpu_worker.model.llama import DecoderLayer, create_model
 from gpu_worker.model.weights import init_random_weights
 
@@ -27,11 +28,22 @@ ATOL = 1e-10
 
 
 class DenseKVCache:
-    """The simplest `KVCache`: one (num_layers, 2, num_slots, n_kv_heads, head_dim) tensor."""
+    """The simplest `KVCache`: one (num_layers, 2, num_slots, n_kv_heads, head_dim) tensor,
+    read by gathers only (no in-place slices); it records the layers `before_attention`
+    was called for."""
+
+    contiguous_slices = False
 
     def __init__(self, model: LlamaModel, num_slots: int) -> None:
         shape = (model.num_layers, 2, num_slots, model.num_kv_heads, model.head_dim)
         self.kv = torch.zeros(shape, dtype=DTYPE, device=DEVICE)
+        self.hooked_layers: list[int] = []
+
+    def before_attention(self, layer: int, batch: ForwardBatch) -> None:
+        self.hooked_layers.append(layer)
+
+    def kv_slice(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("a pool without contiguous slices is never sliced")
 
     def set_kv(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv[layer, 0, slot_ids] = k
@@ -154,9 +166,20 @@ def test_slots_need_not_be_contiguous(model: LlamaModel) -> None:
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
+@torch.no_grad()
+def test_before_attention_runs_once_per_layer_and_pass(model: LlamaModel) -> None:
+    """The per-layer hook (where a CP gather or a layer-wise load wait goes) precedes each
+    layer of every forward pass, in layer order."""
+    cache = DenseKVCache(model, 32)
+    run_chunks(model, cache, prompt(6), [4, 1, 1], torch.arange(6))
+    assert cache.hooked_layers == list(range(model.num_layers)) * 3
+
+
 class SlicingKVCache(DenseKVCache):
     """A pool that offers `kv_slice` (runs of consecutive slots read in place, as the device
     pool does) and counts how the decode attention read it."""
+
+    contiguous_slices = True
 
     def __init__(self, model: LlamaModel, num_slots: int) -> None:
         super().__init__(model, num_slots)
@@ -184,8 +207,8 @@ def test_decode_reads_runs_of_slots_in_place_and_gathers_fragmented_rows(
         "three": torch.cat([torch.arange(200, 208), torch.arange(40, 44), torch.arange(60, 65)]),
         "many": torch.arange(300, 356, 4)[:14].repeat_interleave(1) + torch.arange(14) % 2,
     }
-    assert len(llama._slot_runs(runs_of["three"])) == 3
-    assert len(llama._slot_runs(runs_of["many"])) > llama.MAX_DECODE_RUNS
+    assert len(attention_plan._slot_runs(runs_of["three"])) == 3
+    assert len(attention_plan._slot_runs(runs_of["many"])) > attention_plan.MAX_DECODE_RUNS
     tokens = {
         name: prompt(len(slots), seed=i + 7) for i, (name, slots) in enumerate(runs_of.items())
     }
@@ -313,7 +336,7 @@ def test_float32_weights_are_prepacked_for_onednn_and_give_the_same_logits(
     plain = create_model(config, DEVICE, torch.float32)
     init_random_weights(plain, seed=3)
     packed = copy.deepcopy(plain)
-    linears = [m for m in packed.modules() if isinstance(m, llama.Linear)]
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
     assert packed.prepack_weights() == len(linears) + tied
     assert linears and all(m.weight.is_mkldnn for m in linears)
     assert (packed.packed_logits is not None) == tied

@@ -42,7 +42,7 @@ def test_out_of_order_completion_is_consumed_in_order() -> None:
     engine = TransferEngine(CPU, num_workers=4, delay=DelayInjection(max_ms=30, seed=3))
     src, dst, _, _ = pools()
     for i in range(12):
-        engine.submit(TransferKind.BACKUP, src, dst, [i], [i], op=i)
+        engine.submit(TransferKind.BACKUP, [(src, dst)], [i], [i], op=i)
     consumed: list[int] = []
     deadline = time.monotonic() + 10
     while len(consumed) < 12 and time.monotonic() < deadline:
@@ -72,7 +72,7 @@ def test_completion_log_stays_bounded() -> None:
     device, host = cache.device_pool.page_view(), cache.host_pool.page_view()
     n = 3 * max(COMPLETION_LOG_LEN, RECENT_ACKS)
     for i in range(n):
-        cache.transfers.submit(TransferKind.BACKUP, device, host, [i % 8], [i % 8], op=None)
+        cache.transfers.submit(TransferKind.BACKUP, [(device, host)], [i % 8], [i % 8], op=None)
         cache.transfers.pop(1)
     assert len(cache.transfers.completion_log) == COMPLETION_LOG_LEN
     assert cache.transfers.num_completed == n
@@ -101,12 +101,29 @@ def test_consumed_acks_stay_bounded() -> None:
 def test_pop_waits_for_unfinished_copies() -> None:
     engine = TransferEngine(CPU, num_workers=1, delay=DelayInjection(max_ms=50, seed=0))
     src, dst, src_t, dst_t = pools()
-    engine.submit(TransferKind.BACKUP, src, dst, [1, 2], [5, 6], op=None)
+    engine.submit(TransferKind.BACKUP, [(src, dst)], [1, 2], [5, 6], op=None)
     (ack,) = engine.pop(1)  # a later PP stage told by PP0 to consume 1 ACK does this
     assert ack.completion.done()
     assert torch.equal(dst_t[5, :, 0], src_t[:, 0, 4:8])
     with pytest.raises(ValueError):
         engine.pop(1)
+    engine.close()
+
+
+def test_one_transfer_moves_every_pair_under_one_ack() -> None:
+    """A pool group's copy (the target's pools, later a draft's) is one operation: every
+    (source, destination) pair moves the same pages, and its one ACK completes after all."""
+    engine = TransferEngine(CPU, num_workers=2, delay=DelayInjection(max_ms=20, seed=2))
+    src_a, dst_a, src_ta, dst_ta = pools()
+    src_b, dst_b, src_tb, dst_tb = pools()
+    engine.submit(TransferKind.BACKUP, [(src_a, dst_a), (src_b, dst_b)], [1, 2], [5, 6], op=0)
+    assert len(engine) == 1
+    (ack,) = engine.pop(1)
+    assert ack.completion.done() and ack.completion.wait() is None and ack.num_pages == 2
+    assert torch.equal(dst_ta[5, :, 0], src_ta[:, 0, 4:8])
+    assert torch.equal(dst_tb[6, :, 1], src_tb[:, 1, 8:12])
+    with pytest.raises(ValueError, match="at least one pair"):
+        engine.submit(TransferKind.BACKUP, [], [1], [1], op=None)
     engine.close()
 
 
@@ -126,13 +143,13 @@ def test_backup_bookkeeping_changes_only_on_consume() -> None:
         nodes.append(cache.insert([i] * 8, pages, cached_len=0).last_node)
     assert cache.num_queued_acks == 4
     time.sleep(0.2)  # every copy has finished by now...
-    assert cache.num_ready_acks() == 4
+    assert cache.host is not None and cache.host.num_ready_acks() == 4
     # ...but nothing is on the host until its ACK is consumed
     assert [n.on_host for n in nodes] == [False] * 4
     assert all(n.backup_pending and n.lock_ref == 1 for n in nodes)
     assert cache.tree.num_host_pages == 0
     for k in range(1, 5):
-        cache.consume(1)
+        cache.host.consume(1)
         assert [n.on_host for n in nodes] == [True] * k + [False] * (4 - k)
         assert cache.tree.num_host_pages == 2 * k
     assert list(cache.stats.consumed_acks) == [0, 1, 2, 3]

@@ -1,9 +1,11 @@
-"""The prefix cache of one rank: radix tree + device pool + (optionally) the host tier.
+"""The prefix cache of one rank: radix tree + pool group + (optionally) the host tier.
 
-`PrefixCache` is the scheduler's only door to cached KV. It owns the tree, both page
-allocators and the transfer engine; requests hold tree nodes only through `lock`. All of it
-is driven from the scheduler thread; the transfer engine's workers only complete copies,
-and their effects land here when `consume` pops ACKs, in submission order.
+`PrefixCache` is the scheduler's only door to cached KV. It owns the tree, the engine's KV
+pools (a `PoolGroup`: the device pages it hands out are the group's), the host tier
+(`host_tier.py`: host pages and the transfer engine) and the ordered ACK queues
+(`acks.py`); requests hold tree nodes only through `lock`. All of it is driven from the
+scheduler thread; the transfer engine's workers only complete copies, and their effects
+land here when ACKs are consumed, in submission order.
 
 Write policies (SGLang's names): `write_through` backs up every inserted node at once,
 `write_through_selective` backs up a node once it has been matched `write_through_threshold`
@@ -18,15 +20,16 @@ agreed counts per queue (`ready_counts` / `consume_counts`).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from bus_schemas.token_ids import TokenIds
+from gpu_worker.cache.acks import AckQueues
+from gpu_worker.cache.host_tier import HostTier, LoadTicket
 from gpu_worker.cache.load_cost import LoadCostEstimate, LoadCostModel
 from gpu_worker.cache.radix import KVEventRecord, MatchResult, PageIds, RadixTree, TreeNode
 from gpu_worker.cache.stats import CacheStats
@@ -39,18 +42,14 @@ from gpu_worker.cache.storage_tier import (
     StorageTier,
 )
 from gpu_worker.cache.storage_writes import STORAGE_WRITE_POLICIES, StorageWritePolicy
-from gpu_worker.cache.transfer import DelayInjection, TransferAck, TransferEngine, TransferKind
+from gpu_worker.cache.transfer import DelayInjection, TransferEngine
 from gpu_worker.consensus.checker import rank_consensus
-from gpu_worker.kernels.moves import PoolView
-from gpu_worker.kernels.relayout import RunView
-from gpu_worker.memory.allocator import HostPageId, PageId
-from gpu_worker.memory.device_pool import DeviceKVPool
+from gpu_worker.memory.allocator import PageId
 from gpu_worker.memory.host_pool import HOST_LAYOUTS, HostKVPool, HostLayout
 from gpu_worker.memory.kv_spec import KVSpec
+from gpu_worker.memory.pool_group import PoolGroup
 from gpu_worker.storage import StorageBackend
 from gpu_worker.storage.layout import KEY_SCHEMES, KeyScheme
-
-log = logging.getLogger(__name__)
 
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 LoadPolicy = Literal["always", "cost"]
@@ -151,17 +150,6 @@ class CacheConfig:
         return max(1, int(self.num_device_pages * self.hicache_ratio))
 
 
-@dataclass(slots=True)
-class LoadTicket:
-    """A load-back of a request's host hit; `done` flips when its ACK is consumed."""
-
-    last_node: TreeNode  # end of the host range being loaded
-    start_len: int  # the range is tokens [start_len, path end) of last_node's path
-    page_ids: list[PageId]  # device pages receiving it
-    done: bool = False
-    failed: bool = False  # the copy failed: the pages stay the request's, uncommitted
-
-
 @dataclass(frozen=True, slots=True)
 class CachedPrefix:
     """What `PrefixCache.insert` made of a request's prefix: the tree now holds it."""
@@ -170,15 +158,10 @@ class CachedPrefix:
     last_node: TreeNode  # ends the prefix: the caller locks it, unlocks its previous node
 
 
-@dataclass(frozen=True, slots=True)
-class _BackupOp:
-    last_node: TreeNode
-    start_len: int
-    host_page_ids: list[HostPageId]
-
-
 class PrefixCache:
-    """One rank's cache. See the module docstring."""
+    """One rank's cache, the scheduler's door to it (see the module docstring): the tree,
+    the device pages, and the write policies; the host tier's copies are `host`'s, the ACK
+    agreement's queues `acks`'."""
 
     def __init__(
         self,
@@ -193,6 +176,7 @@ class PrefixCache:
         storage_layout: StorageLayout | None = None,
         storage_groups: tuple[Any, Any, Any] = (None, None, None),
         rank: int = 0,
+        pools: PoolGroup | None = None,
     ) -> None:
         """With a `namespace`, the tree hashes its pages (and, with `record_events`, records
         KV events).
@@ -202,61 +186,65 @@ class PrefixCache:
         injected transfer delays' seed, so each rank sees its own readiness. `storage` adds the
         L3 tier: `storage_layout` says which objects hold this rank's part of a page (the
         unified scheme lays the host pool out `page_unified`), and the `storage_groups`
-        (hit, progress, write) agree over the world (None in a world of one)."""
+        (hit, progress, write) agree over the world (None in a world of one). `pools`: the
+        engine's KV pools (default: the target pool of `spec` alone), without host pools:
+        the cache makes those when it has a host tier."""
         self.config = config
         self.spec = spec
-        self.device_pool = DeviceKVPool(spec, config.num_device_pages, device, config.check_reads)
+        if pools is None:
+            pools = PoolGroup.target_only(spec, config.num_device_pages, device, config.check_reads)
+        if pools.spec != spec:
+            raise ValueError(f"the pool group's target holds {pools.spec}, not {spec}")
+        self.pools = pools
+        self.device_pool = self.pools.device
         self.tree = RadixTree(config.page_size, namespace, record_events)
-        self.host_pool: HostKVPool | None = None
-        self.transfers: TransferEngine | None = None
-        if self.hierarchical:
-            host_pages = num_host_pages or config.num_host_pages(spec)
-            layout = storage_layout if storage is not None else None
-            unified = layout is not None and layout.unified
-            self.host_pool = HostKVPool(
-                spec,
-                host_pages,
-                "page_unified" if unified else config.hicache_mem_layout,
-                device,
-                layout.group_heads if layout is not None and unified else None,
-            )
-            delay = config.transfer_delay
-            if delay is not None and delay_seed:
-                delay = dataclasses.replace(delay, seed=delay.seed + delay_seed)
-            self.transfers = TransferEngine(device, config.transfer_workers, delay)
+        self.hierarchical = config.enable_hierarchical_cache and config.enable_radix_cache
         self.stats = CacheStats()
-        self._loads_to_fail = config.debug_fail_loads
         self.cost = LoadCostModel()  # rank 0's measurements
         self.cost_estimate = LoadCostEstimate()  # what every rank decides from (SetLoadCost)
+        self.host_pool: HostKVPool | None = None
+        self.transfers: TransferEngine | None = None
+        self.host: HostTier | None = None
         self.storage: StorageTier | None = None
+        if self.hierarchical:
+            self.host = self._host_tier(num_host_pages, delay_seed, storage_layout, storage)
+            self.host_pool, self.transfers = self.host.pool, self.host.transfers
         if storage is not None:
-            if self.host_pool is None or namespace is None or storage_layout is None:
+            if self.host is None or namespace is None or storage_layout is None:
                 raise ValueError("external storage needs the host tier, a namespace, a layout")
-            io = StorageIO(
-                storage,
-                storage_layout.codec(self.host_pool),
-                rank,
-                *storage_groups,
-                config.storage_faults,
+            self.storage = _storage_tier(
+                config, self.host, self.tree, storage, storage_layout, storage_groups, rank
             )
-            self.storage = StorageTier(
-                self,
-                self.tree,
-                io,
-                storage_layout.scope,
-                config.hicache_storage_prefetch_policy,
-                config.prefetch_timeout,
-                config.hicache_storage_write_policy,
-                config.hicache_storage_write_threshold,
-                config.storage_batch_pages,
-                self.host_pool.num_pages,
-                read_by_cost=config.hicache_load_policy == "cost",
-            )
+            self.host.after_backup = self.storage.writes.after_backup
+        self.acks = AckQueues(self.host, self.storage)
 
-    @property
-    def hierarchical(self) -> bool:
-        """Whether this cache has a host tier."""
-        return self.config.enable_hierarchical_cache and self.config.enable_radix_cache
+    def _host_tier(
+        self,
+        num_host_pages: int | None,
+        delay_seed: int,
+        layout: StorageLayout | None,
+        storage: StorageBackend | None,
+    ) -> HostTier:
+        config = self.config
+        unified = storage is not None and layout is not None and layout.unified
+        self.pools.attach_host(
+            num_host_pages or config.num_host_pages(self.spec),
+            "page_unified" if unified else config.hicache_mem_layout,
+            layout.group_heads if layout is not None and unified else None,
+        )
+        delay = config.transfer_delay
+        if delay is not None and delay_seed:
+            delay = dataclasses.replace(delay, seed=delay.seed + delay_seed)
+        transfers = TransferEngine(self.device_pool.device, config.transfer_workers, delay)
+        return HostTier(
+            self.pools,
+            self.tree,
+            transfers,
+            self.stats,
+            self.cost,
+            lambda: self.cost_estimate,
+            config.debug_fail_loads,
+        )
 
     @property
     def page_size(self) -> int:
@@ -270,6 +258,11 @@ class PrefixCache:
     def num_available_device_pages(self) -> int:
         """Free pages plus pages that eviction could free (unlocked tree pages)."""
         return self.num_free_device_pages + self.tree.num_evictable_device_pages
+
+    @property
+    def num_queued_acks(self) -> int:
+        """Host<->device copies in flight."""
+        return 0 if self.host is None else self.host.num_queued_acks
 
     # ----------------------------------------------------------------- match / lock
 
@@ -297,10 +290,10 @@ class PrefixCache:
             return self.no_match()
         limit = len(ids) - 1
         result = self.tree.match_prefix(ids[:limit], salt)
-        if self.config.hicache_write_policy == "write_through_selective" and self.host_pool:
+        if self.config.hicache_write_policy == "write_through_selective" and self.host:
             node = result.last_device_node
             if node.parent is not None and node.hit_count >= self.config.write_through_threshold:
-                self._backup(node)
+                self.host.backup(node)
         if self.storage is not None and result.last_node.parent is not None:
             self.storage.writes.after_match(result.last_node)
         return result
@@ -327,7 +320,8 @@ class PrefixCache:
 
     def evict_device(self, num_pages: int) -> None:
         """Free `num_pages` device pages from unlocked cache (write_back backs them up first)."""
-        write_back = self.host_pool is not None and self.config.hicache_write_policy == "write_back"
+        host = self.host
+        write_back = host is not None and self.config.hicache_write_policy == "write_back"
         freed = 0
         while freed < num_pages:
             result = self.tree.evict_device(num_pages - freed, delete_unbacked=not write_back)
@@ -337,11 +331,12 @@ class PrefixCache:
             if freed >= num_pages or not result.unbacked:
                 break
             # write_back: back up the leaves about to go, wait for them, then evict again.
-            if not any([self._backup(node) for node in result.unbacked]):
+            assert host is not None
+            if not any([host.backup(node) for node in result.unbacked]):
                 break
-            self.consume(self.num_queued_acks)
+            host.consume(host.num_queued_acks)
 
-    # ----------------------------------------------------------------- insert
+    # ----------------------------------------------------------------- insert / load
 
     @rank_consensus(
         same_params=["len(ids)", "list(page_ids)", "cached_len", "salt"],
@@ -365,79 +360,9 @@ class PrefixCache:
         aligned = len(ids) - len(ids) % ps
         result = self.tree.insert(ids[:aligned], page_ids[: aligned // ps], salt)
         self.free(list(page_ids[cached_len // ps : result.dup_len // ps]))
-        if self.host_pool is not None and self.config.hicache_write_policy == "write_through":
-            self._backup(result.last_node)
+        if self.host is not None and self.config.hicache_write_policy == "write_through":
+            self.host.backup(result.last_node)
         return CachedPrefix(self.tree.path_device_page_ids(result.last_node), result.last_node)
-
-    # ----------------------------------------------------------------- host tier
-
-    @rank_consensus(same_params=["node.id"], same_results=["result"])
-    def _backup(self, node: TreeNode) -> bool:
-        """Start backing up the path to `node` from where its host coverage ends."""
-        assert self.host_pool is not None and self.transfers is not None
-        start = self.tree.host_covered_len(node)
-        nodes = self.tree.path_range(node, start)
-        if not nodes:
-            return False
-        device_ids = [p for _, n in nodes for p in (n.device_page_ids or [])]
-        # Pin the covered prefix while making room: evicting it would leave a gap above the
-        # pages about to be backed up (the host set must stay prefix-closed).
-        self.tree.ref_host(node)
-        host_ids = self._alloc_host(len(device_ids))
-        self.tree.unref_host(node)
-        if host_ids is None:
-            return False
-        self.tree.mark_backup_pending(node, start)
-        self.tree.lock(node)  # the device copy must outlive the copy
-        op = _BackupOp(node, start, host_ids)
-        self.transfers.submit(
-            TransferKind.BACKUP,
-            *self._pool_views(),
-            list(device_ids),
-            list(host_ids),
-            op,
-        )
-        self.stats.num_backups += 1
-        self.stats.backed_up_pages += len(device_ids)
-        return True
-
-    def _pool_views(self) -> tuple[PoolView, PoolView]:
-        """(device, host) views for page copies between the tiers, of one kind: runs of
-        head groups for a `page_unified` host pool, whole blocks otherwise."""
-        assert self.host_pool is not None
-        host = self.host_pool.page_view()
-        if isinstance(host, RunView):
-            return self.device_pool.run_view(self.host_pool.group_heads), host
-        return self.device_pool.page_view(), host
-
-    def alloc_host_upto(self, num_pages: int) -> list[HostPageId]:
-        """Up to `num_pages` host pages, evicting unpinned host cache for them: fewer (maybe
-        none) when the pool cannot free that many."""
-        assert self.host_pool is not None
-        allocator = self.host_pool.allocator
-        short = num_pages - allocator.num_free
-        if short > 0:
-            evicted = self.tree.evict_host(short)
-            allocator.free(list(evicted))
-            self.stats.evicted_host_pages += len(evicted)
-        pages = allocator.alloc(min(num_pages, allocator.num_free)) or []
-        return [HostPageId(p) for p in pages]
-
-    def free_host(self, page_ids: Sequence[int]) -> None:
-        if page_ids:
-            assert self.host_pool is not None
-            self.host_pool.allocator.free(list(page_ids))
-
-    def _alloc_host(self, num_pages: int) -> list[HostPageId] | None:
-        assert self.host_pool is not None
-        allocator = self.host_pool.allocator
-        short = num_pages - allocator.num_free
-        if short > 0:
-            evicted = self.tree.evict_host(short)
-            allocator.free(list(evicted))
-            self.stats.evicted_host_pages += len(evicted)
-        pages = allocator.alloc(num_pages)
-        return None if pages is None else [HostPageId(p) for p in pages]
 
     @rank_consensus(
         same_params=["match.host_len", "list(match.host_page_ids)"],
@@ -449,7 +374,7 @@ class PrefixCache:
         The caller has locked `match.last_device_node`. The host range stays pinned until the
         ACK is consumed; the ticket's pages join the tree only then.
         """
-        if match.host_len == 0 or self.host_pool is None or self.transfers is None:
+        if match.host_len == 0 or self.host is None:
             return None
         if self.config.hicache_load_policy == "cost" and not self.cost_estimate.worth_loading(
             match.host_len
@@ -461,110 +386,13 @@ class PrefixCache:
         if pages is None:
             self.tree.unref_host(match.last_node)
             return None
-        ticket = LoadTicket(match.last_node, match.device_len, pages)
-        self.device_pool.mark_pending(pages, True)
-        fail = self._loads_to_fail > 0
-        self._loads_to_fail -= int(fail)
-        device_view, host_view = self._pool_views()
-        self.transfers.submit(
-            TransferKind.LOAD,
-            host_view,
-            device_view,
-            list(match.host_page_ids),
-            list(pages),
-            ticket,
-            inject_failure=fail,
-        )
-        self.stats.num_loads += 1
-        self.stats.loaded_pages += len(pages)
-        return ticket
-
-    @property
-    def num_queued_acks(self) -> int:
-        return 0 if self.transfers is None else len(self.transfers)
-
-    def num_ready_acks(self) -> int:
-        return 0 if self.transfers is None else self.transfers.num_ready()
-
-    def set_ack_listener(self, listener: Callable[[], None] | None) -> None:
-        """Call `listener` (from a worker thread) whenever an ACK's work finishes, so the
-        scheduler can sleep until there is something to consume instead of spinning."""
-        if self.transfers is not None:
-            self.transfers.on_done = listener
-        if self.storage is not None:
-            self.storage.io.on_done = listener
-
-    def ready_counts(self) -> tuple[int, ...]:
-        """Finished ACKs at the front of each queue: transfers, then storage hit queries,
-        read progress and writes (the per-step agreement takes their MIN over the ranks)."""
-        storage = (0, 0, 0) if self.storage is None else self.storage.io.ready_counts()
-        return (self.num_ready_acks(), *storage)
-
-    def queued_counts(self) -> tuple[int, ...]:
-        storage = (0, 0, 0) if self.storage is None else self.storage.io.queued_counts()
-        return (self.num_queued_acks, *storage)
-
-    def consume_counts(self, counts: Sequence[int]) -> None:
-        """Apply the first `counts[i]` ACKs of each queue (agreed counts), queue by queue."""
-        self.consume(counts[0])
-        if self.storage is None:
-            return
-        io = self.storage.io
-        for queue, n in zip((io.hits, io.progress, io.writes), counts[1:], strict=True):
-            for ack in queue.pop(n):
-                self.storage.on_ack(ack)
-        self.storage.writes.collect_stored()
-
-    def consume(self, num_acks: int) -> None:
-        """Apply the first `num_acks` queued ACKs, in order (waiting for unfinished ones)."""
-        if self.transfers is None or num_acks == 0:
-            return
-        for ack in self.transfers.pop(num_acks):
-            self._apply(ack)
-
-    def _apply(self, ack: TransferAck) -> None:
-        """Commit one consumed ACK; a failed copy changes nothing but releases its pins."""
-        self.stats.consumed_acks.append(ack.seq)
-        self.stats.num_consumed_acks += 1
-        error = ack.completion.wait()
-        if error is not None:
-            log.warning("%s transfer %d failed: %r", ack.kind.value, ack.seq, error)
-        if ack.kind is TransferKind.BACKUP:
-            op = ack.op
-            assert isinstance(op, _BackupOp)
-            if error is None:
-                self.tree.commit_backup(op.last_node, op.start_len, op.host_page_ids)
-                if self.storage is not None:
-                    self.storage.writes.after_backup(op.last_node)
-            else:
-                self.tree.abort_backup(op.last_node, op.start_len)
-                assert self.host_pool is not None
-                self.host_pool.allocator.free(list(op.host_page_ids))
-            self.tree.unlock(op.last_node)
-            return
-        ticket = ack.op
-        assert isinstance(ticket, LoadTicket)
-        self.device_pool.mark_pending(ticket.page_ids, False)
-        if error is None:
-            self.free(self.tree.commit_load(ticket.last_node, ticket.start_len, ticket.page_ids))
-            seconds = ack.completion.seconds()
-            if seconds is not None:
-                self.cost.observe_load(ack.num_pages * self.spec.bytes_per_page, seconds)
-        else:
-            ticket.failed = True  # the requester keeps the pages and computes instead
-        self.tree.unref_host(ticket.last_node)
-        ticket.done = True
-
-    def drain(self) -> None:
-        """Wait for and apply every queued ACK (storage writes a backup starts included),
-        and for the store to hold what was written."""
-        while any(self.queued_counts()):
-            self.consume_counts(self.queued_counts())
-        if self.storage is not None:
-            self.storage.io.wait_stored()
-            self.storage.writes.collect_stored()
+        return self.host.load(match, pages)
 
     # ----------------------------------------------------------------- whole-cache
+
+    def drain(self) -> None:
+        """Wait for and apply every queued ACK (`AckQueues.drain`)."""
+        self.acks.drain()
 
     def flush(self) -> None:
         """Drop every cached page (device and host). Only valid with no request running."""
@@ -573,16 +401,13 @@ class PrefixCache:
         self.free(dropped.device_page_ids)
         if self.host_pool is not None:
             self.host_pool.allocator.free(list(dropped.host_page_ids))
-        self.stats = CacheStats()
+        self.stats.reset()
 
     def drain_events(self) -> list[KVEventRecord]:
         events = self.tree.drain_events()
         if self.storage is not None:
             events += self.storage.writes.drain_events()
         return events
-
-    def snapshot_events(self) -> list[KVEventRecord]:
-        return self.tree.snapshot_events()
 
     def check_integrity(self, request_page_ids: set[int] | None = None) -> None:
         """Tree invariants, plus: every device page is free, in the tree, or held by a request."""
@@ -606,3 +431,30 @@ class PrefixCache:
             self.transfers.close()
         if self.storage is not None:
             self.storage.io.close()
+
+
+def _storage_tier(
+    config: CacheConfig,
+    host: HostTier,
+    tree: RadixTree,
+    backend: StorageBackend,
+    layout: StorageLayout,
+    groups: tuple[Any, Any, Any],
+    rank: int,
+) -> StorageTier:
+    """The L3 tier over `host`'s pages: objects named and laid out as `layout` says, counts
+    agreed over the `groups` (hit, progress, write)."""
+    io = StorageIO(backend, layout.codec(host.pool), rank, *groups, config.storage_faults)
+    return StorageTier(
+        host,
+        tree,
+        io,
+        layout.scope,
+        config.hicache_storage_prefetch_policy,
+        config.prefetch_timeout,
+        config.hicache_storage_write_policy,
+        config.hicache_storage_write_threshold,
+        config.storage_batch_pages,
+        host.pool.num_pages,
+        read_by_cost=config.hicache_load_policy == "cost",
+    )

@@ -1,9 +1,9 @@
 """What the storage tier asks of the cache that owns it: host pages, and the live state its
 decisions read.
 
-`StorageTier` and `StorageWrites` hold a `HostPages`, not the `PrefixCache` that implements
-it: they see these five members instead of the whole cache, and their modules never import
-the cache's (which imports them).
+`StorageTier` and `StorageWrites` hold a `HostPages` (the cache's `HostTier` implements it):
+they see these five members instead of the whole cache, and their modules never import the
+cache's (which imports them).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ class HostPages(Protocol):
 
     @property
     def stats(self) -> CacheStats:
-        """The owner's counters. A flush replaces the object: read it here each time, never
-        keep it."""
+        """The owner's counters (one object for the cache's life: a flush zeroes it)."""
         ...
 
     @property

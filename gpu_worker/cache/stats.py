@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 RECENT_ACKS = 256  # consumed ACK seqs kept for tests and debugging (a window, not a history)
 
@@ -31,3 +31,10 @@ class CacheStats:
     num_consumed_acks: int = 0
     # the last RECENT_ACKS consumed ACK seqs, in consume order: bounded, it grows with nothing
     consumed_acks: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_ACKS))
+
+    def reset(self) -> None:
+        """Zero every counter (a flush). The object stays the same one: the cache and its
+        tiers share it."""
+        fresh = CacheStats()
+        for f in fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))

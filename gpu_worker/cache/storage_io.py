@@ -27,7 +27,11 @@ consuming waits where a rank's own work is still running.
 
 Which objects hold a rank's part of a page, and how they reach its host pages, is the
 codec's business (`storage_codec.py`): counts here are in pages; a page is whole only when
-all its objects are.
+all its objects are. A read batch or a write moves the rows of a set of pages of the pool
+group's host pools (`memory/pool_group.py`) in one piece of work with one ACK: today the
+target's host pool; a `packed` draft's layers would sit in the same host rows, hence the
+same objects, and a `sidecar` pool's objects would join the same batch (the group refuses
+both until the code that moves them exists).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The transfer engine: asynchronous page copies and their ordered queue of ACKs.
 
 Every copy between tiers (device -> host backup, host -> device load) is submitted here and
-runs off the scheduler thread: on a CUDA stream on GPU, on worker threads on CPU. Each
-submission appends an immutable `TransferAck` to one FIFO. Copies may *finish* in any order
+runs off the scheduler thread: on a CUDA stream on GPU, on worker threads on CPU. One
+submission moves a set of pages through every (source, destination) pair of a pool group
+(`PoolGroup.tier_views`: the target's pools, later a draft's too) as one operation with one
+completion, and appends an immutable `TransferAck` to one FIFO. Copies may *finish* in any order
 (several workers, injected delays), but the scheduler consumes ACKs strictly from the front:
 `num_ready()` counts the finished prefix, `pop(n)` takes exactly `n` from the front, waiting
 on any that has not finished (a later PP stage told to consume `n` by PP0 does that). Cache
@@ -16,7 +18,7 @@ import enum
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,6 +28,8 @@ import torch
 from gpu_worker.kernels.moves import PoolView, move_pages
 
 COMPLETION_LOG_LEN = 256  # completion order kept for tests and debugging (a window)
+
+ViewPairs = Sequence[tuple[PoolView, PoolView]]  # (source, destination) per member of a group
 
 
 class TransferKind(enum.Enum):
@@ -130,19 +134,23 @@ class TransferEngine:
     def submit(
         self,
         kind: TransferKind,
-        src: PoolView,
-        dst: PoolView,
+        views: ViewPairs,
         src_page_ids: list[int],
         dst_page_ids: list[int],
         op: object,
         inject_failure: bool = False,
     ) -> TransferAck:
-        """Start copying pages `src_page_ids` of `src` to `dst_page_ids` of `dst`.
+        """Start copying pages `src_page_ids` to `dst_page_ids` through every (source,
+        destination) pair of `views`, in order, as one operation: its ACK completes when
+        every pair's copy has.
 
         The caller must keep both page sets alive and unwritten until the ACK is consumed.
         """
         if len(src_page_ids) != len(dst_page_ids):
             raise ValueError("source and destination page lists differ in length")
+        if not views:
+            raise ValueError("a transfer needs at least one pair of views")
+        views = tuple(views)
         delay_s = self._rng.uniform(0, self._delay.max_ms) / 1e3 if self._delay else 0.0
         if inject_failure:  # test hook: the copy fails instead of running
             src_page_ids, dst_page_ids = [-1], [-1]
@@ -150,10 +158,10 @@ class TransferEngine:
         dst_ids = torch.tensor(dst_page_ids, dtype=torch.int64)
         completion: Completion
         if self._stream is not None:
-            completion = self._submit_cuda(src, dst, src_ids, dst_ids, delay_s)
+            completion = self._submit_cuda(views, src_ids, dst_ids, delay_s)
         else:
             assert self._pool is not None
-            future = self._pool.submit(self._copy, self._seq, src, dst, src_ids, dst_ids, delay_s)
+            future = self._pool.submit(self._copy, self._seq, views, src_ids, dst_ids, delay_s)
             if self.on_done is not None:
                 listener = self.on_done
                 future.add_done_callback(lambda _: listener())
@@ -166,8 +174,7 @@ class TransferEngine:
     def _copy(
         self,
         seq: int,
-        src: PoolView,
-        dst: PoolView,
+        views: ViewPairs,
         src_ids: torch.Tensor,
         dst_ids: torch.Tensor,
         delay_s: float,
@@ -175,7 +182,8 @@ class TransferEngine:
         if delay_s:
             time.sleep(delay_s)
         start = time.perf_counter()
-        move_pages(src, dst, src_ids, dst_ids)
+        for src, dst in views:
+            move_pages(src, dst, src_ids, dst_ids)
         elapsed = time.perf_counter() - start
         with self._lock:
             self.completion_log.append(seq)
@@ -184,8 +192,7 @@ class TransferEngine:
 
     def _submit_cuda(
         self,
-        src: PoolView,
-        dst: PoolView,
+        views: ViewPairs,
         src_ids: torch.Tensor,
         dst_ids: torch.Tensor,
         delay_s: float,
@@ -197,7 +204,8 @@ class TransferEngine:
         with torch.cuda.stream(self._stream):
             if delay_s:
                 torch.cuda._sleep(int(delay_s * 1e9))  # ~1 cycle per ns: a rough delay
-            move_pages(src, dst, src_ids, dst_ids)
+            for src, dst in views:
+                move_pages(src, dst, src_ids, dst_ids)
             event = torch.cuda.Event()
             event.record(self._stream)
         return _CudaCompletion(event)

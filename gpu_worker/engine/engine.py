@@ -45,6 +45,7 @@ from gpu_worker.engine.commands import (
 )
 from gpu_worker.engine.executor import ModelExecutor
 from gpu_worker.memory.kv_spec import KVSpec
+from gpu_worker.memory.pool_group import PoolGroup
 from gpu_worker.model.config import PRESETS, ModelConfig, parse_dtype, resolve_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.shard import ModelShard
@@ -150,6 +151,10 @@ class Engine:
         host_pages = None
         if config.cache.enable_hierarchical_cache:  # bytes per page differ between stages
             host_pages = agree_min(groups, config.cache.num_host_pages(self.kv_spec))
+        # the engine's KV pools over one slot mapping: a draft model's would join the group
+        pools = PoolGroup.target_only(
+            self.kv_spec, config.cache.num_device_pages, self.device, config.cache.check_reads
+        )
         self.cache = PrefixCache(
             config.cache,
             self.kv_spec,
@@ -164,6 +169,7 @@ class Engine:
             else None,
             storage_groups=(groups.storage_hit, groups.storage_progress, groups.storage_write),
             rank=self.rank,
+            pools=pools,
         )
         # a request reserves pages for every token it may write, so the longest one this
         # engine serves is also bounded by its device pool (SGLang's max request length)
@@ -196,7 +202,7 @@ class Engine:
         self._last_step = time.monotonic()
         self.stopped = False  # set by the Stop command
         self._acks_done = threading.Event()  # rung by transfer and storage workers (`run`)
-        self.cache.set_ack_listener(self._acks_done.set)
+        self.cache.acks.set_listener(self._acks_done.set)
 
     @staticmethod
     def storage_layout(config: EngineConfig, mc: ModelConfig, rank: int) -> StorageLayout:
@@ -485,7 +491,7 @@ class Engine:
     def has_queued_acks(self) -> bool:
         """Transfers or storage work still to be consumed (backups to commit, writes to the
         store to start): an idle engine keeps stepping until they are."""
-        return any(self.cache.queued_counts())
+        return any(self.cache.acks.queued_counts())
 
     @property
     def keepalive_due(self) -> bool:
@@ -522,7 +528,7 @@ class Engine:
             commands, self._commands = self._commands, []
             self._last_step = time.monotonic()
         commands, num_acks = self.sync.exchange(
-            commands, self.cache.ready_counts(), self.cache.queued_counts()
+            commands, self.cache.acks.ready_counts(), self.cache.acks.queued_counts()
         )
         self.scheduler.consume_acks(num_acks)
         for cmd in commands:
@@ -613,7 +619,7 @@ class Engine:
         self._acks_done.clear()
         finished = self.step()
         waiting = not self.scheduler.last_step_worked and self.has_queued_acks
-        if waiting and not any(self.cache.ready_counts()):
+        if waiting and not any(self.cache.acks.ready_counts()):
             self._acks_done.wait(ACK_WAIT_S)
         return finished
 

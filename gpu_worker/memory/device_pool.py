@@ -39,6 +39,11 @@ class DeviceKVPool:
 
     # -- KVCache protocol (the model's view)
 
+    contiguous_slices = True  # a slot is a row of `kv`: runs of slots read in place
+
+    def before_attention(self, layer: int, batch: object) -> None:
+        """Every page of this pool is local and written in place: nothing to prepare."""
+
     def set_kv(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv[layer, 0, slot_ids] = k
         self.kv[layer, 1, slot_ids] = v
@@ -52,7 +57,7 @@ class DeviceKVPool:
     def kv_slice(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the consecutive slots `start..end-1` in place: views of the pool, no copy
         ((n, num_kv_heads, head_dim) each). Decode attention reads a request's runs of
-        consecutive slots this way instead of gathering them (`llama.DecodeGroup.runs`)."""
+        consecutive slots this way instead of gathering them (`attention_plan.DecodeGroup.runs`)."""
         if self.check_reads:
             ps = self.spec.page_size
             if bool(self._pending[start // ps : (end - 1) // ps + 1].any()):

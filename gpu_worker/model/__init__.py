@@ -8,7 +8,7 @@ from gpu_worker.model.config import (
     ModelConfig,
     parse_dtype,
 )
-from gpu_worker.model.forward_batch import ForwardBatch, KVCache
+from gpu_worker.model.forward_batch import ForwardBatch, KVCache, KVReader
 from gpu_worker.model.llama import LlamaModel, create_model
 from gpu_worker.model.sampling import SamplingParams, sample
 from gpu_worker.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -29,6 +29,7 @@ __all__ = [
     "ForwardBatch",
     "HFTokenizer",
     "KVCache",
+    "KVReader",
     "LlamaModel",
     "ModelConfig",
     "SamplingParams",

@@ -39,7 +39,7 @@ class ModelConfig:
     """A Llama/Qwen2-style decoder. Derived sizes are properties, never stored twice.
 
     With `kv_lora_rank > 0` attention is a simplified DeepSeek-style multi-head latent
-    attention (MLA, `llama.MLAttention`): per token and layer the KV cache holds one latent
+    attention (MLA, `mla.MLAttention`): per token and layer the KV cache holds one latent
     row of `kv_lora_rank + qk_rope_head_dim` elements (the normed compressed KV, then one
     rotary key part shared by every head); each query head's K (`head_dim` from the latent,
     plus the shared rotary part) and V (`head_dim`) are up-projected from it. The cache then

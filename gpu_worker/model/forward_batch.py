@@ -1,4 +1,5 @@
-"""What one forward pass reads: the ragged batch and the KV cache it attends over."""
+"""What one forward pass reads: the ragged batch and the KV cache it attends over (through
+`KVCache`, whose `KVReader` part is the per-layer hook and the in-place capability)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,32 @@ from typing import Protocol
 import torch
 
 
-class KVCache(Protocol):
+class KVReader(Protocol):
+    """How attention reads KV beyond writes and slot gathers: a hook before each layer's
+    attention, and whether slots may be read as runs of pool rows in place.
+
+    `before_attention` is where a pool makes a layer's KV readable: a context-parallel pool
+    gathers the pages other ranks own, a layer-wise load waits for that layer's copy. The
+    model calls it once per layer of every forward pass, before the layer runs.
+    """
+
+    @property
+    def contiguous_slices(self) -> bool:
+        """Whether consecutive slots are consecutive rows of the pool, so `kv_slice` may
+        read a run of them in place (decode attention's fast path)."""
+        ...
+
+    def before_attention(self, layer: int, batch: ForwardBatch) -> None:
+        """Make `layer`'s KV of `batch`'s sequences readable (no-op where it always is)."""
+        ...
+
+    def kv_slice(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of slots `start..end-1` as views of the pool ((n, num_kv_heads, head_dim)
+        each, no copy); only where `contiguous_slices`."""
+        ...
+
+
+class KVCache(KVReader, Protocol):
     """The model's only view of KV memory: slots in, tensors out.
 
     Slots are token-granular row indices into the device pool (page `p` covers slots

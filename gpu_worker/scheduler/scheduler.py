@@ -130,7 +130,7 @@ class Scheduler:
         counts: transfers, then storage hits, read progress and writes), in order."""
         transfers = self.cache.transfers
         waited = 0 if transfers is None else transfers.num_waited
-        self.cache.consume_counts(num_acks)
+        self.cache.acks.consume_counts(num_acks)
         if transfers is not None:
             self.num_ack_waits += transfers.num_waited - waited
 

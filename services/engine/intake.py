@@ -70,7 +70,9 @@ class KVEvents:
 
     async def publish_snapshot(self) -> None:
         """Queue a snapshot batch: every page the engine's tree holds now."""
-        events = await asyncio.wrap_future(self.runner.query(lambda e: e.cache.snapshot_events()))
+        events = await asyncio.wrap_future(
+            self.runner.query(lambda e: e.cache.tree.snapshot_events())
+        )
         self.enqueue(events, snapshot=True)
 
     def enqueue(self, events: list[KVEventRecord], snapshot: bool) -> None:

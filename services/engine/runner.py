@@ -333,7 +333,7 @@ class EngineRunner:
             threading.Thread(
                 target=self._watch_ranks, args=(self.ranks,), name="rank-watch", daemon=True
             ).start()
-        engine.cache.set_ack_listener(self._wake)
+        engine.cache.acks.set_listener(self._wake)
         self._ready.set_result(None)
         crashed = False
         try:

@@ -1,0 +1,144 @@
+"""Every KV-like pool of one engine, as one group over one logical slot mapping.
+
+The group is what the cache tiers move: a backup, a load or a storage read of a set of
+pages moves every member's rows of those pages in one operation that completes in one
+event (`PoolGroup.tier_views` gives the view pairs a copy walks). The device page ids are
+the group's: one allocator (the target pool's) hands them out, and every member reads a
+page id as the same tokens.
+
+Today the group has one member, the target model's pool. DESIGN section 4 declares how the
+draft model's KV (and any indexer or recurrent state) will join it, as `HostRows` says:
+- `SAME_SLOTS`: the member has its own device and host pools, indexed by the group's page
+  ids as they are (the target itself);
+- `PACKED`: the member's layers are appended to the target's host rows (one host pool, the
+  shared slot mapping): a host page holds both, and storage objects carry both;
+- `SIDECAR`: the member has its own host pool and layout; its host indices are derived
+  from those of a named source pool (`PoolMember.source`).
+Only the target exists today; the group refuses any other member until a draft model
+brings the code that moves it (`UnsupportedMember`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.kernels.moves import PoolView
+from gpu_worker.kernels.relayout import RunView
+from gpu_worker.memory.device_pool import DeviceKVPool
+from gpu_worker.memory.host_pool import HostKVPool, HostLayout
+from gpu_worker.memory.kv_spec import KVSpec
+
+TARGET = "target"  # the name of the target model's member
+
+
+class HostRows(enum.Enum):
+    """How a member's host rows relate to the target's (DESIGN section 4, speculative
+    decoding: `packed` and `sidecar`)."""
+
+    SAME_SLOTS = "same_slots"
+    PACKED = "packed"
+    SIDECAR = "sidecar"
+
+
+class UnsupportedMember(ValueError):
+    """A member the group cannot move yet (a draft, indexer or CP-sharded pool)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolMember:
+    """One KV-like pool of the group: its name, its shape, and how its host rows relate to
+    the target's."""
+
+    name: str
+    spec: KVSpec
+    host_rows: HostRows = HostRows.SAME_SLOTS
+    source: str | None = None  # SIDECAR: the pool its host indices derive from
+
+    def __post_init__(self) -> None:
+        if (self.host_rows is HostRows.SIDECAR) != (self.source is not None):
+            raise ValueError(f"a sidecar member, and only one, names its source pool: {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class TierViews:
+    """One member's device and host pools as views for page copies between the tiers, of
+    one kind: runs of head groups for a `page_unified` host pool, whole blocks otherwise."""
+
+    device: PoolView
+    host: PoolView
+
+    def backup(self) -> tuple[PoolView, PoolView]:
+        """(source, destination) of a device -> host copy."""
+        return self.device, self.host
+
+    def load(self) -> tuple[PoolView, PoolView]:
+        """(source, destination) of a host -> device copy."""
+        return self.host, self.device
+
+
+class PoolGroup:
+    """The engine's KV pools over one slot mapping; see the module docstring.
+
+    `device` is the target's device pool: the pool the model reads and writes, and whose
+    allocator hands out the group's page ids. `host` is the target's host pool once
+    `attach_host` made one (the host tier), else None.
+    """
+
+    def __init__(
+        self,
+        members: Sequence[PoolMember],
+        num_pages: int,
+        device: torch.device,
+        check_reads: bool = False,
+    ) -> None:
+        """Device pools of `num_pages` pages for `members` (today exactly the target);
+        `check_reads`: fail any read of a page whose load is not consumed."""
+        if [m.name for m in members] != [TARGET] or members[0].host_rows is not HostRows.SAME_SLOTS:
+            raise UnsupportedMember(
+                f"a pool group holds exactly the target pool ({TARGET!r}, same slots) for now; "
+                f"draft, indexer and CP-sharded pools are not supported yet: {list(members)}"
+            )
+        self.members = tuple(members)
+        self.device = DeviceKVPool(members[0].spec, num_pages, device, check_reads)
+        self.host: HostKVPool | None = None
+
+    @classmethod
+    def target_only(
+        cls, spec: KVSpec, num_pages: int, device: torch.device, check_reads: bool = False
+    ) -> PoolGroup:
+        """The group of an engine without draft state: the target pool alone."""
+        return cls([PoolMember(TARGET, spec)], num_pages, device, check_reads)
+
+    @property
+    def spec(self) -> KVSpec:
+        """The target's KV shape."""
+        return self.members[0].spec
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one page across every member (what a copy between the tiers moves)."""
+        return sum(m.spec.bytes_per_page for m in self.members)
+
+    def attach_host(
+        self, num_pages: int, layout: HostLayout, group_heads: int | None = None
+    ) -> HostKVPool:
+        """Make the host pools (the host tier) of `num_pages` pages in `layout`; returns the
+        target's. `group_heads`: KV heads per group of a `page_unified` layout."""
+        if self.host is not None:
+            raise RuntimeError("the group has its host pools already")
+        self.host = HostKVPool(self.spec, num_pages, layout, self.device.device, group_heads)
+        return self.host
+
+    def tier_views(self) -> list[TierViews]:
+        """Every member's (device, host) views, target first: a copy between the tiers
+        moves the same page ids through each pair, in one operation."""
+        if self.host is None:
+            raise RuntimeError("the group has no host pools")
+        host = self.host.page_view()
+        if isinstance(host, RunView):
+            return [TierViews(self.device.run_view(self.host.group_heads), host)]
+        return [TierViews(self.device.page_view(), host)]
