@@ -351,8 +351,8 @@ def bench_eviction(args: argparse.Namespace) -> list[str]:
     built_s = time.perf_counter() - t0
     # touch a random tenth of the tree: LRU order is not creation order
     for node in random.Random(args.seed).sample(list(tree.iter_nodes()), nodes // 10):
-        tree.match_prefix(array("I", [t for _, n in tree.path(node) for t in n.key]))
-    inc_wall, inc_cpu = time_evictions(lambda: tree.evict_device(1), args.evict_calls)
+        tree.match_prefix(array("I", [t for _, n in node.path() for t in n.key]))
+    inc_wall, inc_cpu = time_evictions(lambda: tree.tiers.evict_device(1), args.evict_calls)
     tree.check_integrity()  # the incremental heap still equals a rebuild
     old_wall, old_cpu = time_evictions(lambda: evict_device_rebuild(tree, 1), args.rebuild_calls)
     return [

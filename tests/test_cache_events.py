@@ -48,9 +48,9 @@ def tree_with_a_and_b() -> RadixTree:
 
 def test_device_eviction_removes_each_leaf_in_lru_order() -> None:
     tree = tree_with_a_and_b()
-    assert sorted(tree.evict_device(2).freed_page_ids) == [2, 3]  # A's tail, the oldest leaf
+    assert sorted(tree.tiers.evict_device(2).freed_page_ids) == [2, 3]  # A's tail, the oldest leaf
     assert tree.drain_events() == [removed("device", HA[2:])]
-    tree.evict_device(100)  # everything: B's tail, then the shared head (a leaf by then)
+    tree.tiers.evict_device(100)  # everything: B's tail, then the shared head (a leaf by then)
     assert tree.drain_events() == [removed("device", HB[2:]), removed("device", HA[:2])]
     assert tree.num_device_pages == 0 and tree.drain_events() == []
 
@@ -59,19 +59,19 @@ def test_a_touched_leaf_is_evicted_last() -> None:
     tree = tree_with_a_and_b()
     tree.insert(A, [0, 1, 2, 3])  # A again: all duplicate pages, A's tail is now the newest
     assert tree.drain_events() == []  # nothing new is stored
-    tree.evict_device(2)
+    tree.tiers.evict_device(2)
     assert tree.drain_events() == [removed("device", HB[2:])]
 
 
 def test_backup_then_device_eviction_moves_pages_to_host() -> None:
     tree = tree_with_a_and_b()
     a_tail = tree.match_prefix([*A, 0]).last_node
-    tree.mark_backup_pending(a_tail, 0)
+    tree.tiers.mark_backup_pending(a_tail, 0)
     assert tree.drain_events() == []  # nothing is on the host before the ACK is consumed
-    tree.commit_backup(a_tail, 0, HOST_PAGES)
+    tree.tiers.commit_backup(a_tail, 0, HOST_PAGES)
     # one record per node on the path, root side first
     assert tree.drain_events() == [stored("host", HA[:2]), stored("host", HA[2:])]
-    tree.evict_device(100)
+    tree.tiers.evict_device(100)
     # A's tail and head drop to host (no host event), B's tail is deleted
     events = tree.drain_events()
     assert sorted(events) == sorted(
@@ -81,21 +81,21 @@ def test_backup_then_device_eviction_moves_pages_to_host() -> None:
     assert events.index(removed("device", HB[2:])) < events.index(removed("device", HA[:2]))
     assert tree.num_host_pages == 4
     # host eviction: leaf first, then its parent
-    assert tree.evict_host(100) == [12, 13, 10, 11]
+    assert tree.tiers.evict_host(100) == [12, 13, 10, 11]
     assert tree.drain_events() == [removed("host", HA[2:]), removed("host", HA[:2])]
     assert tree.num_host_pages == 0
 
 
 def test_write_back_eviction_emits_nothing_until_the_backup_lands() -> None:
     tree = tree_with_a_and_b()
-    result = tree.evict_device(2, delete_unbacked=False)
+    result = tree.tiers.evict_device(2, delete_unbacked=False)
     assert result.freed_page_ids == [] and len(result.unbacked) == 2
     assert tree.drain_events() == []  # nothing left the device yet
     a_tail = tree.match_prefix([*A, 0]).last_node
-    tree.mark_backup_pending(a_tail, 0)
-    tree.commit_backup(a_tail, 0, HOST_PAGES)
+    tree.tiers.mark_backup_pending(a_tail, 0)
+    tree.tiers.commit_backup(a_tail, 0, HOST_PAGES)
     assert tree.drain_events() == [stored("host", HA[:2]), stored("host", HA[2:])]
-    assert sorted(tree.evict_device(2, delete_unbacked=False).freed_page_ids) == [2, 3]
+    assert sorted(tree.tiers.evict_device(2, delete_unbacked=False).freed_page_ids) == [2, 3]
     assert tree.drain_events() == [removed("device", HA[2:])]
 
 

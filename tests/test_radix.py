@@ -52,12 +52,12 @@ def num_nodes(tree: RadixTree) -> int:
 
 def backup(tree: RadixTree, node: TreeNode, host_ids: Sequence[HostPageId]) -> None:
     """A whole backup round trip of the path to `node`, as HiCache does it."""
-    start = tree.host_covered_len(node)
-    assert tree.mark_backup_pending(node, start) == len(host_ids)
-    tree.lock(node)
+    start = node.host_covered_len()
+    assert tree.tiers.mark_backup_pending(node, start) == len(host_ids)
+    tree.tiers.lock(node)
     tree.check_integrity()
-    tree.commit_backup(node, start, host_ids)
-    tree.unlock(node)
+    tree.tiers.commit_backup(node, start, host_ids)
+    tree.tiers.unlock(node)
     tree.check_integrity()
 
 
@@ -131,7 +131,7 @@ def test_match_ending_inside_a_node_splits_it(page_size: int) -> None:
     tree = RadixTree(ps)
     ids = list(range(1, 4 * ps + 1))  # 4 pages
     original = tree.insert(ids, dev(0, 1, 2, 3)).last_node
-    tree.lock(original)  # a pin held on the original node must survive the split
+    tree.tiers.lock(original)  # a pin held on the original node must survive the split
     assert num_nodes(tree) == 1 and tree.tiers.num_locked_device_pages == 4
 
     m = tree.match_prefix(ids[: 2 * ps])
@@ -145,8 +145,8 @@ def test_match_ending_inside_a_node_splits_it(page_size: int) -> None:
     assert upper.parent is tree.root and original.parent is upper
     assert list(upper.children.values()) == [original]
     assert (original.id, upper.id) == (1, 2)  # the root is node 0
-    assert tree.path_len(original) == 4 * ps
-    assert tree.path_device_page_ids(original) == dev(0, 1, 2, 3)
+    assert original.path_len() == 4 * ps
+    assert original.path_device_page_ids() == dev(0, 1, 2, 3)
     assert upper.lock_ref == 1 and original.lock_ref == 1
     assert tree.tiers.num_locked_device_pages == 4 and tree.num_device_pages == 4
     tree.check_integrity()
@@ -156,7 +156,7 @@ def test_match_ending_inside_a_node_splits_it(page_size: int) -> None:
     assert (m.device_len, m.device_page_ids) == (3 * ps, dev(0, 1, 2))
     assert num_nodes(tree) == 3 and list(m.last_node.key) == ids[2 * ps : 3 * ps]
     assert list(original.key) == ids[3 * ps :] and original.device_page_ids == dev(3)
-    tree.unlock(original)
+    tree.tiers.unlock(original)
     assert tree.tiers.num_locked_device_pages == 0
     tree.check_integrity()
 
@@ -222,22 +222,22 @@ def test_lock_pins_the_path() -> None:
     tree.insert([1, 2, 3], dev(0, 1, 2))
     tree.insert([1, 2, 4], dev(9, 9, 3))  # new leaf [4] under the split [1, 2]
     n3 = tree.match_prefix([1, 2, 3]).last_node
-    tree.lock(n3)
-    tree.lock(n3)
+    tree.tiers.lock(n3)
+    tree.tiers.lock(n3)
     assert tree.tiers.num_locked_device_pages == 3 and tree.num_evictable_device_pages == 1
     assert n3.lock_ref == 2 and n3.parent is not None and n3.parent.lock_ref == 2
 
-    r = tree.evict_device(100)
+    r = tree.tiers.evict_device(100)
     assert r.freed_page_ids == [3] and r.unbacked == []
     assert tree.num_device_pages == 3 and num_nodes(tree) == 2
-    tree.unlock(n3)
-    assert tree.evict_device(100).freed_page_ids == []  # still pinned once
+    tree.tiers.unlock(n3)
+    assert tree.tiers.evict_device(100).freed_page_ids == []  # still pinned once
     assert tree.tiers.num_locked_device_pages == 3
-    tree.unlock(n3)
+    tree.tiers.unlock(n3)
     assert tree.tiers.num_locked_device_pages == 0
     with pytest.raises(RuntimeError, match="unlock of an unlocked node"):
-        tree.unlock(n3)
-    assert tree.evict_device(100).freed_page_ids == [2, 0, 1]  # the leaf, then its parent
+        tree.tiers.unlock(n3)
+    assert tree.tiers.evict_device(100).freed_page_ids == [2, 0, 1]  # the leaf, then its parent
     assert num_nodes(tree) == 0 and tree.num_device_pages == 0
     tree.check_integrity()
 
@@ -252,10 +252,10 @@ def test_evict_device_lru_order(page_size: int) -> None:
     tree.insert(c, dev(4, 5))  # clock 3
     tree.match_prefix(a)  # clock 4
     tree.match_prefix(c)  # clock 5: order is now b, a, c
-    r = tree.evict_device(1)  # a whole leaf goes even though one page was asked for
+    r = tree.tiers.evict_device(1)  # a whole leaf goes even though one page was asked for
     assert r.freed_page_ids == [2, 3]
     assert tree.match_prefix(b).device_len == 0  # clock 6: a miss touches nothing
-    assert tree.evict_device(3).freed_page_ids == [0, 1, 4, 5]
+    assert tree.tiers.evict_device(3).freed_page_ids == [0, 1, 4, 5]
     assert tree.num_device_pages == 0 and num_nodes(tree) == 0
 
 
@@ -264,8 +264,8 @@ def test_insert_over_an_existing_path_counts_as_a_use() -> None:
     tree.insert([1, 2], dev(0, 1))  # clock 1
     tree.insert([3], dev(2))  # clock 2
     assert tree.insert([1, 2], dev(8, 9)).dup_len == 2  # clock 3: [1, 2] is now the newest
-    assert tree.evict_device(1).freed_page_ids == [2]
-    assert tree.evict_device(1).freed_page_ids == [0, 1]
+    assert tree.tiers.evict_device(1).freed_page_ids == [2]
+    assert tree.tiers.evict_device(1).freed_page_ids == [0, 1]
 
 
 def test_evict_device_ties_break_by_node_id() -> None:
@@ -276,19 +276,19 @@ def test_evict_device_ties_break_by_node_id() -> None:
     for n in (nc, nb, na):
         n.last_access = 7  # a tie on the logical clock
     assert (na.id, nb.id, nc.id) == (1, 2, 3)
-    assert tree.evict_device(1).freed_page_ids == [0]
-    assert tree.evict_device(2).freed_page_ids == [1, 2]
+    assert tree.tiers.evict_device(1).freed_page_ids == [0]
+    assert tree.tiers.evict_device(2).freed_page_ids == [1, 2]
 
 
 def test_evict_device_keeps_unbacked_leaves_for_write_back() -> None:
     tree = RadixTree(1)
     tree.insert([1, 2], dev(0, 1))
     n = tree.insert([1, 2, 3], dev(0, 1, 2)).last_node
-    r = tree.evict_device(10, delete_unbacked=False)
+    r = tree.tiers.evict_device(10, delete_unbacked=False)
     assert r.freed_page_ids == [] and r.unbacked == [n]  # the parent never became a leaf
     assert tree.num_device_pages == 3
     backup(tree, n, host(7, 8, 9))
-    r = tree.evict_device(10, delete_unbacked=False)
+    r = tree.tiers.evict_device(10, delete_unbacked=False)
     assert r.freed_page_ids == [2, 0, 1] and r.unbacked == []
     assert n.tier is Tier.HOST and tree.num_device_pages == 0 and tree.num_host_pages == 3
     tree.check_integrity()
@@ -304,7 +304,7 @@ def test_evicted_backed_up_leaf_stays_on_host() -> None:
     backup(tree, n, host(5, 6))
     assert n.tier is Tier.BOTH and n.host_page_ids == host(5, 6) and tree.num_host_pages == 2
 
-    assert tree.evict_device(1).freed_page_ids == [0, 1]
+    assert tree.tiers.evict_device(1).freed_page_ids == [0, 1]
     assert n.tier is Tier.HOST and tree.num_device_pages == 0 and num_nodes(tree) == 1
     m = tree.match_prefix([*ids, 9, 9])
     assert (m.device_len, m.host_len) == (0, 4)
@@ -326,7 +326,7 @@ def test_insert_revives_part_of_a_host_only_node() -> None:
     tree = RadixTree(1)
     n = tree.insert([1, 2, 3], dev(0, 1, 2)).last_node
     backup(tree, n, host(3, 4, 5))
-    tree.evict_device(3)
+    tree.tiers.evict_device(3)
     m = tree.match_prefix([1, 2, 3])
     r = tree.insert([1], dev(20))
     assert r.dup_len == 0 and list(r.last_node.key) == [1] and r.last_node.tier is Tier.BOTH
@@ -346,27 +346,27 @@ def test_insert_revives_part_of_a_host_only_node() -> None:
 def test_backup_commit_lands_on_both_halves_of_a_split() -> None:
     tree = RadixTree(1)
     n = tree.insert([1, 2, 3, 4], dev(0, 1, 2, 3)).last_node
-    assert tree.host_covered_len(n) == 0
-    assert tree.mark_backup_pending(n, 0) == 4
-    tree.lock(n)
+    assert n.host_covered_len() == 0
+    assert tree.tiers.mark_backup_pending(n, 0) == 4
+    tree.tiers.lock(n)
     upper = tree.match_prefix([1, 2]).last_node  # split while the copy is in flight
     assert upper.backup_pending and upper.lock_ref == 1 and n.backup_pending
     # A longer path queued behind the first: its backup starts where the pending one ends.
     m = tree.insert([1, 2, 3, 4, 5, 6], dev(0, 1, 2, 3, 4, 5)).last_node
-    assert tree.host_covered_len(m) == 4 and tree.mark_backup_pending(m, 4) == 2
-    tree.lock(m)
+    assert m.host_covered_len() == 4 and tree.tiers.mark_backup_pending(m, 4) == 2
+    tree.tiers.lock(m)
     tree.check_integrity()
 
-    tree.commit_backup(n, 0, host(7, 8, 9, 10))  # ACKs consumed in order
-    tree.unlock(n)
+    tree.tiers.commit_backup(n, 0, host(7, 8, 9, 10))  # ACKs consumed in order
+    tree.tiers.unlock(n)
     assert upper.host_page_ids == host(7, 8) and n.host_page_ids == host(9, 10)
     assert not upper.backup_pending and not n.backup_pending and m.backup_pending
     tree.check_integrity()
-    tree.commit_backup(m, 4, host(11, 12))
-    tree.unlock(m)
+    tree.tiers.commit_backup(m, 4, host(11, 12))
+    tree.tiers.unlock(m)
     assert m.host_page_ids == host(11, 12) and tree.num_host_pages == 6
     assert tree.tiers.num_locked_device_pages == 0 and upper.lock_ref == 0
-    assert tree.host_covered_len(m) == 6
+    assert m.host_covered_len() == 6
     tree.check_integrity()
 
 
@@ -374,17 +374,17 @@ def test_commit_load_after_split_and_revival() -> None:
     tree = RadixTree(1)
     n = tree.insert([1, 2, 3, 4], dev(0, 1, 2, 3)).last_node
     backup(tree, n, host(0, 1, 2, 3))
-    tree.evict_device(4)
+    tree.tiers.evict_device(4)
     m = tree.match_prefix([1, 2, 3, 4])
     assert (m.device_len, m.host_len, m.host_page_ids) == (0, 4, host(0, 1, 2, 3))
-    tree.ref_host(m.last_node)  # load issued into device pages 20..23
+    tree.tiers.ref_host(m.last_node)  # load issued into device pages 20..23
     upper = tree.match_prefix([1, 2]).last_node  # split while the load is in flight
     assert upper.host_ref == 1 and n.host_ref == 1
     r = tree.insert([1, 2], dev(30, 31))  # and the upper half is recomputed meanwhile
     assert r.last_node is upper and r.dup_len == 0 and upper.device_page_ids == dev(30, 31)
 
-    unused = tree.commit_load(m.last_node, 0, dev(20, 21, 22, 23))
-    tree.unref_host(m.last_node)
+    unused = tree.tiers.commit_load(m.last_node, 0, dev(20, 21, 22, 23))
+    tree.tiers.unref_host(m.last_node)
     assert unused == list(dev(20, 21))
     assert upper.device_page_ids == dev(30, 31) and n.device_page_ids == dev(22, 23)
     assert n.tier is Tier.BOTH and tree.num_device_pages == 4 and n.host_ref == 0
@@ -398,7 +398,7 @@ def test_commit_load_of_the_host_tail_of_a_match() -> None:
     n = tree.insert([1, 1, 2, 2, 3, 3], dev(0, 1, 2)).last_node
     backup(tree, n, host(4, 5, 6))
     tree.match_prefix([1, 1])  # split at 2, then evict the older lower part
-    assert tree.evict_device(1).freed_page_ids == [1, 2]
+    assert tree.tiers.evict_device(1).freed_page_ids == [1, 2]
     m = tree.match_prefix([1, 1, 2, 2, 3, 3])
     assert (m.device_len, m.host_len, m.device_page_ids, m.host_page_ids) == (
         2,
@@ -406,12 +406,12 @@ def test_commit_load_of_the_host_tail_of_a_match() -> None:
         dev(0),
         host(5, 6),
     )
-    tree.lock(m.last_device_node)  # the caller pins the device part during the load
-    tree.ref_host(m.last_node)
-    assert tree.evict_device(10).freed_page_ids == []
-    assert tree.commit_load(m.last_node, m.device_len, dev(7, 8)) == []
-    tree.unref_host(m.last_node)
-    tree.unlock(m.last_device_node)
+    tree.tiers.lock(m.last_device_node)  # the caller pins the device part during the load
+    tree.tiers.ref_host(m.last_node)
+    assert tree.tiers.evict_device(10).freed_page_ids == []
+    assert tree.tiers.commit_load(m.last_node, m.device_len, dev(7, 8)) == []
+    tree.tiers.unref_host(m.last_node)
+    tree.tiers.unlock(m.last_device_node)
     assert n.device_page_ids == dev(7, 8) and tree.num_device_pages == 3
     assert tree.match_prefix([1, 1, 2, 2, 3, 3]).device_page_ids == dev(0, 7, 8)
     tree.check_integrity()
@@ -431,13 +431,13 @@ def _host_tree() -> tuple[RadixTree, TreeNode, TreeNode, TreeNode]:
 def test_evict_host_lru_order_keeps_device_copies() -> None:
     tree, a, b, c = _host_tree()
     tree.match_prefix([5])  # c is the most recent
-    assert array("q", tree.evict_host(1)) == host(
+    assert array("q", tree.tiers.evict_host(1)) == host(
         2
     )  # b: the older leaf; a is not a leaf while b is on host
     assert b.tier is Tier.DEVICE and tree.num_host_pages == 3
-    assert array("q", tree.evict_host(1)) == host(0, 1)
-    assert array("q", tree.evict_host(1)) == host(3)
-    assert tree.evict_host(1) == []
+    assert array("q", tree.tiers.evict_host(1)) == host(0, 1)
+    assert array("q", tree.tiers.evict_host(1)) == host(3)
+    assert tree.tiers.evict_host(1) == []
     assert all(n.tier is Tier.DEVICE for n in (a, b, c)) and num_nodes(tree) == 3
     assert tree.num_device_pages == 4 and tree.num_host_pages == 0
     tree.check_integrity()
@@ -446,9 +446,11 @@ def test_evict_host_lru_order_keeps_device_copies() -> None:
 def test_evict_host_is_prefix_closed() -> None:
     tree, a, b, c = _host_tree()
     a.last_access, b.last_access, c.last_access = 1, 100, 50  # the parent a is the oldest
-    tree.evict_device(10)  # all three drop to HOST
+    tree.tiers.evict_device(10)  # all three drop to HOST
     assert tree.num_device_pages == 0 and num_nodes(tree) == 3
-    assert array("q", tree.evict_host(10)) == host(3, 2, 0, 1)  # a only after its child b has gone
+    assert array("q", tree.tiers.evict_host(10)) == host(
+        3, 2, 0, 1
+    )  # a only after its child b has gone
     assert num_nodes(tree) == 0 and tree.num_host_pages == 0
     tree.check_integrity()
 
@@ -458,12 +460,12 @@ def test_evict_host_skips_a_parent_with_a_backup_in_flight_below() -> None:
     a = tree.insert([1], dev(0)).last_node
     backup(tree, a, host(0))
     b = tree.insert([1, 2], dev(0, 1)).last_node
-    tree.mark_backup_pending(b, tree.host_covered_len(b))
-    tree.lock(b)
-    assert tree.evict_host(10) == []
-    tree.commit_backup(b, 1, host(1))
-    tree.unlock(b)
-    assert array("q", tree.evict_host(10)) == host(1, 0)
+    tree.tiers.mark_backup_pending(b, b.host_covered_len())
+    tree.tiers.lock(b)
+    assert tree.tiers.evict_host(10) == []
+    tree.tiers.commit_backup(b, 1, host(1))
+    tree.tiers.unlock(b)
+    assert array("q", tree.tiers.evict_host(10)) == host(1, 0)
 
 
 def test_a_backup_must_pin_the_covered_prefix_while_it_makes_room() -> None:
@@ -474,39 +476,41 @@ def test_a_backup_must_pin_the_covered_prefix_while_it_makes_room() -> None:
     a = tree.insert([1], dev(0)).last_node
     backup(tree, a, host(0))
     b = tree.insert([1, 2], dev(0, 1)).last_node
-    assert tree.host_covered_len(b) == 1
-    tree.ref_host(b)
-    assert tree.evict_host(1) == []  # pinned: no room is made from the path itself
-    tree.unref_host(b)
-    assert array("q", tree.evict_host(1)) == host(0)  # unpinned, a's copy is the LRU host leaf
-    tree.mark_backup_pending(b, 1)  # what an unpinned caller would go on to do
-    tree.lock(b)
+    assert b.host_covered_len() == 1
+    tree.tiers.ref_host(b)
+    assert tree.tiers.evict_host(1) == []  # pinned: no room is made from the path itself
+    tree.tiers.unref_host(b)
+    assert array("q", tree.tiers.evict_host(1)) == host(
+        0
+    )  # unpinned, a's copy is the LRU host leaf
+    tree.tiers.mark_backup_pending(b, 1)  # what an unpinned caller would go on to do
+    tree.tiers.lock(b)
     with pytest.raises(AssertionError, match="backup gap"):
         tree.check_integrity()
 
 
 def test_ref_host_pins_against_evict_host() -> None:
     tree, a, b, _ = _host_tree()
-    tree.evict_device(10)
-    tree.ref_host(b)
+    tree.tiers.evict_device(10)
+    tree.tiers.ref_host(b)
     assert a.host_ref == 1 and b.host_ref == 1
-    assert array("q", tree.evict_host(10)) == host(3)  # only c is unpinned
+    assert array("q", tree.tiers.evict_host(10)) == host(3)  # only c is unpinned
     assert num_nodes(tree) == 2
-    tree.unref_host(b)
+    tree.tiers.unref_host(b)
     with pytest.raises(RuntimeError, match="unref_host of an unpinned node"):
-        tree.unref_host(b)
-    assert array("q", tree.evict_host(10)) == host(2, 0, 1)
+        tree.tiers.unref_host(b)
+    assert array("q", tree.tiers.evict_host(10)) == host(2, 0, 1)
     assert num_nodes(tree) == 0
     tree.check_integrity()
 
 
 def test_reset_returns_every_page() -> None:
     tree, _, _, c = _host_tree()
-    assert tree.evict_device(1).freed_page_ids == [2]  # b drops to HOST
-    tree.lock(c)
+    assert tree.tiers.evict_device(1).freed_page_ids == [2]  # b drops to HOST
+    tree.tiers.lock(c)
     with pytest.raises(RuntimeError, match="reset with a pinned node"):
         tree.reset()
-    tree.unlock(c)
+    tree.tiers.unlock(c)
     dropped = tree.reset()
     assert sorted(dropped.device_page_ids) == [0, 1, 3]
     assert sorted(dropped.host_page_ids) == [0, 1, 2, 3]
@@ -604,12 +608,12 @@ def test_eviction_examines_a_few_candidates_not_every_node(
         tree.insert([i % 10, 0, i, 1], dev(2 * i, 2 * i + 1))
     tree.match_prefix([3, 0, 3, 1])  # the oldest leaf becomes the newest
     calls.clear()
-    freed = [tree.evict_device(1).freed_page_ids for _ in range(3)]
+    freed = [tree.tiers.evict_device(1).freed_page_ids for _ in range(3)]
     assert freed == [[1], [3], [5]]  # leaves 0, 1, 2 (leaf 3 was touched)
     assert calls["device"] <= 3 * 8, calls
     for _ in range(6):
-        tree.evict_device(1)
-    assert tree.evict_device(1).freed_page_ids == [21]  # leaf 10: leaf 3 was skipped
+        tree.tiers.evict_device(1)
+    assert tree.tiers.evict_device(1).freed_page_ids == [21]  # leaf 10: leaf 3 was skipped
     tree.check_integrity()
 
 
@@ -620,13 +624,13 @@ def test_eviction_order_follows_later_accesses_and_unlocks() -> None:
     a = tree.insert([1, 2], dev(0, 1)).last_node
     b = tree.insert([3], dev(2)).last_node
     c = tree.insert([4], dev(3)).last_node
-    tree.lock(b)
+    tree.tiers.lock(b)
     tree.match_prefix([1, 2])  # a is now the newest
-    tree.unlock(b)  # b keeps its old last_access: the oldest again
+    tree.tiers.unlock(b)  # b keeps its old last_access: the oldest again
     tree.check_integrity()
-    assert tree.evict_device(1).freed_page_ids == [2]  # b
-    assert tree.evict_device(1).freed_page_ids == [3]  # c
-    assert tree.evict_device(1).freed_page_ids == [0, 1]  # a: one node, both pages
+    assert tree.tiers.evict_device(1).freed_page_ids == [2]  # b
+    assert tree.tiers.evict_device(1).freed_page_ids == [3]  # c
+    assert tree.tiers.evict_device(1).freed_page_ids == [0, 1]  # a: one node, both pages
     assert a.device_page_ids is None and c.device_page_ids is None and num_nodes(tree) == 0
     tree.check_integrity()
 
@@ -807,8 +811,8 @@ class RadixMachine(RuleBasedStateMachine):
         expected = self.model.match(ids)
         got = (m.device_len, m.host_len, list(m.device_page_ids), list(m.host_page_ids))
         assert got == expected
-        assert self.tree.path_len(m.last_node) == m.total_len
-        assert self.tree.path_len(m.last_device_node) == m.device_len
+        assert m.last_node.path_len() == m.total_len
+        assert m.last_device_node.path_len() == m.device_len
         return m
 
     def pin_counts(self) -> tuple[Counter[Prefix], Counter[Prefix]]:
@@ -831,7 +835,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     def node_prefixes(self, node: TreeNode) -> list[Prefix]:
         """The model keys of `node`'s pages."""
-        path = [t for _, n in self.tree.path(node) for t in n.key]
+        path = [t for _, n in node.path() for t in n.key]
         return self.model.prefixes(path)[-len(node.key) // self.ps :]
 
     def alloc_device(self, n: int) -> list[PageId] | None:
@@ -849,7 +853,7 @@ class RadixMachine(RuleBasedStateMachine):
     def evict_device_checked(self, num_pages: int, delete_unbacked: bool) -> EvictResult:
         locks, _ = self.pin_counts()
         by_id = {pg.device: p for p, pg in self.model.pages.items() if pg.device is not None}
-        r = self.tree.evict_device(num_pages, delete_unbacked)
+        r = self.tree.tiers.evict_device(num_pages, delete_unbacked)
         assert delete_unbacked or all(n.host_page_ids is None for n in r.unbacked)
         assert not delete_unbacked or r.unbacked == []
         freed = [by_id[p] for p in r.freed_page_ids]
@@ -879,7 +883,7 @@ class RadixMachine(RuleBasedStateMachine):
     def evict_host_checked(self, num_pages: int) -> None:
         _, refs = self.pin_counts()
         by_id = {pg.host: p for p, pg in self.model.pages.items() if pg.host is not None}
-        freed_ids = self.tree.evict_host(num_pages)
+        freed_ids = self.tree.tiers.evict_host(num_pages)
         freed = [by_id[h] for h in freed_ids]
         popped = max((self.model.pages[p].last_access for p in freed), default=0)
         for p in freed:
@@ -924,20 +928,20 @@ class RadixMachine(RuleBasedStateMachine):
         hit_len = 0 if m is None else m.device_len
         hit_pages: list[PageId] = [] if m is None else list(m.device_page_ids)
         if m is not None:
-            self.tree.lock(m.last_device_node)
+            self.tree.tiers.lock(m.last_device_node)
             self.held_locks = [tuple(ids[:hit_len])]
         new = self.alloc_device((end - hit_len) // self.ps)
         if new is not None:
             r = self.tree.insert(ids, hit_pages + new)
             assert r.dup_len == self.model.insert(ids, hit_pages + new)
             assert m is None or r.dup_len == hit_len
-            assert self.tree.path_len(r.last_node) == end
+            assert r.last_node.path_len() == end
             self.device.free(list(new[: (r.dup_len - hit_len) // self.ps]))
             self.known.append(ids)
             if write_through:
                 self.backup(r.last_node, tuple(ids[:end]))
         if m is not None:
-            self.tree.unlock(m.last_device_node)
+            self.tree.tiers.unlock(m.last_device_node)
             self.held_locks = []
 
     @precondition(lambda self: self.ops or self.pins)
@@ -953,14 +957,14 @@ class RadixMachine(RuleBasedStateMachine):
     def lock(self, ids: list[int], base: int, keep: int) -> None:
         ids = self.seq(ids, base, keep)
         m = self.match(ids)
-        self.tree.lock(m.last_device_node)
+        self.tree.tiers.lock(m.last_device_node)
         self.pins.append(Pin(m.last_device_node, tuple(ids[: m.device_len])))
 
     @precondition(lambda self: self.pins)
     @rule(i=st.integers(0, 3))
     def unlock(self, i: int) -> None:
         pin = self.pins.pop(i % len(self.pins))
-        self.tree.unlock(pin.node)
+        self.tree.tiers.unlock(pin.node)
 
     @rule(num_pages=st.integers(1, 6), policy=st.sampled_from(["delete", "keep", "write_back"]))
     def evict_device(self, num_pages: int, policy: str) -> None:
@@ -977,7 +981,7 @@ class RadixMachine(RuleBasedStateMachine):
                 break
             num_ops = len(self.ops)
             for node in r.unbacked:
-                prefix = [t for _, n in self.tree.path(node) for t in n.key]
+                prefix = [t for _, n in node.path() for t in n.key]
                 self.backup(node, tuple(prefix))
             if len(self.ops) == num_ops:
                 break
@@ -993,13 +997,13 @@ class RadixMachine(RuleBasedStateMachine):
         on_device = [n for n in self.tree.iter_nodes() if n.on_device]
         if not on_device:
             return
-        ids = [t for _, n in self.tree.path(on_device[i % len(on_device)]) for t in n.key]
+        ids = [t for _, n in on_device[i % len(on_device)].path() for t in n.key]
         m = self.match(ids[: max(len(ids) - cut * self.ps, 0)])
         self.backup(m.last_device_node, tuple(ids[: m.device_len]))
 
     def backup(self, node: TreeNode, prefix: Prefix) -> None:
         """Back up the path to `node` from where its host coverage ends (HiCache._backup)."""
-        start = self.tree.host_covered_len(node)
+        start = node.host_covered_len()
         prefixes = self.model.prefixes(prefix)
         covered = list(
             itertools.takewhile(
@@ -1010,15 +1014,15 @@ class RadixMachine(RuleBasedStateMachine):
         assert start == len(covered) * self.ps
         if start == len(prefix):
             return
-        self.tree.ref_host(node)  # keep [0, start) on the host while evicting for room
+        self.tree.tiers.ref_host(node)  # keep [0, start) on the host while evicting for room
         self.held_refs = [prefix]
         host_ids = self.alloc_host((len(prefix) - start) // self.ps)
-        self.tree.unref_host(node)
+        self.tree.tiers.unref_host(node)
         self.held_refs = []
         if host_ids is None:
             return
-        assert self.tree.mark_backup_pending(node, start) == len(host_ids)
-        self.tree.lock(node)
+        assert self.tree.tiers.mark_backup_pending(node, start) == len(host_ids)
+        self.tree.tiers.lock(node)
         for p in prefixes[start // self.ps :]:
             self.model.pages[p].pending = True
         self.ops.append(BackupOp(node, prefix, start, host_ids))
@@ -1034,20 +1038,20 @@ class RadixMachine(RuleBasedStateMachine):
             return
         node = host_only[i % len(host_only)]
         event("load: host-only node found")
-        ids = [t for _, n in self.tree.path(node) for t in n.key]
+        ids = [t for _, n in node.path() for t in n.key]
         m = self.match(ids[: max(len(ids) - cut * self.ps, 0)])
         if m.host_len == 0:
             return
-        self.tree.lock(m.last_device_node)
-        self.tree.ref_host(m.last_node)
+        self.tree.tiers.lock(m.last_device_node)
+        self.tree.tiers.ref_host(m.last_node)
         prefix, device_prefix = tuple(ids[: m.total_len]), tuple(ids[: m.device_len])
         self.held_locks, self.held_refs = [device_prefix], [prefix]
         pages = self.alloc_device(m.host_len // self.ps)
         self.held_locks, self.held_refs = [], []
         if pages is None:
             event("load: no device pages")
-            self.tree.unref_host(m.last_node)
-            self.tree.unlock(m.last_device_node)
+            self.tree.tiers.unref_host(m.last_node)
+            self.tree.tiers.unlock(m.last_device_node)
             return
         self.ops.append(LoadOp(m.last_node, prefix, m.last_device_node, device_prefix, pages))
         event("load issued")
@@ -1067,8 +1071,8 @@ class RadixMachine(RuleBasedStateMachine):
                 self.commit_load(op)
 
     def commit_backup(self, op: BackupOp) -> None:
-        self.tree.commit_backup(op.node, op.start_len, op.host_ids)
-        self.tree.unlock(op.node)
+        self.tree.tiers.commit_backup(op.node, op.start_len, op.host_ids)
+        self.tree.tiers.unlock(op.node)
         for p, h in zip(
             self.model.prefixes(op.prefix)[op.start_len // self.ps :], op.host_ids, strict=True
         ):
@@ -1078,7 +1082,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     def commit_load(self, op: LoadOp) -> None:
         start = len(op.device_prefix)
-        unused = self.tree.commit_load(op.node, start, op.page_ids)
+        unused = self.tree.tiers.commit_load(op.node, start, op.page_ids)
         expected: list[int] = []
         for p, d in zip(
             self.model.prefixes(op.prefix)[start // self.ps :], op.page_ids, strict=True
@@ -1091,8 +1095,8 @@ class RadixMachine(RuleBasedStateMachine):
         assert unused == expected
         event("load committed" + (" with unused pages" if unused else ""))
         self.device.free(list(unused))
-        self.tree.unref_host(op.node)
-        self.tree.unlock(op.device_node)
+        self.tree.tiers.unref_host(op.node)
+        self.tree.tiers.unlock(op.device_node)
 
     @precondition(lambda self: not self.pins and not self.ops)
     @rule(go=st.integers(0, 9))
@@ -1161,11 +1165,11 @@ class RadixMachine(RuleBasedStateMachine):
         locked += [(op.device_node, op.device_prefix) for op in self.ops if isinstance(op, LoadOp)]
         for node, prefix in locked:
             expected = [self.model.pages[p].device for p in self.model.prefixes(prefix)]
-            assert list(self.tree.path_device_page_ids(node)) == expected
+            assert list(node.path_device_page_ids()) == expected
             assert None not in expected
         for op in self.ops:
             if isinstance(op, LoadOp):
-                assert self.tree.path_len(op.node) == len(op.prefix)
+                assert op.node.path_len() == len(op.prefix)
                 assert all(
                     self.model.pages[p].host is not None for p in self.model.prefixes(op.prefix)
                 )

@@ -10,7 +10,7 @@ import pytest
 
 from bus_schemas.token_ids import as_token_ids
 from gpu_worker.cache.radix import HostInsertResult, HostPrefix, PageIds, RadixTree, TreeNode
-from gpu_worker.cache.tree_node import next_owner_rotation, path_len
+from gpu_worker.cache.tree_node import next_owner_rotation
 from gpu_worker.cache.tree_walk import walk
 from gpu_worker.memory.allocator import HostPageId
 
@@ -46,7 +46,7 @@ def test_walk_without_split_shows_where_the_query_leaves_a_node() -> None:
     assert steps(tree, [1, 2, 3], split=False) == [([1, 2, 3, 4, 5, 6], 0, 2)]  # ends inside
     assert list(node.key) == [1, 2, 3, 4, 5, 6]  # nothing was cut
     assert steps(tree, [1, 2, 3, 4, 9, 9], split=True) == [([1, 2, 3, 4], 0, 4)]
-    assert list(node.key) == [5, 6] and path_len(node) == 6  # the lower part kept the object
+    assert list(node.key) == [5, 6] and node.path_len() == 6  # the lower part kept the object
     tree.check_integrity()
 
 
@@ -54,11 +54,11 @@ def test_host_prefix_and_cached_len_read_without_changing_the_tree() -> None:
     tree = RadixTree(2)
     a = tree.insert([1, 2, 3, 4], dev(0, 1)).last_node
     tree.insert([1, 2, 3, 4, 5, 6, 7, 8], dev(0, 1, 2, 3))
-    start = tree.host_covered_len(a)
-    tree.mark_backup_pending(a, start)
-    tree.lock(a)
-    tree.commit_backup(a, start, [HostPageId(7), HostPageId(8)])
-    tree.unlock(a)
+    start = a.host_covered_len()
+    tree.tiers.mark_backup_pending(a, start)
+    tree.tiers.lock(a)
+    tree.tiers.commit_backup(a, start, [HostPageId(7), HostPageId(8)])
+    tree.tiers.unlock(a)
     clock, nodes = tree._clock, sorted(n.id for n in tree.iter_nodes())
     assert tree.host_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9]) == HostPrefix(a, 4)
     assert tree.host_prefix([1, 2, 3]) == HostPrefix(tree.root, 0)  # ends inside a
@@ -72,10 +72,10 @@ def test_host_prefix_and_cached_len_read_without_changing_the_tree() -> None:
 def test_insert_host_takes_pages_past_the_host_prefix_and_returns_the_rest() -> None:
     tree = RadixTree(2)
     a = tree.insert([1, 2], dev(0)).last_node
-    tree.mark_backup_pending(a, 0)
-    tree.lock(a)
-    tree.commit_backup(a, 0, [HostPageId(5)])
-    tree.unlock(a)
+    tree.tiers.mark_backup_pending(a, 0)
+    tree.tiers.lock(a)
+    tree.tiers.commit_backup(a, 0, [HostPageId(5)])
+    tree.tiers.unlock(a)
     b = tree.insert([1, 2, 3, 4], dev(0, 1)).last_node  # on the device only
     result = tree.insert_host([1, 2, 3, 4, 5, 6, 7], [HostPageId(6), HostPageId(7)], 2)
     assert isinstance(result, HostInsertResult)

@@ -299,10 +299,10 @@ class PrefixCache:
         return result
 
     def lock(self, node: TreeNode) -> None:
-        self.tree.lock(node)
+        self.tree.tiers.lock(node)
 
     def unlock(self, node: TreeNode) -> None:
-        self.tree.unlock(node)
+        self.tree.tiers.unlock(node)
 
     # ----------------------------------------------------------------- device pages
 
@@ -324,7 +324,7 @@ class PrefixCache:
         write_back = host is not None and self.config.hicache_write_policy == "write_back"
         freed = 0
         while freed < num_pages:
-            result = self.tree.evict_device(num_pages - freed, delete_unbacked=not write_back)
+            result = self.tree.tiers.evict_device(num_pages - freed, delete_unbacked=not write_back)
             self.free([PageId(p) for p in result.freed_page_ids])
             freed += len(result.freed_page_ids)
             self.stats.evicted_device_pages += len(result.freed_page_ids)
@@ -362,7 +362,7 @@ class PrefixCache:
         self.free(list(page_ids[cached_len // ps : result.dup_len // ps]))
         if self.host is not None and self.config.hicache_write_policy == "write_through":
             self.host.backup(result.last_node)
-        return CachedPrefix(self.tree.path_device_page_ids(result.last_node), result.last_node)
+        return CachedPrefix(result.last_node.path_device_page_ids(), result.last_node)
 
     @rank_consensus(
         same_params=["match.host_len", "list(match.host_page_ids)"],
@@ -381,10 +381,10 @@ class PrefixCache:
         ):
             self.stats.loads_skipped += 1
             return None
-        self.tree.ref_host(match.last_node)
+        self.tree.tiers.ref_host(match.last_node)
         pages = self.alloc(len(match.host_page_ids))
         if pages is None:
-            self.tree.unref_host(match.last_node)
+            self.tree.tiers.unref_host(match.last_node)
             return None
         return self.host.load(match, pages)
 

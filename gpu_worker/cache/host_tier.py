@@ -110,7 +110,7 @@ class HostTier:
         allocator = self.pool.allocator
         short = num_pages - allocator.num_free
         if short > 0:
-            evicted = self.tree.evict_host(short)
+            evicted = self.tree.tiers.evict_host(short)
             allocator.free(list(evicted))
             self.stats.evicted_host_pages += len(evicted)
         return allocator
@@ -120,20 +120,20 @@ class HostTier:
     @rank_consensus(same_params=["node.id"], same_results=["result"])
     def backup(self, node: TreeNode) -> bool:
         """Start backing up the path to `node` from where its host coverage ends."""
-        start = self.tree.host_covered_len(node)
-        nodes = self.tree.path_range(node, start)
+        start = node.host_covered_len()
+        nodes = node.path_range(start)
         if not nodes:
             return False
         device_ids = [p for _, n in nodes for p in (n.device_page_ids or [])]
         # Pin the covered prefix while making room: evicting it would leave a gap above the
         # pages about to be backed up (the host set must stay prefix-closed).
-        self.tree.ref_host(node)
+        self.tree.tiers.ref_host(node)
         host_ids = self._alloc_host(len(device_ids))
-        self.tree.unref_host(node)
+        self.tree.tiers.unref_host(node)
         if host_ids is None:
             return False
-        self.tree.mark_backup_pending(node, start)
-        self.tree.lock(node)  # the device copy must outlive the copy
+        self.tree.tiers.mark_backup_pending(node, start)
+        self.tree.tiers.lock(node)  # the device copy must outlive the copy
         op = _BackupOp(node, start, host_ids)
         views = [pair.backup() for pair in self.pools.tier_views()]
         self.transfers.submit(TransferKind.BACKUP, views, list(device_ids), list(host_ids), op)
@@ -181,24 +181,24 @@ class HostTier:
             op = ack.op
             assert isinstance(op, _BackupOp)
             if error is None:
-                self.tree.commit_backup(op.last_node, op.start_len, op.host_page_ids)
+                self.tree.tiers.commit_backup(op.last_node, op.start_len, op.host_page_ids)
                 if self.after_backup is not None:
                     self.after_backup(op.last_node)
             else:
-                self.tree.abort_backup(op.last_node, op.start_len)
+                self.tree.tiers.abort_backup(op.last_node, op.start_len)
                 self.pool.allocator.free(list(op.host_page_ids))
-            self.tree.unlock(op.last_node)
+            self.tree.tiers.unlock(op.last_node)
             return
         ticket = ack.op
         assert isinstance(ticket, LoadTicket)
         self.pools.device.mark_pending(ticket.page_ids, False)
         if error is None:
-            freed = self.tree.commit_load(ticket.last_node, ticket.start_len, ticket.page_ids)
+            freed = self.tree.tiers.commit_load(ticket.last_node, ticket.start_len, ticket.page_ids)
             self.pools.device.allocator.free(list(freed))
             seconds = ack.completion.seconds()
             if seconds is not None:
                 self.cost.observe_load(ack.num_pages * self.pools.bytes_per_page, seconds)
         else:
             ticket.failed = True  # the requester keeps the pages and computes instead
-        self.tree.unref_host(ticket.last_node)
+        self.tree.tiers.unref_host(ticket.last_node)
         ticket.done = True

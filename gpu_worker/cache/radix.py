@@ -18,8 +18,8 @@ The parts, one job each: `RadixTree` (here) owns the shape: keys, child links, s
 per salt, and the verbs that follow a query key, all through one walk (`tree_walk.walk`);
 `tree_node.py` the node and the queries along a node's path; `tree_tiers.TreeTiers` the
 pages per tier, pins, tier moves and eviction (policy in `eviction.py`, KV-event records in
-`kv_events.py`); `tree_check.py` the integrity check. The tree offers the tier verbs under
-its own name too (`tree.lock` is `tree.tiers.lock`), so callers hold one object.
+`kv_events.py`), reached as `tree.tiers` (`tree.tiers.lock(node)`); `tree_check.py` the
+integrity check.
 """
 
 from __future__ import annotations
@@ -37,14 +37,9 @@ from gpu_worker.cache.tree_node import (
     PageIds,
     Tier,
     TreeNode,
-    host_covered_len,
     join_page_ids,
     next_owner_rotation,
     page_ids_of,
-    path,
-    path_device_page_ids,
-    path_len,
-    path_range,
 )
 from gpu_worker.cache.tree_tiers import EvictResult, TreeTiers
 from gpu_worker.cache.tree_walk import child_key, walk
@@ -131,13 +126,6 @@ class DroppedPages:
 class RadixTree:
     """Page-aligned radix tree. See the module docstring for the invariants."""
 
-    # queries along a node's path, under the names callers know (functions of `tree_node`)
-    path = staticmethod(path)
-    path_len = staticmethod(path_len)
-    path_range = staticmethod(path_range)
-    path_device_page_ids = staticmethod(path_device_page_ids)
-    host_covered_len = staticmethod(host_covered_len)
-
     def __init__(
         self, page_size: int, namespace: str | None = None, record_events: bool = True
     ) -> None:
@@ -155,17 +143,6 @@ class RadixTree:
         self._clock = 0
         self.roots: dict[str, TreeNode] = {}  # one root per cache_salt: salts never share KV
         self.root = self._root_for("")
-        # the tier verbs under the tree's name (see the module docstring)
-        t = self.tiers
-        self.lock, self.unlock, self.ref_host, self.unref_host = (
-            t.lock,
-            t.unlock,
-            t.ref_host,
-            t.unref_host,
-        )
-        self.evict_device, self.evict_host = t.evict_device, t.evict_host
-        self.mark_backup_pending, self.abort_backup = t.mark_backup_pending, t.abort_backup
-        self.commit_backup, self.commit_load = t.commit_backup, t.commit_load
 
     # ----------------------------------------------------------------- shape
 

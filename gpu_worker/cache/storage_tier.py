@@ -180,7 +180,7 @@ class StorageTier:
             self.io.codec.keys(hashes),
             len(hashes),
         )
-        tree.ref_host(node)
+        tree.tiers.ref_host(node)
         self.io.query(p.keys, p)
         self.prefetches[rid] = p
         self.host.stats.num_prefetches += 1
@@ -331,8 +331,8 @@ class StorageTier:
         # The host prefix the request will load (what was covered at start, and what was
         # attached) stays pinned until `release`: the deepest node of it that is on the host.
         p.pin_node = tree.host_prefix(p.ids[:end], p.salt).node
-        tree.ref_host(p.pin_node)
-        tree.unref_host(p.start_node)  # the pin taken at start
+        tree.tiers.ref_host(p.pin_node)
+        tree.tiers.unref_host(p.start_node)  # the pin taken at start
         if p.read is not None and p.complete:
             self._free_unused(p)
         self._maybe_forget(p)
@@ -342,7 +342,7 @@ class StorageTier:
         prefix `finish` pinned becomes ordinary host cache, and what it attached leaves the
         budget."""
         if p.pin_node is not None:
-            self.tree.unref_host(p.pin_node)
+            self.tree.tiers.unref_host(p.pin_node)
             p.pin_node = None
         self.held_pages -= p.attached_pages
         p.attached_pages = 0

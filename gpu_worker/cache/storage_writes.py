@@ -73,7 +73,7 @@ class StorageWrites:
         page_hashes: list[bytes] = []
         host_ids: list[int] = []
         end = last_node
-        for _, n in tree.path(last_node):
+        for _, n in last_node.path():
             if n.host_page_ids is None:
                 break  # host coverage is prefix-closed: nothing below is on the host
             end = n
@@ -85,7 +85,7 @@ class StorageWrites:
             host_ids += n.host_page_ids
         if not page_hashes:
             return 0
-        tree.ref_host(end)
+        tree.tiers.ref_host(end)
         keys = self.io.codec.keys(page_hashes)
         op = WriteOp(end, len(page_hashes), [h.hex() for h in page_hashes])
         self.io.write(keys, host_ids, op)
@@ -95,7 +95,7 @@ class StorageWrites:
     def on_ack(self, op: object, staged: int) -> None:
         """A consumed WRITE ACK: the pages are copied out, they may be evicted from now on."""
         assert isinstance(op, WriteOp)
-        self.tree.unref_host(op.last_node)
+        self.tree.tiers.unref_host(op.last_node)
 
     def collect_stored(self) -> None:
         """Writes whose put finished: count them, and (rank 0) advertise the leading pages

@@ -104,66 +104,62 @@ class TreeNode:
     def on_host(self) -> bool:
         return self.host_page_ids is not None
 
+    # ------------------------------------------------------------- the path (read only)
+
+    def path(self) -> list[PathStep]:
+        """A `PathStep` for every node from the root's child down to this node."""
+        chain: list[TreeNode] = []
+        node = self
+        while node.parent is not None:
+            chain.append(node)
+            node = node.parent
+        chain.reverse()
+        out, pos = [], 0
+        for n in chain:
+            out.append(PathStep(pos, n))
+            pos += len(n.key)
+        return out
+
+    def path_len(self) -> int:
+        """Tokens on the path from the root to the end of this node."""
+        total, node = 0, self
+        while node.parent is not None:
+            total += len(node.key)
+            node = node.parent
+        return total
+
+    def path_range(self, start_len: int) -> list[PathStep]:
+        """The steps of the path to this node whose nodes start at or after token
+        `start_len`."""
+        return [step for step in self.path() if step.start >= start_len]
+
+    def path_device_page_ids(self) -> PageIds:
+        """Device pages of the path to this node; every node on it must be on the device."""
+        pages: PageIds = array("q")
+        for _, n in self.path():
+            if n.device_page_ids is None:
+                raise RuntimeError(f"{n!r} on the path is not on the device")
+            pages += n.device_page_ids
+        return pages
+
+    def host_covered_len(self) -> int:
+        """Tokens of the path to this node that are on the host or have a backup in flight."""
+        covered = 0
+        for pos, n in self.path():
+            if n.host_page_ids is None and not n.backup_pending:
+                break
+            covered = pos + len(n.key)
+        return covered
+
     def __repr__(self) -> str:
         return (
             f"TreeNode(id={self.id}, len={len(self.key)}, tier={self.tier}, lock={self.lock_ref})"
         )
 
 
-# ----------------------------------------------------------------- paths (read only)
-
-
 class PathStep(NamedTuple):
     """A node of a path and the token of the path where its key starts (a NamedTuple:
-    callers unpack `for start, node in path(...)`)."""
+    callers unpack `for start, node in node.path()`)."""
 
     start: int
     node: TreeNode
-
-
-def path(node: TreeNode) -> list[PathStep]:
-    """A `PathStep` for every node from the root's child down to `node`."""
-    chain: list[TreeNode] = []
-    while node.parent is not None:
-        chain.append(node)
-        node = node.parent
-    chain.reverse()
-    out, pos = [], 0
-    for n in chain:
-        out.append(PathStep(pos, n))
-        pos += len(n.key)
-    return out
-
-
-def path_len(node: TreeNode) -> int:
-    """Tokens on the path from the root to the end of `node`."""
-    total = 0
-    while node.parent is not None:
-        total += len(node.key)
-        node = node.parent
-    return total
-
-
-def path_range(last_node: TreeNode, start_len: int) -> list[PathStep]:
-    """The steps of the path to `last_node` whose nodes start at or after token `start_len`."""
-    return [step for step in path(last_node) if step.start >= start_len]
-
-
-def path_device_page_ids(node: TreeNode) -> PageIds:
-    """Device pages of the path to `node`; every node on it must be on the device."""
-    pages: PageIds = array("q")
-    for _, n in path(node):
-        if n.device_page_ids is None:
-            raise RuntimeError(f"{n!r} on the path is not on the device")
-        pages += n.device_page_ids
-    return pages
-
-
-def host_covered_len(node: TreeNode) -> int:
-    """Tokens of the path to `node` that are on the host or have a backup in flight."""
-    covered = 0
-    for pos, n in path(node):
-        if n.host_page_ids is None and not n.backup_pending:
-            break
-        covered = pos + len(n.key)
-    return covered

@@ -20,7 +20,7 @@ from typing import cast
 from gpu_worker.cache import eviction
 from gpu_worker.cache.eviction import EvictionHeap
 from gpu_worker.cache.kv_events import KVEventLog
-from gpu_worker.cache.tree_node import PageIds, TreeNode, page_ids_of, path_range
+from gpu_worker.cache.tree_node import PageIds, TreeNode, page_ids_of
 from gpu_worker.cache.tree_walk import child_key
 from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.memory.allocator import HostPageId, PageId
@@ -110,7 +110,7 @@ class TreeTiers:
         nodes device-locked until `commit_backup`.
         """
         pages = 0
-        for _, n in path_range(last_node, start_len):
+        for _, n in last_node.path_range(start_len):
             assert n.device_page_ids is not None and n.host_page_ids is None
             n.backup_pending = True
             pages += len(n.device_page_ids)
@@ -122,7 +122,7 @@ class TreeTiers:
         """A backup's ACK was consumed: the nodes from `start_len` get their host pages."""
         ps = self.page_size
         host = page_ids_of(host_page_ids)
-        for pos, n in path_range(last_node, start_len):
+        for pos, n in last_node.path_range(start_len):
             assert n.backup_pending and n.host_page_ids is None
             lo = (pos - start_len) // ps
             n.backup_pending = False
@@ -130,7 +130,7 @@ class TreeTiers:
 
     def abort_backup(self, last_node: TreeNode, start_len: int) -> None:
         """A backup's copy failed: the nodes from `start_len` are no longer pending."""
-        nodes = path_range(last_node, start_len)
+        nodes = last_node.path_range(start_len)
         for _, n in nodes:
             n.backup_pending = False
         if nodes:  # a pending child no longer keeps the covered part from eviction
@@ -149,7 +149,7 @@ class TreeTiers:
         ps = self.page_size
         loaded = page_ids_of(page_ids)
         unused: list[PageId] = []
-        for pos, n in path_range(last_node, start_len):
+        for pos, n in last_node.path_range(start_len):
             lo = (pos - start_len) // ps
             pages = loaded[lo : lo + len(n.key) // ps]
             if n.device_page_ids is None:

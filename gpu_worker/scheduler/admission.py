@@ -108,7 +108,7 @@ class Admission:
                 self.cache.lock(ticket.last_node)
                 self.cache.unlock(old)
                 req.last_node, req.load = ticket.last_node, None
-                prefix = self.cache.tree.path_device_page_ids(ticket.last_node)
+                prefix = ticket.last_node.path_device_page_ids()
                 req.page_ids[: len(prefix)] = prefix
                 req.lens.cached_len = len(prefix) * self.cache.page_size
                 req.state = ReqState.RECEIVING if req.remote else ReqState.PREFILL
