@@ -7,6 +7,12 @@ needs no process group at all. Rank 0 takes every input (`submit`, `abort`, `flu
 list to every rank with the agreed count of ready transfer ACKs (`parallel/sync.py`), and
 every rank consumes those ACKs, applies the commands in order and runs the same scheduler
 step. The other ranks run `follow()` until rank 0 sends `Stop`.
+
+Its parts, one job each: `config.py` (the frozen config), `pending.py` (rank 0's command
+list), `apply.py` (a step's commands on a rank), `kv_import.py` (P/D KV received from a
+prefill engine), `storage_setup.py` (the L3 backend and object layout of a rank) and
+`driver.py` (when a loop on rank 0 steps and when it sleeps: `run`, and the service's
+runner, drive the engine through a `StepLoop`; the engine only answers).
 """
 
 from __future__ import annotations
