@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from bus_schemas.page_hash import chain_hashes, root_hash
 from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.engine.driver import StepLoop
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.scheduler.scheduler import SchedulerConfig
@@ -54,9 +55,9 @@ def serve(arm: Arm, prompt: list[int], sp: SamplingParams) -> list[int]:
     """One request alone: its TTFT, cached tokens and output."""
     engine = arm.engine
     start = time.perf_counter()
-    req = engine.submit(prompt, sp)
+    req, loop = engine.submit(prompt, sp), StepLoop(engine)
     while not req.output_ids and req.finish_reason is None:
-        engine.step_or_wait()
+        loop.step_or_wait()
     arm.ttfts.append(time.perf_counter() - start)
     out = engine.run([req])[0]
     arm.device += out.cached.device

@@ -187,7 +187,7 @@ def test_buckets_compose_matches_up_buckets() -> None:
         assert argv[argv.index("--hicache-storage-dir") + 1] == _image_env()["HICACHE_STORAGE_DIR"]
     assert [engines[b][engines[b].index("--pp-size") + 1] for b in ("short", "long")] == ["1", "2"]
     # the default grid fits both layouts of the default model (a clear error at start if not)
-    from gpu_worker.engine.engine import Engine
+    from gpu_worker.engine.storage_setup import storage_layout
     from gpu_worker.model.weights import model_config_of
     from services.engine.__main__ import build_parser as engine_parser
     from services.engine.config import engine_config_from_args
@@ -197,7 +197,7 @@ def test_buckets_compose_matches_up_buckets() -> None:
         assert config.model == DEFAULT_MODEL
         model = model_config_of(config.model)
         for rank in range(config.parallel.world_size):
-            Engine.storage_layout(config, model, rank)
+            storage_layout(config, model, rank)
     svc = services(path)
     storage = f"kv-store:{_image_env()['HICACHE_STORAGE_DIR']}"
     assert all(storage in svc[n]["volumes"] for n in ("short-0", "long-0"))

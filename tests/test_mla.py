@@ -44,6 +44,7 @@ from test_pd_layouts import SP as PD_SP
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.cache.storage_io import StorageFaults
 from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.engine.storage_setup import storage_layout
 from gpu_worker.kernels.moves import PoolView, move_pages
 from gpu_worker.kernels.relayout import RunView
 from gpu_worker.memory.device_pool import DeviceKVPool
@@ -276,7 +277,7 @@ def test_tp_rank_0_of_each_stage_writes_what_every_tp_rank_reads(
     host = HostKVPool(spec, 2, "page_unified" if scheme == "unified" else "page_first", CPU)
     keys = {}
     for rank in range(4):  # (pp, tp): (0, 0), (0, 1), (1, 0), (1, 1)
-        codec = Engine.storage_layout(config, PRESETS[MODEL], rank).codec(host)
+        codec = storage_layout(config, PRESETS[MODEL], rank).codec(host)
         keys[rank] = codec.keys([bytes(16)])
         backend = mock.Mock(spec=StorageBackend)
         backend.put.return_value = len(keys[rank])

@@ -21,6 +21,7 @@ import torch
 from multirank import run_world
 
 from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.engine.driver import StepLoop
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.parallel.config import ParallelConfig
@@ -45,10 +46,10 @@ def config(tp: int, pp: int) -> EngineConfig:
 
 
 def _step_until(engine: Engine, done: object, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline, loop = time.monotonic() + timeout_s, StepLoop(engine)
     while not done():  # type: ignore[operator]
         assert time.monotonic() < deadline, "the engine did not get there"
-        engine.step_or_wait()
+        loop.step_or_wait()
 
 
 def prefill_turns(engine: Engine, turns: list[tuple[list[int], int]]) -> list[Export]:

@@ -7,19 +7,23 @@ needs no process group at all. Rank 0 takes every input (`submit`, `abort`, `flu
 list to every rank with the agreed count of ready transfer ACKs (`parallel/sync.py`), and
 every rank consumes those ACKs, applies the commands in order and runs the same scheduler
 step. The other ranks run `follow()` until rank 0 sends `Stop`.
+
+Its parts, one job each: `config.py` (the frozen config), `pending.py` (rank 0's command
+list), `apply.py` (a step's commands on a rank), `kv_import.py` (P/D KV received from a
+prefill engine), `storage_setup.py` (the L3 backend and object layout of a rank) and
+`driver.py` (when a loop on rank 0 steps and when it sleeps: `run`, and the service's
+runner, drive the engine through a `StepLoop`; the engine only answers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import secrets
-import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,79 +31,34 @@ import torch.distributed as dist
 
 from bus_schemas.page_hash import make_namespace
 from bus_schemas.token_ids import as_token_ids
-from gpu_worker.cache.hicache import CacheConfig, PrefixCache
-from gpu_worker.cache.load_cost import LoadCostEstimate
-from gpu_worker.cache.storage_codec import StorageLayout
+from gpu_worker.cache.hicache import PrefixCache
 from gpu_worker.consensus import checker as consensus
-from gpu_worker.engine.commands import (
-    Abort,
-    AddRequest,
-    Command,
-    Drain,
-    EvictDevice,
-    Flush,
-    SetLoadCost,
-    Stop,
-    StopPrefetch,
-    WriteKV,
-)
+from gpu_worker.engine.apply import CommandApplier
+from gpu_worker.engine.commands import Abort, AddRequest, Drain, EvictDevice, Flush, Stop, WriteKV
+from gpu_worker.engine.config import DebugHooks as DebugHooks
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.driver import KEEPALIVE_S, Outlook, StepLoop, StepResult, Wake
 from gpu_worker.engine.executor import ModelExecutor
+from gpu_worker.engine.kv_import import KVImport
+from gpu_worker.engine.pending import PendingCommands
+from gpu_worker.engine.storage_setup import storage_backend, storage_layout
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.memory.pool_group import PoolGroup
-from gpu_worker.model.config import PRESETS, ModelConfig, parse_dtype, resolve_dtype
+from gpu_worker.model.config import PRESETS, parse_dtype
 from gpu_worker.model.sampling import SamplingParams
-from gpu_worker.model.shard import ModelShard
 from gpu_worker.model.tokenizer import load_tokenizer
 from gpu_worker.model.weights import build_model, weights_digest
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.parallel.groups import ParallelGroups, rank_device
 from gpu_worker.parallel.sync import StepSync, agree_min
 from gpu_worker.scheduler.request import GenerateOutput, RemoteKV, Req, ReqState
-from gpu_worker.scheduler.scheduler import Scheduler, SchedulerConfig
-from gpu_worker.storage import StorageBackend, StorageConfig, default_storage_dir, make_backend
-from gpu_worker.storage.layout import StorageNamespace, shard_cells, shard_names
+from gpu_worker.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-KEEPALIVE_S = 5.0  # an idle multi-rank engine still steps this often (its ranks wait in it)
-ACK_WAIT_S = 0.05  # `run`: the longest sleep for an ACK before stepping again anyway
 
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses before it touches any state."""
-
-
-@dataclass(frozen=True, slots=True)
-class DebugHooks:
-    """Test hooks; part of the config, so identical on every rank."""
-
-    disable_agreement: str = "none"  # "pp_sync", "tp_min", "all": ranks use their own counts
-    rank_raise: tuple[int, int] | None = None  # (rank, token): that rank raises on admission
-    perturb_sampler: bool = False  # every request's 3rd output token becomes (token + 1) % vocab
-    silent_flush: bool = False  # a flush drops the cache without KV events (a stale index)
-    layer_delay_s: float = 0.0  # every decoder layer first sleeps this long (a slow forward)
-
-    def __post_init__(self) -> None:
-        if not self.layer_delay_s >= 0:
-            raise ValueError(f"layer_delay_s must be >= 0, got {self.layer_delay_s}")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    model: str = "tiny"  # a preset name or a Hugging Face checkpoint directory
-    dtype: str = "float64"
-    device: str = "cpu"
-    seed: int = 0  # random weights of a preset
-    context_len: int | None = None  # defaults to the model's
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    # every row's result independent of its batch (SGLang's --enable-deterministic-inference)
-    batch_invariant: bool = False
-    debug: DebugHooks = field(default_factory=DebugHooks)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.model, self.device))
 
 
 class Engine:
@@ -163,8 +122,8 @@ class Engine:
             num_host_pages=host_pages,
             delay_seed=7919 * self.rank,
             record_events=self.rank == 0,  # rank 0 publishes the KV events
-            storage=self._storage_backend(config),
-            storage_layout=self.storage_layout(config, mc, self.rank)
+            storage=storage_backend(config.cache),
+            storage_layout=storage_layout(config, mc, self.rank)
             if config.cache.hicache_storage_backend is not None
             else None,
             storage_groups=(groups.storage_hit, groups.storage_progress, groups.storage_write),
@@ -188,73 +147,25 @@ class Engine:
             self.model, groups, self.device, mc, guard_tp=self.consensus is not None
         )
         self.scheduler = Scheduler(
-            config.scheduler, self.executor, self.cache, mc.eos_token_ids, self.device
+            config.scheduler,
+            self.executor,
+            self.cache,
+            mc.eos_token_ids,
+            self.device,
+            perturb_sampler=config.debug.perturb_sampler,
         )
-        self.scheduler.perturb_sampler = config.debug.perturb_sampler
         if config.debug.layer_delay_s:
             delay = config.debug.layer_delay_s
             for layer in self.model.layers:
                 layer.register_forward_pre_hook(lambda _m, _a: time.sleep(delay))
-        self._commands: list[Command] = []  # rank 0: what the next step hands to every rank
-        self._partial_kv: dict[tuple[int, int, int], WriteKV] = {}  # rank 0: shards so far
+        self._commands = PendingCommands(self.cache, config.cache, self.kv_spec)  # rank 0
+        self.kv_import = KVImport(mc, self.kv_spec, config.parallel, self.rank, self._commands.put)
+        self._applier = CommandApplier(
+            self.scheduler, self.cache, self.kv_import, self.rank, config.debug
+        )
         self._next_rid = 0
-        self._sent_estimate = LoadCostEstimate()
-        self._last_step = time.monotonic()
-        self.stopped = False  # set by the Stop command
-        self._acks_done = threading.Event()  # rung by transfer and storage workers (`run`)
-        self.cache.acks.set_listener(self._acks_done.set)
-
-    @staticmethod
-    def storage_layout(config: EngineConfig, mc: ModelConfig, rank: int) -> StorageLayout:
-        """Which stored objects hold world rank `rank`'s part of a page of model `mc` (a
-        clear error, naming the flag, when the unified grid does not fit the rank's shard).
-
-        MLA's latent is replicated over TP: under either key scheme only TP rank 0 of each
-        stage writes a page's objects, and every TP rank reads those (rank-suffix: all name
-        them `tp0of{T}...`; unified: `mla_replicated` cells have no `_H`)."""
-        cc, par = config.cache, config.parallel
-        tp_rank = par.coords(rank).tp
-        names = shard_names(par, rank, replicated=mc.mla)
-        if cc.hicache_storage_key_scheme != "unified":
-            writes = tp_rank == 0 or not mc.mla
-            return StorageLayout(names.shard, layout=names.layout, writes=writes)
-        namespace = StorageNamespace(
-            model=config.model,
-            kv_dtype=config.dtype,
-            page_size=cc.page_size,
-            replication="mla_replicated" if mc.mla else "mha_sharded",
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.kv_head_dim,
-            num_layers=mc.num_layers,
-            layer_partition=cc.storage_layer_partition or mc.num_layers,
-            head_partition=cc.storage_head_partition,
-        )
-        model_shard = ModelShard.of(mc, par, rank)
-        heads = model_shard.kv_heads(mc)
-        cells = shard_cells(
-            namespace,
-            (model_shard.layers.start, model_shard.layers.stop),
-            (heads.start, heads.stop),
-            tp_rank,
-        )
-        return StorageLayout(names.shard, namespace, cells, names.layout)
-
-    @staticmethod
-    def _storage_backend(config: EngineConfig) -> StorageBackend | None:
-        """External storage for this rank, when a backend is configured."""
-        cc = config.cache
-        if cc.hicache_storage_backend is None:
-            return None
-        return make_backend(
-            StorageConfig(
-                backend=cc.hicache_storage_backend,
-                directory=Path(cc.hicache_storage_dir or default_storage_dir()),
-                capacity_bytes=None
-                if cc.hicache_storage_size_gb is None
-                else int(cc.hicache_storage_size_gb * 1e9),
-                key_file=Path(cc.hicache_storage_key_file) if cc.hicache_storage_key_file else None,
-            )
-        )
+        self.wake = Wake()  # rung by transfer and storage workers when an ACK's work is done
+        self.cache.acks.set_listener(self.wake.ring)
 
     # ----------------------------------------------------------------- requests
 
@@ -293,7 +204,7 @@ class Engine:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         req = Req(self._next_rid, as_token_ids(ids), sampling, cache_salt)
         self._next_rid += 1
-        self._commands.append(AddRequest(req))
+        self._commands.put(AddRequest(req))
         return req
 
     # ----------------------------------------------------------------- P/D
@@ -345,172 +256,55 @@ class Engine:
         returned command (one per chunk) then holds the bytes written or why it did not fit
         (`applied`). A payload of the wrong size, a duplicate shard, an unknown rank or a
         layout that does not split the model raises ValueError now."""
-        sender = sender or self.config.parallel
-        world = sender.world_size
-        if not 0 <= rank < world:
-            raise ValueError(f"KV shard of rank {rank}: the sending engine has {world} ranks")
-        senders = sender.kv_ranks(self.model_config.mla)
-        if rank not in senders:
-            raise ValueError(
-                f"KV shard of rank {rank}: its latent is TP rank 0's of its stage, which "
-                f"sends it once (ranks {list(senders)} send)"
-            )
-        expected = self._shard_kv_bytes(sender, rank, token_start, token_end)
-        if token_end <= token_start or len(payload) != expected:
-            raise ValueError(
-                f"KV chunk [{token_start}, {token_end}) of rank {rank} has {len(payload)} "
-                f"bytes, expected {max(0, expected)}"
-            )
-        if first_token is not None and not 0 <= first_token < self.model_config.vocab_size:
-            raise ValueError(f"first token {first_token} is outside the vocabulary")
-        key = (rid, token_start, token_end)
-        cmd = self._partial_kv.get(key)
-        if cmd is None:
-            cmd = self._partial_kv[key] = WriteKV(rid, token_start, token_end, (), first_token)
-            cmd.sender = sender
-        first = cmd.sender or sender
-        if first != sender:
-            raise ValueError(
-                f"KV chunk [{token_start}, {token_end}) came from TP {sender.tp_size} x PP "
-                f"{sender.pp_size} and TP {first.tp_size} x PP {first.pp_size}"
-            )
-        if rank in cmd.parts:
-            raise ValueError(f"KV chunk [{token_start}, {token_end}) of rank {rank} came twice")
-        cmd.parts[rank] = bytes(payload)
-        if first_token is not None:
-            cmd.first_token = first_token
-        if len(cmd.parts) == len(senders):  # every shard is here: hand it to all ranks
-            parts = {r: cmd.parts.pop(r) for r in senders}
-            cmd.payloads = self._regroup_kv(parts, sender, token_end - token_start)
-            del self._partial_kv[key]
-            self._commands.append(cmd)
-        return cmd
-
-    def _unified_shape(
-        self, parallel: ParallelConfig, rank: int, num_tokens: int
-    ) -> tuple[int, ...]:
-        """The shape of rank `rank`'s shard of a KV chunk of `num_tokens` tokens in the
-        unified order with one head per group: (pages, its KV heads, its layers, K/V, token
-        in page, 1, head_dim); MLA: (pages, 1, its layers, 1, token in page, 1, latent)."""
-        local = ModelShard.of(self.model_config, parallel, rank).local_config(self.model_config)
-        ps = self.kv_spec.page_size
-        pages = -(-num_tokens // ps)
-        return (
-            pages,
-            local.num_kv_heads,
-            local.num_layers,
-            local.num_kv,
-            ps,
-            1,
-            local.kv_head_dim,
+        return self.kv_import.receive(
+            rid, token_start, token_end, payload, first_token, rank, sender
         )
-
-    def _shard_kv_bytes(
-        self, parallel: ParallelConfig, rank: int, token_start: int, token_end: int
-    ) -> int:
-        """Bytes of rank `rank`'s shard (of an engine of layout `parallel`) of the KV of
-        tokens [token_start, token_end)."""
-        shape = self._unified_shape(parallel, rank, token_end - token_start)
-        return math.prod(shape) * torch.empty((), dtype=self.kv_spec.dtype).element_size()
-
-    def _regroup_kv(
-        self, parts: dict[int, bytes], sender: ParallelConfig, num_tokens: int
-    ) -> tuple[bytes, ...]:
-        """The sender's shards of a chunk (by world rank: `kv_ranks`), cut into this
-        engine's ranks' shards: the whole chunk's (pages, KV heads, layers, ...) is
-        assembled from the sender's head and layer ranges, then each own rank takes its own
-        ranges. MLA's latent is every TP rank's one head: a stage's one shard fills it, and
-        each own TP rank takes all of it."""
-        own = self.config.parallel
-        if sender == own:  # the same cut: own rank r's shard is r's, or its TP rank 0's
-            return tuple(
-                parts[r] if r in parts else parts[r - r % own.tp_size]
-                for r in range(own.world_size)
-            )
-        dtype = self.kv_spec.dtype
-        whole = torch.empty(self._unified_shape(ParallelConfig(), 0, num_tokens), dtype=dtype)
-        for r, part in parts.items():
-            shard = ModelShard.of(self.model_config, sender, r)
-            heads, layers = _slice(shard.kv_heads(self.model_config)), _slice(shard.layers)
-            piece = torch.frombuffer(bytearray(part), dtype=dtype)
-            whole[:, heads, layers] = piece.view(self._unified_shape(sender, r, num_tokens))
-        out = []
-        for r in range(own.world_size):
-            shard = ModelShard.of(self.model_config, own, r)
-            mine = whole[:, _slice(shard.kv_heads(self.model_config)), _slice(shard.layers)]
-            out.append(mine.contiguous().numpy().tobytes())
-        return tuple(out)
-
-    def _write_kv(self, cmd: WriteKV) -> None:
-        cmd.applied = True
-        req = next((r for r in self.scheduler.running if r.rid == cmd.rid), None)
-        if req is None or req.remote is None:
-            cmd.error = f"no P/D decode request {cmd.rid} is waiting for KV"
-            return
-        payload = cmd.payloads[self.rank]
-        shape = self._unified_shape(
-            self.config.parallel, self.rank, cmd.token_end - cmd.token_start
-        )
-        staging = torch.frombuffer(bytearray(payload), dtype=self.kv_spec.dtype).view(shape)
-        try:
-            self.scheduler.write_remote_kv(req, cmd.token_start, cmd.token_end, staging)
-        except ValueError as e:
-            cmd.error = str(e)
-            return
-        req.remote.received_bytes += len(payload)
-        if cmd.first_token is not None:
-            req.remote.first_token = cmd.first_token
-        cmd.written = len(payload)
 
     def abort(self, rid: int) -> None:
         """Stop request `rid`; it finishes with reason "abort" and keeps what it computed."""
-        for cmd in self._commands:
-            if isinstance(cmd, AddRequest) and cmd.req.rid == rid:  # no other rank has it yet
-                self._commands.remove(cmd)
-                cmd.req.state, cmd.req.finish_reason = ReqState.FINISHED, "abort"
-                return
-        self._commands.append(Abort(rid))
+        req = self._commands.withdraw_request(rid)
+        if req is not None:  # no other rank has it yet
+            req.state, req.finish_reason = ReqState.FINISHED, "abort"
+            return
+        self._commands.put(Abort(rid))
 
     def drain(self) -> None:
         """Every rank waits for its queued transfers and applies their ACKs. Rank 0's cache
         must never be drained alone: the ranks' ACK queues must stay alike."""
-        self._commands.append(Drain())
+        self._commands.put(Drain())
         self.step()
 
     def evict_device(self, num_pages: int) -> None:
         """Test hook: after the step's transfers drain, evict `num_pages` device pages."""
-        self._commands.append(EvictDevice(num_pages))
+        self._commands.put(EvictDevice(num_pages))
         self.step()
 
-    @property
-    def has_pending(self) -> bool:
-        """Commands not yet handed to the ranks."""
-        return bool(self._commands)
+    def step(self) -> StepResult:
+        """One step on every rank (rank 0 hands out its commands): the requests that
+        finished in it, and whether it ran a forward. A loop that drives the engine should
+        step through a `StepLoop` (`driver.py`), which sleeps instead of spinning."""
+        with _divergence_named(self.consensus):
+            commands = self._commands.take() if self.rank == 0 else None
+            commands, num_acks = self.sync.exchange(
+                commands, self.cache.acks.ready_counts(), self.cache.acks.queued_counts()
+            )
+            self.scheduler.consume_acks(num_acks)
+            for cmd in commands:
+                self._applier.apply(cmd)
+            if self._applier.stopped:
+                return StepResult([], worked=False)
+            return StepResult(self.scheduler.step(), self.scheduler.last_step_worked)
 
-    @property
-    def has_queued_acks(self) -> bool:
-        """Transfers or storage work still to be consumed (backups to commit, writes to the
-        store to start): an idle engine keeps stepping until they are."""
-        return any(self.cache.acks.queued_counts())
-
-    @property
-    def keepalive_due(self) -> bool:
-        """A multi-rank engine that idled for `KEEPALIVE_S` should step (its ranks wait)."""
-        return self.groups.world_size > 1 and time.monotonic() - self._last_step > KEEPALIVE_S
-
-    def step(self) -> list[Req]:
-        """One step on every rank (rank 0 hands out its commands); returns the requests that
-        finished in it."""
-        if self.consensus is None:
-            return self._step()
-        self.consensus.check()  # raises RankDivergenceError once ranks diverged
-        try:
-            return self._step()
-        except Exception as e:  # a symptom: report the divergence that caused it, if any
-            found = self.consensus.await_verdict()
-            if found is not None:
-                raise consensus.RankDivergenceError(found.report()) from e
-            raise
+    def outlook(self) -> Outlook:
+        """What this engine holds and waits on, between steps (rank 0)."""
+        idled_s = time.monotonic() - self._commands.taken_at
+        return Outlook(
+            holds_requests=not self.scheduler.idle,
+            commands_pending=bool(self._commands),
+            acks_queued=any(self.cache.acks.queued_counts()),
+            acks_ready=any(self.cache.acks.ready_counts()),
+            keepalive_due=self.groups.world_size > 1 and idled_s > KEEPALIVE_S,
+        )
 
     @property
     def progress(self) -> int:
@@ -520,108 +314,19 @@ class Engine:
         not move while later stages compute."""
         return self.model.layers_run
 
-    def _step(self) -> list[Req]:
-        commands: list[Command] | None = None
-        if self.rank == 0:
-            self._offer_load_cost()
-            self._offer_prefetch_verdicts()
-            commands, self._commands = self._commands, []
-            self._last_step = time.monotonic()
-        commands, num_acks = self.sync.exchange(
-            commands, self.cache.acks.ready_counts(), self.cache.acks.queued_counts()
-        )
-        self.scheduler.consume_acks(num_acks)
-        for cmd in commands:
-            self._apply(cmd)
-        if self.stopped:
-            return []
-        return self.scheduler.step()
-
     def follow(self) -> None:
         """Ranks other than 0: step as rank 0 says until it sends Stop."""
-        while not self.stopped:
+        while not self._applier.stopped:
             self.step()
 
-    def _offer_load_cost(self) -> None:
-        """Rank 0: send its load-cost figures when they moved (every rank decides by them)."""
-        if self.config.cache.hicache_load_policy != "cost":
-            return
-        spec, storage = self.kv_spec, self.cache.storage
-        estimate = self.cache.cost.estimate(
-            spec.bytes_per_page / spec.page_size,
-            None if storage is None else storage.io.seconds_per_page(),
-            spec.page_size,
-        )
-        if estimate.differs_from(self._sent_estimate):
-            self._sent_estimate = estimate
-            self._commands.append(
-                SetLoadCost(
-                    estimate.load_s_per_token,
-                    estimate.recompute_s_per_token,
-                    estimate.storage_s_per_token,
-                )
-            )
-
-    def _offer_prefetch_verdicts(self) -> None:
-        """Rank 0: storage prefetches past their deadline (`timeout` policy) stop, on every
-        rank at once; only rank 0's clock decides."""
-        storage = self.cache.storage
-        if storage is not None:
-            self._commands += [StopPrefetch(rid) for rid in storage.timed_out(time.monotonic())]
-
-    def _apply(self, cmd: Command) -> None:
-        """Apply one command; the same on every rank (results land on rank 0's objects)."""
-        if isinstance(cmd, AddRequest):
-            self._debug_raise(cmd.req)
-            self.scheduler.add(cmd.req)
-        elif isinstance(cmd, Abort):
-            self.scheduler.abort(cmd.rid)
-        elif isinstance(cmd, WriteKV):
-            self._write_kv(cmd)
-        elif isinstance(cmd, Flush):
-            cmd.ok = self.scheduler.idle
-            if cmd.ok:
-                self.cache.flush()
-        elif isinstance(cmd, EvictDevice):
-            self.cache.drain()
-            self.cache.evict_device(min(cmd.num_pages, self.cache.tree.num_device_pages))
-        elif isinstance(cmd, Drain):
-            self.cache.drain()
-        elif isinstance(cmd, SetLoadCost):
-            self.cache.cost_estimate = LoadCostEstimate(
-                cmd.load_s_per_token,
-                cmd.recompute_s_per_token,
-                storage_s_per_token=cmd.storage_s_per_token,
-            )
-        elif isinstance(cmd, StopPrefetch):
-            self.scheduler.stop_prefetch(cmd.rid)
-        elif isinstance(cmd, Stop):
-            self.stopped = True
-
-    def _debug_raise(self, req: Req) -> None:
-        hook = self.config.debug.rank_raise
-        if hook is not None and hook[0] == self.rank and hook[1] in req.prompt_ids:
-            raise RuntimeError(f"debug: rank {self.rank} raises on prompt token {hook[1]}")
-
     def run(self, reqs: list[Req]) -> list[GenerateOutput]:
-        """Step until every request in `reqs` has finished. A step that computed nothing
-        while transfers or storage work are under way sleeps until one finishes (its worker
-        rings `_acks_done`) instead of spinning, which would starve those threads of the
-        interpreter."""
+        """Step until every request in `reqs` has finished, through a `StepLoop`: a step
+        that computed nothing while transfers or storage work are under way sleeps until
+        one finishes instead of spinning, which would starve those threads."""
+        loop = StepLoop(self)
         while any(r.finish_reason is None for r in reqs):
-            self.step_or_wait()
+            loop.step_or_wait()
         return [r.output() for r in reqs]
-
-    def step_or_wait(self) -> list[Req]:
-        """`step`, then, when it computed nothing while transfers or storage work are under
-        way, sleep until one of them finishes (at most `ACK_WAIT_S`). A loop that drives
-        the engine itself should call this, not `step`: spinning starves the workers."""
-        self._acks_done.clear()
-        finished = self.step()
-        waiting = not self.scheduler.last_step_worked and self.has_queued_acks
-        if waiting and not any(self.cache.acks.ready_counts()):
-            self._acks_done.wait(ACK_WAIT_S)
-        return finished
 
     def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None
@@ -643,7 +348,7 @@ class Engine:
         if not self.scheduler.idle or self._commands:
             return False
         cmd = Flush()
-        self._commands.append(cmd)
+        self._commands.put(cmd)
         self.step()
         if self.config.debug.silent_flush:  # test hook: the index is not told
             self.cache.drain_events()
@@ -690,8 +395,9 @@ class Engine:
     def close(self, stop_ranks: bool = True) -> None:
         """Rank 0 stops the other ranks first (they leave `follow`), then every rank closes.
         `stop_ranks=False` when the world is broken (a rank died): no step can run."""
-        if stop_ranks and self.rank == 0 and self.groups.world_size > 1 and not self.stopped:
-            self._commands.append(Stop())
+        stopped = self._applier.stopped
+        if stop_ranks and self.rank == 0 and self.groups.world_size > 1 and not stopped:
+            self._commands.put(Stop())
             self.step()
         if stop_ranks:  # sends to a dead peer never complete
             self.sync.close()
@@ -702,8 +408,21 @@ class Engine:
         self.cache.close()
 
 
-def _slice(r: range) -> slice:
-    return slice(r.start, r.stop)
+@contextlib.contextmanager
+def _divergence_named(recorder: consensus.ConsensusRecorder | None) -> Iterator[None]:
+    """With the rank consensus checker on: raise RankDivergenceError once ranks diverged,
+    and name the divergence that caused an error, if any, instead of its symptom."""
+    if recorder is None:
+        yield
+        return
+    recorder.check()
+    try:
+        yield
+    except Exception as e:
+        found = recorder.await_verdict()
+        if found is not None:
+            raise consensus.RankDivergenceError(found.report()) from e
+        raise
 
 
 def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:

@@ -14,6 +14,13 @@ With `--tp-size`/`--pp-size` above 1 the runner launches the other ranks as proc
 exactly like a crash of the step loop. An idle multi-rank engine still steps every
 `KEEPALIVE_S` seconds, so its ranks never wait out a collective's timeout.
 
+The engine decides nothing about idling here: the step loop steps and sleeps through a
+`StepLoop` (`gpu_worker/engine/driver.py`), the one idle policy it shares with
+`Engine.run`. Each queued command rings the engine's wake-up, as each transfer or storage
+ACK's worker does, so a sleeping loop wakes at once for either. The pieces: `CommandInbox`
+(`inbox.py`) queues the service's commands, `RequestTracker` (`tracking.py`) reports the
+requests the engine holds.
+
 A request's own failure (e.g. in its sampling) is the scheduler's to isolate: it finishes
 that request with an error. Anything that escapes `engine.step()` kills the step loop: the
 runner fails every pending command, then tells the service (`Outbox.crashed`), which stops
@@ -28,31 +35,24 @@ answered 503 so the router serves them elsewhere.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
-from typing import Any, Protocol
+from concurrent.futures import Future
+from typing import Any
 
-from gpu_worker.cache.kv_events import KVEventRecord
 from gpu_worker.engine.commands import WriteKV
+from gpu_worker.engine.driver import IdlePolicy, StepLoop
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.engine.rank import RankExit, RankProcesses, launch_engine
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.parallel.config import ParallelConfig
-from gpu_worker.scheduler.request import CachedTokens, KVExport, Req, ReqState, RequestError
-from services.engine.updates import (
-    COMPUTING,
-    QUEUED,
-    Admission,
-    Holding,
-    LoadInfo,
-    ReceivedKV,
-    TokenUpdate,
-)
+from services.engine.futures import fail, resolve
+from services.engine.inbox import CommandInbox, EngineCrashedError
+from services.engine.tracking import Outbox, RequestTracker
+from services.engine.updates import QUEUED, Admission, Holding, LoadInfo
+
+__all__ = ["EngineCrashedError", "EngineRunner", "Outbox"]
 
 log = logging.getLogger(__name__)
 
@@ -60,74 +60,32 @@ RANK_WATCH_S = 0.1  # how often the child ranks are checked for an exit
 DEAD_RANK_WAIT_S = 1.0  # after a failed collective: how long to look for the rank that died
 
 
-_HOLDING = {
-    ReqState.WAITING: QUEUED,
-    ReqState.LOADING: COMPUTING,
-    ReqState.PREFILL: COMPUTING,
-    ReqState.DECODE: COMPUTING,
-}
+class AwaitedWrites:
+    """P/D decode KV writes, answered once the step that applies them ran. Runner thread."""
 
+    def __init__(self) -> None:
+        self._awaiting: list[tuple[WriteKV, int, Future[int]]] = []  # (command, bytes, future)
 
-class Outbox(Protocol):
-    """Where the runner reports; called on the service's event loop, in order."""
+    def add(self, cmd: WriteKV, size: int, done: Future[int]) -> None:
+        self._awaiting.append((cmd, size, done))
 
-    def tokens(self, updates: list[TokenUpdate]) -> None: ...
+    def answer(self) -> None:
+        """Commands applied in the step just run: give their callers the results (a chunk
+        whose other ranks' shards have not come yet waits)."""
+        waiting = []
+        for cmd, size, done in self._awaiting:
+            if not cmd.applied:
+                waiting.append((cmd, size, done))
+            elif cmd.error is not None:
+                fail(done, ValueError(cmd.error))
+            else:
+                resolve(done, size)
+        self._awaiting = waiting
 
-    def exported(self, request_id: str, export: KVExport, cached: CachedTokens) -> None:
-        """P/D prefill: a request's KV is packed and ready to send."""
-        ...
-
-    def kv_events(self, events: list[KVEventRecord]) -> None: ...
-
-    def crashed(self, reason: str, suspect: bool) -> None:
-        """The step loop died: this runner takes no more work. `suspect`: the requests it
-        held may have caused it (see `EngineCrashedError.held`)."""
-        ...
-
-
-class EngineCrashedError(RuntimeError):
-    """The engine's step loop died; no command runs any more. `held`: the command's request
-    was in the engine when it died of a cause a request can have (it may be the culprit:
-    never retried elsewhere); False when the command came, or waited in the queue, after
-    the engine was already gone, or when a rank was killed from outside (the request cannot
-    have caused it: another engine may serve it)."""
-
-    def __init__(self, reason: str, held: bool = True) -> None:
-        super().__init__(reason)
-        self.held = held
-
-
-@dataclass(slots=True)
-class _Tracked:
-    request_id: str
-    req: Req
-    sent: int = 0
-    admitted: Future[Admission] | None = None  # P/D decode: resolves on admission
-    holding: Holding = QUEUED  # as last published in EngineRunner.holding
-
-
-def _nothing() -> None:
-    pass
-
-
-_WAKE: Future[Any] = Future()  # the (never resolved) future of `_wake`'s no-op command
-
-
-def _run_command(command: Callable[[], None], done: Future[Any]) -> None:
-    """Run one command between steps; an error it did not expect goes to its caller (one
-    request's submit or write), not to the step loop."""
-    try:
-        command()
-    except Exception as e:
-        log.exception("engine command failed")
-        _fail(done, e)
-
-
-def _received(req: Req) -> ReceivedKV | None:
-    r = req.remote
-    if r is None or r.prefix_len < 0:
-        return None
-    return ReceivedKV(r.prefix_len, r.received_end - r.prefix_len, r.received_bytes)
+    def fail_all(self, error: Callable[[], BaseException]) -> None:
+        for _, _, done in self._awaiting:
+            fail(done, error())
+        self._awaiting.clear()
 
 
 class EngineRunner:
@@ -141,28 +99,25 @@ class EngineRunner:
         idle_wait_s: float = 0.02,
         debug_crash_on_token: int | None = None,
     ) -> None:
+        """`idle_wait_s`: the step loop's longest sleep; `debug_crash_on_token`: a test hook
+        (`--debug-crash-on-prompt-token`): a step with a request whose prompt holds the
+        token raises, as a bug in the batched forward would."""
         self._config = config
         self._loop = loop
         self._outbox = outbox
-        self._idle_wait_s = idle_wait_s
+        self._policy = IdlePolicy(idle_wait_s, input_rings=True)
         self._debug_crash_on_token = debug_crash_on_token
-        self._commands: queue.Queue[tuple[Callable[[], None], Future[Any]]] = queue.Queue()
-        self._dead: str | None = None  # why the step loop died; guarded by _lock
-        self._suspect = True  # whether the requests it held may have caused it (set with _dead)
-        self._lock = threading.Lock()
+
+        def ring() -> None:  # a queued command wakes the step loop (once the engine exists)
+            if self.engine is not None:
+                self.engine.wake.ring()
+
+        self._inbox = CommandInbox(ring)
         self._stop = threading.Event()
-        self._tracked: dict[int, _Tracked] = {}
-        self._by_request: dict[str, int] = {}
-        self.load = LoadInfo(0, 0, 0)
-        # what the engine does with each request it holds, by request id: written by submit
-        # (service thread) and after every step (runner thread), read by the service
-        self._holding: dict[str, Holding] = {}
-        self._holding_lock = threading.Lock()
-        self.generated_tokens = 0  # output tokens reported so far (read by heartbeats)
+        self._requests = RequestTracker(loop, outbox)
+        self._writes = AwaitedWrites()
         self.engine: Engine | None = None
         self.ranks: RankProcesses | None = None  # ranks 1..N-1 of a multi-rank engine
-        # KV writes answered once the step that applies them ran: (command, bytes, future)
-        self._awaiting: list[tuple[WriteKV, int, Future[int]]] = []
         self._ready: Future[None] = Future()
         self._thread = threading.Thread(target=self._main, name="engine-runner", daemon=True)
 
@@ -202,20 +157,17 @@ class EngineRunner:
                 else:
                     req = engine.submit(input_ids, sampling, cache_salt=cache_salt)
             except ValueError as e:
-                self._set_holding(request_id, None)
-                _fail(done, e)
+                self._requests.set_holding(request_id, None)
+                fail(done, e)
                 return
-            tracked = _Tracked(request_id, req)
-            self._tracked[req.rid] = tracked
-            self._by_request[request_id] = req.rid
-            if decode_reuse is not None:
-                tracked.admitted = done  # type: ignore[assignment]
-            else:
-                _resolve(done, None)
+            admitted = done if decode_reuse is not None else None
+            self._requests.track(request_id, req, admitted)  # type: ignore[arg-type]
+            if admitted is None:
+                resolve(done, None)
 
-        self._set_holding(request_id, QUEUED)
-        if not self._put(command, done):
-            self._set_holding(request_id, None)
+        self._requests.set_holding(request_id, QUEUED)
+        if not self._inbox.put(command, done):
+            self._requests.set_holding(request_id, None)
         return done
 
     def write_kv(
@@ -236,7 +188,7 @@ class EngineRunner:
 
         def command() -> None:
             assert self.engine is not None
-            rid = self._by_request.get(request_id)
+            rid = self._requests.rid_of(request_id)
             try:
                 if rid is None:
                     raise ValueError(f"unknown request {request_id}")
@@ -244,25 +196,21 @@ class EngineRunner:
                     rid, token_start, token_end, payload, first_token, rank, sender
                 )
             except ValueError as e:
-                _fail(done, e)
+                fail(done, e)
                 return
-            self._awaiting.append((cmd, len(payload), done))
-            # the next step writes it (and, the last one, runs its first decode): computing
-            tracked = self._tracked[rid]
-            if tracked.holding.state == "receiving":
-                tracked.holding = COMPUTING
-                self._set_holding(request_id, COMPUTING)
+            self._writes.add(cmd, len(payload), done)
+            self._requests.receiving_to_computing(rid)
 
-        self._put(command, done)
+        self._inbox.put(command, done)
         return done
 
     def abort(self, request_id: str) -> None:
         def command() -> None:
-            rid = self._by_request.get(request_id)
+            rid = self._requests.rid_of(request_id)
             if rid is not None and self.engine is not None:
                 self.engine.abort(rid)
 
-        self._put(command, Future())
+        self._inbox.put(command, Future())
 
     def flush(self) -> Future[bool]:
         """Flush every rank's cache (a command); False while requests are running."""
@@ -278,44 +226,31 @@ class EngineRunner:
             try:
                 result = fn(self.engine)
             except Exception as e:  # the caller gets the error through the future
-                _fail(done, e)
+                fail(done, e)
             else:
-                _resolve(done, result)
+                resolve(done, result)
 
-        self._put(command, done)
+        self._inbox.put(command, done)
         return done
-
-    def _put(self, command: Callable[[], None], done: Future[Any]) -> bool:
-        """Queue `command`, whose result goes to `done`; fails `done` at once (False) when
-        dead."""
-        with self._lock:
-            if self._dead is None:
-                self._commands.put((command, done))
-                return True
-            reason = self._dead
-        _fail(done, EngineCrashedError(reason, held=False))
-        return False
 
     def holding(self) -> dict[str, Holding]:
         """Every request the engine holds, by request id, as of its last step (a request
         submitted since is `queued`). Any thread."""
-        with self._holding_lock:
-            return dict(self._holding)
+        return self._requests.holding()
 
-    def _set_holding(self, request_id: str, holding: Holding | None) -> None:
-        with self._holding_lock:
-            if holding is None:
-                self._holding.pop(request_id, None)
-            else:
-                self._holding[request_id] = holding
+    @property
+    def load(self) -> LoadInfo:
+        """The engine's batch as of its last step (read by heartbeats)."""
+        return self._requests.load
+
+    @property
+    def generated_tokens(self) -> int:
+        """Output tokens reported so far (read by heartbeats)."""
+        return self._requests.generated_tokens
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
-
-    @property
-    def num_active(self) -> int:
-        return len(self._tracked)
 
     # ----------------------------------------------------------------- runner thread
 
@@ -333,7 +268,6 @@ class EngineRunner:
             threading.Thread(
                 target=self._watch_ranks, args=(self.ranks,), name="rank-watch", daemon=True
             ).start()
-        engine.cache.acks.set_listener(self._wake)
         self._ready.set_result(None)
         crashed = False
         try:
@@ -343,9 +277,9 @@ class EngineRunner:
             log.exception("engine step loop crashed")
             self._die(*self._crash_reason(e))
         finally:
-            if self._dead is not None:
-                self._fail_local(self._dead, self._suspect)
-            if (crashed or self._dead is not None) and self.ranks is not None:
+            if self._inbox.dead is not None:
+                self._fail_local(self._inbox.dead, self._inbox.suspect)
+            if (crashed or self._inbox.dead is not None) and self.ranks is not None:
                 self.ranks.kill()  # a world that lost a rank or rank 0's loop cannot step on
             self._close(engine)
 
@@ -361,7 +295,7 @@ class EngineRunner:
 
     def _close(self, engine: Engine) -> None:
         try:
-            engine.close(stop_ranks=self._dead is None)  # a broken world cannot step again
+            engine.close(stop_ranks=self._inbox.dead is None)  # a broken world cannot step
         finally:
             if self.ranks is not None:
                 self.ranks.wait()
@@ -381,156 +315,31 @@ class EngineRunner:
             self._stop.wait(RANK_WATCH_S)
 
     def _loop_steps(self, engine: Engine) -> None:
-        worked = True
-        while not self._stop.is_set() and self._dead is None:
-            # Block briefly when there is nothing to compute (idle, or only waiting for
-            # loads / P/D KV): commands wake it at once, copies finish within the wait.
-            self._run_commands(block=engine.scheduler.idle or not worked)
-            idle = engine.scheduler.idle and not engine.has_pending and not engine.has_queued_acks
-            if idle and not engine.keepalive_due:
-                self._publish_events()
+        steps = StepLoop(engine, self._policy)
+        engine.wake.ring()  # for commands queued before the engine was built
+        while not self._stop.is_set() and self._inbox.dead is None:
+            # Sleep when there is nothing to compute (idle, or only waiting for loads or
+            # P/D KV): a command or a finished ACK rings the engine's wake-up at once.
+            steps.sleep()
+            self._inbox.run_all()
+            if not steps.due():
+                self._publish_events(engine)
                 continue
             self._debug_crash()
-            engine.step()
-            worked = engine.scheduler.last_step_worked
-            self._answer_awaiting()
-            self._publish_tokens()
-            self._publish_events()
-
-    def _answer_awaiting(self) -> None:
-        """Commands applied in the step just run: give their callers the results (a chunk
-        whose other ranks' shards have not come yet waits)."""
-        waiting = []
-        for cmd, size, done in self._awaiting:
-            if not cmd.applied:
-                waiting.append((cmd, size, done))
-            elif cmd.error is not None:
-                _fail(done, ValueError(cmd.error))
-            else:
-                _resolve(done, size)
-        self._awaiting = waiting
+            steps.step()
+            self._writes.answer()
+            self._requests.publish(engine.scheduler)
+            self._publish_events(engine)
 
     def _debug_crash(self) -> None:
-        """Test hook (`--debug-crash-on-prompt-token`): a step with a request whose prompt
-        holds the token raises, as a bug in the batched forward would."""
+        """Test hook (`debug_crash_on_token`): raise before a step with a request whose
+        prompt holds the token."""
         token = self._debug_crash_on_token
-        if token is not None and any(token in t.req.prompt_ids for t in self._tracked.values()):
+        if token is not None and self._requests.holds_prompt_token(token):
             raise RuntimeError(f"debug crash: a prompt holds token {token}")
 
-    def _wake(self) -> None:
-        """A transfer or storage ACK's work finished (on a worker thread): wake a step loop
-        that blocks on the command queue, so the ACK is consumed at once, not after
-        `idle_wait_s`."""
-        self._commands.put((_nothing, _WAKE))
-
-    def _run_commands(self, block: bool) -> None:
-        try:
-            item = self._commands.get(timeout=self._idle_wait_s if block else 0)
-        except queue.Empty:
-            return
-        _run_command(*item)
-        while True:
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            _run_command(*item)
-
-    def _publish_tokens(self) -> None:
-        updates = []
-        for rid, t in list(self._tracked.items()):
-            req = t.req
-            new = req.output_ids[t.sent :]
-            finished = req.finish_reason is not None
-            self._report_admission(t)
-            self._note_holding(t)
-            if req.export_from is not None:  # P/D prefill: no tokens, the KV is the result
-                if finished:
-                    self._report_export(rid, t)
-                continue
-            if not new and not finished:
-                continue
-            logprobs = tuple(req.logprobs[t.sent : t.sent + len(new)])
-            t.sent += len(new)
-            self.generated_tokens += len(new)
-            updates.append(
-                TokenUpdate(
-                    t.request_id,
-                    list(new),
-                    prompt_tokens=req.prompt_len,
-                    cached_device=req.cached.device,
-                    cached_host=req.cached.host,
-                    finished=finished,
-                    finish_reason=req.finish_reason,
-                    error=req.error,
-                    received=_received(req),
-                    logprobs=logprobs,
-                    cached_storage=req.cached.storage,
-                )
-            )
-            if finished:
-                self._untrack(rid, t)
-        sched = self.engine.scheduler if self.engine else None
-        if sched is not None:
-            inflight = sum(r.prompt_len + r.sampling.max_new_tokens for r in sched.running)
-            self.load = LoadInfo(len(sched.running), len(sched.waiting), inflight)
-        if updates:
-            self._loop.call_soon_threadsafe(self._outbox.tokens, updates)
-
-    def _note_holding(self, t: _Tracked) -> None:
-        """Publish what the engine now does with `t` (for `holding`), when it changed."""
-        req = t.req
-        holding = _HOLDING.get(req.state)
-        if holding is None:  # receiving, or finished (untracked below)
-            remote = req.remote
-            if req.state is not ReqState.RECEIVING or remote is None:
-                return
-            received = max(remote.received_end - max(remote.prefix_len, 0), 0)
-            if t.holding.state == "receiving" and t.holding.received_len == received:
-                return
-            holding = Holding("receiving", received)
-        elif holding is t.holding:
-            return
-        t.holding = holding
-        self._set_holding(t.request_id, holding)
-
-    def _untrack(self, rid: int, t: _Tracked) -> None:
-        del self._tracked[rid]
-        self._by_request.pop(t.request_id, None)
-        self._set_holding(t.request_id, None)
-
-    def _report_admission(self, t: _Tracked) -> None:
-        fut, req = t.admitted, t.req
-        if fut is None or fut.done() or req.remote is None:
-            return
-        if req.remote.prefix_len >= 0:
-            _resolve(fut, Admission(req.remote.prefix_len, req.cached.device, req.cached.host))
-        elif req.finish_reason is not None:
-            _fail(fut, RuntimeError(f"request ended before admission: {req.finish_reason}"))
-
-    def _report_export(self, rid: int, t: _Tracked) -> None:
-        req = t.req
-        self._untrack(rid, t)
-        if req.export is not None:
-            export, cached = req.export, req.cached
-            self._loop.call_soon_threadsafe(self._outbox.exported, t.request_id, export, cached)
-            return
-        error = req.error or RequestError(f"prefill ended without KV ({req.finish_reason})", 500)
-        update = TokenUpdate(
-            t.request_id,
-            [],
-            prompt_tokens=req.prompt_len,
-            cached_device=0,
-            cached_host=0,
-            finished=True,
-            finish_reason=None,
-            error=error,
-        )
-        self._loop.call_soon_threadsafe(self._outbox.tokens, [update])
-
-    def _publish_events(self) -> None:
-        assert self.engine is not None
-        events = self.engine.cache.drain_events()
+    def _publish_events(self, engine: Engine) -> None:
+        events = engine.cache.drain_events()
         if events:
             self._loop.call_soon_threadsafe(self._outbox.kv_events, events)
 
@@ -538,48 +347,18 @@ class EngineRunner:
         """Refuse all further commands, fail the queued ones, then tell the service (after
         any token updates already scheduled). Called once, from the runner thread or the
         rank watcher; the runner thread also fails what only it touches (`_fail_local`)."""
-        with self._lock:
-            if self._dead is not None:
-                return
-            self._dead, self._suspect = reason, suspect
-        while True:
-            try:
-                _, done = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            _fail(done, EngineCrashedError(reason, held=False))  # never reached the engine
+        if not self._inbox.close(reason, suspect):
+            return
         if threading.current_thread() is self._thread:
             self._fail_local(reason, suspect)
         self._loop.call_soon_threadsafe(self._outbox.crashed, reason, suspect)
 
     def _fail_local(self, reason: str, suspect: bool) -> None:
         """Runner thread: fail every admission and command result still awaited."""
-        for t in self._tracked.values():
-            if t.admitted is not None:
-                _fail(t.admitted, EngineCrashedError(reason, held=suspect))
-        for _, _, done in self._awaiting:
-            _fail(done, EngineCrashedError(reason, held=suspect))
-        self._tracked.clear()
-        self._by_request.clear()
-        self._awaiting.clear()
-        with self._holding_lock:
-            self._holding.clear()
+        self._requests.fail_all(lambda: EngineCrashedError(reason, held=suspect))
+        self._writes.fail_all(lambda: EngineCrashedError(reason, held=suspect))
 
 
 def _rank_crash(cause: RankExit) -> tuple[str, bool]:
     """The crash reason a dead rank gives, and whether its engine's requests are suspects."""
     return cause.describe(), not cause.external
-
-
-def _resolve(done: Future[Any], result: Any) -> None:
-    """Give `done` its result unless its caller gave up on it (cancelled: a caller's
-    asyncio wrapper cancels it on shutdown), which must not fail the command."""
-    if not done.done():
-        with contextlib.suppress(InvalidStateError):
-            done.set_result(result)
-
-
-def _fail(done: Future[Any], error: BaseException) -> None:
-    if not done.done():
-        with contextlib.suppress(InvalidStateError):
-            done.set_exception(error)

@@ -1,0 +1,43 @@
+"""An engine's configuration: one frozen dataclass, identical on every rank of its world."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.model.config import resolve_dtype
+from gpu_worker.parallel.config import ParallelConfig
+from gpu_worker.scheduler.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DebugHooks:
+    """Test hooks; part of the config, so identical on every rank."""
+
+    disable_agreement: str = "none"  # "pp_sync", "tp_min", "all": ranks use their own counts
+    rank_raise: tuple[int, int] | None = None  # (rank, token): that rank raises on admission
+    perturb_sampler: bool = False  # every request's 3rd output token becomes (token + 1) % vocab
+    silent_flush: bool = False  # a flush drops the cache without KV events (a stale index)
+    layer_delay_s: float = 0.0  # every decoder layer first sleeps this long (a slow forward)
+
+    def __post_init__(self) -> None:
+        if not self.layer_delay_s >= 0:
+            raise ValueError(f"layer_delay_s must be >= 0, got {self.layer_delay_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "tiny"  # a preset name or a Hugging Face checkpoint directory
+    dtype: str = "float64"
+    device: str = "cpu"
+    seed: int = 0  # random weights of a preset
+    context_len: int | None = None  # defaults to the model's
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # every row's result independent of its batch (SGLang's --enable-deterministic-inference)
+    batch_invariant: bool = False
+    debug: DebugHooks = field(default_factory=DebugHooks)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.model, self.device))

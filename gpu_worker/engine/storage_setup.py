@@ -1,0 +1,65 @@
+"""An engine rank's L3 storage: which backend it writes to, and which stored objects hold
+its part of a page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.cache.storage_codec import StorageLayout
+from gpu_worker.engine.config import EngineConfig
+from gpu_worker.model.config import ModelConfig
+from gpu_worker.model.shard import ModelShard
+from gpu_worker.storage import StorageBackend, StorageConfig, default_storage_dir, make_backend
+from gpu_worker.storage.layout import StorageNamespace, shard_cells, shard_names
+
+
+def storage_layout(config: EngineConfig, mc: ModelConfig, rank: int) -> StorageLayout:
+    """Which stored objects hold world rank `rank`'s part of a page of model `mc` (a
+    clear error, naming the flag, when the unified grid does not fit the rank's shard).
+
+    MLA's latent is replicated over TP: under either key scheme only TP rank 0 of each
+    stage writes a page's objects, and every TP rank reads those (rank-suffix: all name
+    them `tp0of{T}...`; unified: `mla_replicated` cells have no `_H`)."""
+    cc, par = config.cache, config.parallel
+    tp_rank = par.coords(rank).tp
+    names = shard_names(par, rank, replicated=mc.mla)
+    if cc.hicache_storage_key_scheme != "unified":
+        writes = tp_rank == 0 or not mc.mla
+        return StorageLayout(names.shard, layout=names.layout, writes=writes)
+    namespace = StorageNamespace(
+        model=config.model,
+        kv_dtype=config.dtype,
+        page_size=cc.page_size,
+        replication="mla_replicated" if mc.mla else "mha_sharded",
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.kv_head_dim,
+        num_layers=mc.num_layers,
+        layer_partition=cc.storage_layer_partition or mc.num_layers,
+        head_partition=cc.storage_head_partition,
+    )
+    model_shard = ModelShard.of(mc, par, rank)
+    heads = model_shard.kv_heads(mc)
+    cells = shard_cells(
+        namespace,
+        (model_shard.layers.start, model_shard.layers.stop),
+        (heads.start, heads.stop),
+        tp_rank,
+    )
+    return StorageLayout(names.shard, namespace, cells, names.layout)
+
+
+def storage_backend(cc: CacheConfig) -> StorageBackend | None:
+    """External storage for this rank, when a backend is configured."""
+    if cc.hicache_storage_backend is None:
+        return None
+    return make_backend(
+        StorageConfig(
+            backend=cc.hicache_storage_backend,
+            directory=Path(cc.hicache_storage_dir or default_storage_dir()),
+            capacity_bytes=None
+            if cc.hicache_storage_size_gb is None
+            else int(cc.hicache_storage_size_gb * 1e9),
+            key_file=Path(cc.hicache_storage_key_file) if cc.hicache_storage_key_file else None,
+        )
+    )
