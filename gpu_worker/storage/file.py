@@ -5,10 +5,12 @@ Layout: `DIR/<first 2 chars of key>/<key>` (the fan-out keeps any one directory 
 `DIR/<fan>/.tmp-<pid>-<random>` files while a put is in flight. Keys never start with ".",
 so none of the backend's own names can collide with an object.
 
-FileBackend ties together pieces that each do one job: the object format and its MAC
-(`file_format`), the MAC key (`file_key`), filesystem primitives (`file_fs`), the
-quarantine (`file_quarantine`), the start-up scan (`file_scan`) and the LRU that accounts
-for capacity (`file_index`). Their docstrings say more.
+FileBackend keeps the interface and the per-object read and write I/O, and ties together
+pieces that each do one job: the object format and its MAC (`file_format`), the MAC key
+(`file_key`), filesystem primitives (`file_fs`), the quarantine (`file_quarantine`), the
+start-up scan thread (`file_scan`), the LRU that accounts for capacity (`file_index`) and
+the thread-safe books that hold it with the counters behind `stats()` (`file_books`).
+Their docstrings say more.
 
 A root this user owns is tightened to 0700 (set explicitly, whatever the umask): stored KV
 is derived from users' prompts.
@@ -41,7 +43,8 @@ process touched meanwhile. Until it ends the cap may be exceeded; the next put a
 evicts down to the cap. Recency is a logical order (the OrderedDict), not time; mtime is
 used only once, to seed the order from a previous run.
 
-Thread safety: one lock guards the LRU index and the counters; file I/O runs outside it.
+Thread safety: one lock, owned by the books (`file_books`), guards the LRU index and the
+counters; file I/O runs outside it.
 """
 
 from __future__ import annotations
@@ -50,16 +53,10 @@ import contextlib
 import logging
 import os
 import secrets
-import stat
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from types import MappingProxyType
 
 from gpu_worker.storage.base import (
-    QUARANTINE_REASONS,
-    WRITE_FAILURES,
     QuarantineReason,
     StorageBackend,
     StorageConfig,
@@ -70,21 +67,22 @@ from gpu_worker.storage.base import (
     is_valid_key,
     register_backend,
 )
+from gpu_worker.storage.file_books import FileBooks
 from gpu_worker.storage.file_format import HEADER as HEADER
 from gpu_worker.storage.file_format import byte_view, encode_header, verify_into
 from gpu_worker.storage.file_format import file_size as file_size
 from gpu_worker.storage.file_fs import (
-    DIR_MODE,
     FILE_MODE,
+    fan_dirs,
     link_no_replace,
     listdir,
     make_private_dir,
+    make_root,
     sync_dirs,
     unlink,
     write_failure_reason,
 )
 from gpu_worker.storage.file_fs import TMP_PREFIX as TMP_PREFIX
-from gpu_worker.storage.file_index import LruIndex
 from gpu_worker.storage.file_key import KEY_FILE, load_key
 from gpu_worker.storage.file_quarantine import QUARANTINE_DIR as QUARANTINE_DIR
 from gpu_worker.storage.file_quarantine import (
@@ -93,20 +91,10 @@ from gpu_worker.storage.file_quarantine import (
     quarantine_path,
     trim_quarantine,
 )
-from gpu_worker.storage.file_scan import STALE_TMP_S, scan_fans
+from gpu_worker.storage.file_scan import STALE_TMP_S as STALE_TMP_S
+from gpu_worker.storage.file_scan import StartupScan
 
 log = logging.getLogger(__name__)
-
-WARN_INTERVAL_S = 60.0  # at most one write-failure warning per reason per interval
-
-
-@dataclass(slots=True)
-class _Counters:
-    num_reads: int = 0
-    num_hits: int = 0
-    num_misses: int = 0
-    num_written: int = 0
-    num_evictions: int = 0
 
 
 class FileBackend(StorageBackend):
@@ -115,30 +103,22 @@ class FileBackend(StorageBackend):
     def __init__(self, config: StorageConfig) -> None:
         super().__init__(config)
         self.root = str(config.directory)
-        self._lock = threading.Lock()
-        self._index = LruIndex()  # the known objects and their bytes; under self._lock
-        self._counters = _Counters()
-        self._quarantined = dict.fromkeys(QUARANTINE_REASONS, 0)
-        self._write_failures = dict.fromkeys(WRITE_FAILURES, 0)
-        self._last_warned: dict[str, float] = {}  # reason -> time.monotonic() of its warning
         self._closed = False
-        self._capacity = config.capacity_bytes  # None: the default, set by the scan
-        if self._capacity is None:
+        capacity = config.capacity_bytes  # None: the default, set by the scan
+        if capacity is None:
             # until the scan knows the store's size: the bound without the free-space term,
             # so that nothing is evicted or refused for a size not yet known
-            self._capacity = default_capacity_bytes(self.root, None)
-        self._quarantine_objects = self._quarantine_bytes = self._quarantine_dropped = 0
-        self._make_root()
+            capacity = default_capacity_bytes(self.root, None)
+        self._books = FileBooks(capacity)
+        make_root(self.root)
         key_file = config.key_file
         self._mac_key = load_key(
             str(key_file or os.path.join(self.root, KEY_FILE)), create=key_file is None
         )
-        self._scanned = threading.Event()
-        self._cancel_scan = threading.Event()
-        self._scan_thread = threading.Thread(
-            target=self._scan, name="storage-file-scan", daemon=True
+        self._scan = StartupScan(
+            self.root, self._books, config.capacity_bytes is None, self._trim_quarantine
         )
-        self._scan_thread.start()
+        self._scan.start()
 
     # ---------------------------------------------------------------- interface
 
@@ -149,9 +129,9 @@ class FileBackend(StorageBackend):
             try:
                 st = os.stat(self._path(key))
             except OSError:
-                self._forget(key)
+                self._books.forget(key)
                 return i
-            self._touch(key, st.st_size)
+            self._books.touch(key, st.st_size)
         return len(keys)
 
     def get(self, keys: Sequence[str], out: Sequence[memoryview]) -> int:
@@ -184,61 +164,40 @@ class FileBackend(StorageBackend):
         return len(keys)
 
     def stats(self) -> StorageStats:
-        with self._lock:
-            c = self._counters
-            return StorageStats(
-                num_objects=len(self._index),
-                num_bytes=self._index.used_bytes,
-                scanned=self._scanned.is_set(),
-                num_reads=c.num_reads,
-                num_hits=c.num_hits,
-                num_misses=c.num_misses,
-                num_written=c.num_written,
-                num_evictions=c.num_evictions,
-                quarantined=MappingProxyType(dict(self._quarantined)),
-                write_failures=MappingProxyType(dict(self._write_failures)),
-                capacity_bytes=self._capacity or 0,
-                quarantine_objects=self._quarantine_objects,
-                quarantine_bytes=self._quarantine_bytes,
-                quarantine_dropped=self._quarantine_dropped,
-            )
+        return self._books.stats(scanned=self._scan.done)
 
     def clear(self) -> None:
         """Also stops the start-up scan (its view would be stale) and empties the
         quarantine. Leaves temp files alone: removing one would fail its writer's put."""
         self._check_open()
-        self._stop_scan()
-        for fan in self._fan_dirs():
+        self._scan.stop()
+        for fan in fan_dirs(self.root):
             for name in listdir(fan):
                 if is_valid_key(name):
                     unlink(os.path.join(fan, name))
-                    self._forget(name)
+                    self._books.forget(name)
         empty_quarantine(self.root)
-        with self._lock:
-            self._index.clear()
-            self._quarantine_objects = self._quarantine_bytes = 0
+        self._books.clear()
 
     def close(self) -> None:
         if self._closed:
             return
-        self._stop_scan()
+        self._scan.stop()
         self._closed = True
 
     # ---------------------------------------------------------------- extras
 
     def wait_until_scanned(self, timeout: float | None = None) -> bool:
         """Block until the start-up scan has finished (or was stopped); False on timeout."""
-        return self._scanned.wait(timeout)
+        return self._scan.wait(timeout)
 
     def check_integrity(self) -> None:
         """Assert the bookkeeping invariants; tests call it."""
-        with self._lock:
-            self._index.check()
+        self._books.check_integrity()
 
     def lru_keys(self) -> list[str]:
         """The known keys, least recently used first (a copy, for tests and debugging)."""
-        with self._lock:
-            return list(self._index.sizes)
+        return self._books.lru_keys()
 
     # ---------------------------------------------------------------- reads
 
@@ -246,31 +205,25 @@ class FileBackend(StorageBackend):
         """Read and verify one object into `out`; count it; quarantine it if bad."""
         if self.config.delay_s_per_get > 0:
             time.sleep(self.config.delay_s_per_get)
-        with self._lock:
-            self._counters.num_reads += 1
-            limit = self.config.fail_get_after
-            if limit is not None and self._counters.num_hits >= limit:
-                self._counters.num_misses += 1
-                return False
+        if not self._books.count_read(self.config.fail_get_after):
+            return False
         path = self._path(key)
         try:
             with open(path, "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())
                 failure = verify_into(f, st.st_size, key, out, self._mac_key)
         except FileNotFoundError:
-            self._forget(key, miss=True)  # never stored, or removed by another process
+            self._books.forget(key, miss=True)  # never stored, or removed by another process
             return False
         except OSError as exc:  # e.g. EIO: a miss, but the object may be fine later
-            if self._should_warn("read_error"):
+            if self._books.should_warn("read_error"):
                 log.warning("storage read of %s failed: %s (logged once a minute)", key, exc)
-            self._forget(key, miss=True)
+            self._books.forget(key, miss=True)
             return False
         if failure is not None:
             self._quarantine(key, path, st, failure)
             return False
-        with self._lock:
-            self._counters.num_hits += 1
-            self._index.touch(key, st.st_size)
+        self._books.count_hit(key, st.st_size)
         return True
 
     def _quarantine(
@@ -284,10 +237,7 @@ class FileBackend(StorageBackend):
             log.warning("storage object %s: quarantine failed (%s); deleting it", key, exc)
             target = "(deleted)"
             unlink(path)
-        with self._lock:
-            self._quarantined[reason] += 1
-            self._counters.num_misses += 1
-            self._index.forget(key)
+        self._books.count_quarantined(key, reason)
         log.warning("storage object %s failed verification (%s): moved to %s", key, reason, target)
         self._trim_quarantine()
 
@@ -296,9 +246,7 @@ class FileBackend(StorageBackend):
         count, total, dropped = trim_quarantine(
             self.root, self.config.quarantine_max_objects, self.config.quarantine_max_bytes
         )
-        with self._lock:
-            self._quarantine_objects, self._quarantine_bytes = count, total
-            self._quarantine_dropped += dropped
+        self._books.set_quarantine(count, total, dropped)
 
     # ---------------------------------------------------------------- writes
 
@@ -315,13 +263,10 @@ class FileBackend(StorageBackend):
             self._log_write_error(key, exc)
             return write_failure_reason(exc)
         else:
-            self._touch(key, st.st_size)
+            self._books.touch(key, st.st_size)
             return None
         size = file_size(key, payload.nbytes)
-        with self._lock:
-            victims = self._index.reserve(size, batch, self._capacity or 0)
-            if victims is not None:
-                self._counters.num_evictions += len(victims)
+        victims = self._books.reserve(size, batch)
         if victims is None:
             return "full"
         for victim in victims:
@@ -329,15 +274,10 @@ class FileBackend(StorageBackend):
         try:
             published = self._write_file(key, path, payload, new_dirs)
         except OSError as exc:
-            with self._lock:
-                self._index.pending_bytes -= size
+            self._books.release(size)
             self._log_write_error(key, exc)
             return write_failure_reason(exc)
-        with self._lock:
-            self._index.pending_bytes -= size
-            if published:
-                self._counters.num_written += 1
-            self._index.touch(key, size)
+        self._books.count_written(key, size, published)
         return None
 
     def _write_file(self, key: str, path: str, payload: memoryview, new_dirs: set[str]) -> bool:
@@ -362,9 +302,8 @@ class FileBackend(StorageBackend):
         return published
 
     def _record_write_failure(self, reason: WriteFailure, key: str) -> None:
-        with self._lock:
-            self._write_failures[reason] += 1
-        if self._should_warn(reason):
+        self._books.count_write_failure(reason)
+        if self._books.should_warn(reason):
             log.warning(
                 "storage put stopped at %s: %s (%s); further %r failures are counted in "
                 "stats and logged at most once a minute",
@@ -374,90 +313,14 @@ class FileBackend(StorageBackend):
                 reason,
             )
 
-    def _should_warn(self, kind: str) -> bool:
-        """True at most once per WARN_INTERVAL_S for each kind (rate-limits log lines)."""
-        now = time.monotonic()
-        with self._lock:
-            last = self._last_warned.get(kind)
-            if last is not None and now - last < WARN_INTERVAL_S:
-                return False
-            self._last_warned[kind] = now
-            return True
-
     @staticmethod
     def _log_write_error(key: str, exc: OSError) -> None:
         log.debug("storage put of %s failed: %s", key, exc)
 
-    # ---------------------------------------------------------------- LRU
-
-    def _touch(self, key: str, size: int) -> None:
-        with self._lock:
-            self._index.touch(key, size)
-
-    def _forget(self, key: str, miss: bool = False) -> None:
-        with self._lock:
-            self._index.forget(key)
-            if miss:
-                self._counters.num_misses += 1
-
-    # ---------------------------------------------------------------- start-up scan
-
-    def _scan(self) -> None:
-        """Learn the objects already in the directory, oldest mtime least recently used."""
-        found: list[tuple[int, str, int]] = []  # (mtime_ns, key, size)
-        stale_before = time.time() - STALE_TMP_S
-        try:
-            scan_fans(self._fan_dirs(), stale_before, self._cancel_scan, found)
-        except OSError as exc:
-            log.warning("storage scan of %s stopped: %s", self.root, exc)
-        finally:
-            if not self._cancel_scan.is_set():
-                self._merge_scan(found)
-                self._trim_quarantine()
-            self._scanned.set()
-
-    def _merge_scan(self, found: list[tuple[int, str, int]]) -> None:
-        """Put scanned objects behind everything touched while the scan ran; fix the
-        default cap now that the store's size is known."""
-        with self._lock:
-            self._index.merge_older(found)
-            used = self._index.used_bytes
-        if self.config.capacity_bytes is None:
-            with contextlib.suppress(OSError):
-                cap = default_capacity_bytes(self.root, used)
-                with self._lock:
-                    self._capacity = cap
-
-    def _stop_scan(self) -> None:
-        self._cancel_scan.set()
-        self._scan_thread.join()
-
     # ---------------------------------------------------------------- paths
-
-    def _make_root(self) -> None:
-        """Create the directory (0700); tighten it to 0700 when this user owns it."""
-        try:
-            parent = os.path.dirname(os.path.abspath(self.root))
-            os.makedirs(parent, exist_ok=True)
-            if make_private_dir(self.root):
-                return
-            st = os.stat(self.root)
-            if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != DIR_MODE:
-                os.chmod(self.root, DIR_MODE)
-                log.info("storage directory %s: mode set to 0700", self.root)
-        except OSError as exc:  # a read-only store may still be read
-            log.warning("storage directory %s could not be created: %s", self.root, exc)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key[:2], key)
-
-    def _fan_dirs(self) -> list[str]:
-        """The fan-out directories (names not starting with ".")."""
-        return [
-            os.path.join(self.root, name)
-            for name in listdir(self.root)
-            if not name.startswith(".") and os.path.isdir(os.path.join(self.root, name))
-        ]
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,5 +1,6 @@
 """Filesystem primitives of the `file` storage backend: private modes, directory creation,
-atomic publication of a written temp file, directory fsync, and classifying write errors.
+atomic publication of a written temp file, directory fsync, classifying write errors, and
+the store's root and fan-out directories.
 
 Permissions: object and key files are 0600, the directories the backend makes 0700 (set
 explicitly, whatever the umask): stored KV is derived from users' prompts.
@@ -9,10 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import stat
 from collections.abc import Iterable
 
 from gpu_worker.storage.base import WriteFailure
+
+log = logging.getLogger(__name__)
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
@@ -32,6 +37,22 @@ def make_private_dir(path: str) -> bool:
         return False
     os.chmod(path, DIR_MODE)
     return True
+
+
+def make_root(root: str) -> None:
+    """Create the store's directory `root` (0700); tighten it to 0700 when this user owns
+    it. Only logs a failure: a read-only store may still be read."""
+    try:
+        parent = os.path.dirname(os.path.abspath(root))
+        os.makedirs(parent, exist_ok=True)
+        if make_private_dir(root):
+            return
+        st = os.stat(root)
+        if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != DIR_MODE:
+            os.chmod(root, DIR_MODE)
+            log.info("storage directory %s: mode set to 0700", root)
+    except OSError as exc:  # a read-only store may still be read
+        log.warning("storage directory %s could not be created: %s", root, exc)
 
 
 def write_failure_reason(exc: OSError) -> WriteFailure:
@@ -82,3 +103,12 @@ def unlink(path: str) -> None:
     """os.unlink, ignoring a file already gone."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def fan_dirs(root: str) -> list[str]:
+    """The fan-out directories under `root` (names not starting with ".")."""
+    return [
+        os.path.join(root, name)
+        for name in listdir(root)
+        if not name.startswith(".") and os.path.isdir(os.path.join(root, name))
+    ]
