@@ -115,3 +115,20 @@ def test_split_and_new_nodes_keep_owner_rotations_consistent() -> None:
     n.owner_rotation = 1  # off its path's cycle
     with pytest.raises(AssertionError, match="owner rotation"):
         tree.check_integrity()
+
+
+def test_owner_rotations_follow_the_path_with_three_cp_ranks() -> None:
+    """With CP size 3, a node starting at page p of its path has rotation p % 3, whatever
+    splits and leaves made it."""
+    tree = RadixTree(2, cp_size=3)
+    tree.insert(list(range(14)), dev(*range(7)))  # one node, pages 0..6
+    tree.match_prefix(list(range(4)))  # split after 2 pages: the lower part starts at page 2
+    tree.insert([*range(10), 99, 99], dev(*range(10, 16)))  # split after page 5, new leaf
+    starts = {}
+    for node in tree.iter_nodes():
+        start = node.path_len() - len(node.key)
+        starts[start // 2] = node.owner_rotation
+    assert starts == {0: 0, 2: 2, 5: 2}, starts
+    tree.check_integrity()
+    with pytest.raises(ValueError, match="cp_size"):
+        RadixTree(2, cp_size=0)

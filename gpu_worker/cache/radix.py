@@ -127,14 +127,22 @@ class RadixTree:
     """Page-aligned radix tree. See the module docstring for the invariants."""
 
     def __init__(
-        self, page_size: int, namespace: str | None = None, record_events: bool = True
+        self,
+        page_size: int,
+        namespace: str | None = None,
+        record_events: bool = True,
+        cp_size: int = 1,
     ) -> None:
         """With a `namespace`, nodes carry chained page hashes (bus_schemas.page_hash: the
         names of their objects in external storage) and, with `record_events`, every tier
-        change is recorded in `event_log` for the KV-event stream."""
+        change is recorded in `event_log` for the KV-event stream. `cp_size`: the CP ranks
+        a path's pages go round-robin over (`TreeNode.owner_rotation`)."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
+        if cp_size <= 0:
+            raise ValueError(f"cp_size must be positive, got {cp_size}")
         self.page_size = page_size
+        self.cp_size = cp_size
         self.namespace = namespace
         self.record_events = record_events
         self.event_log = KVEventLog(namespace is not None and record_events)
@@ -164,9 +172,10 @@ class RadixTree:
         node.last_access = clock
         if parent is not None:
             parent.children[child_key(key, self.page_size)] = node
-            node.owner_rotation = next_owner_rotation(
-                parent.owner_rotation, len(parent.key) // self.page_size
-            )
+            if self.cp_size > 1:  # else every rotation is 0 (TreeNode's default)
+                node.owner_rotation = next_owner_rotation(
+                    parent.owner_rotation, len(parent.key) // self.page_size, self.cp_size
+                )
             if self.namespace is not None:
                 assert parent.page_hashes is not None
                 node.page_hashes = chain_hashes(parent.page_hashes[-1], key, self.page_size)
@@ -190,7 +199,8 @@ class RadixTree:
         upper.in_storage = node.in_storage
         upper.owner_rotation = node.owner_rotation
         pages = at // ps
-        node.owner_rotation = next_owner_rotation(node.owner_rotation, pages)
+        if self.cp_size > 1:
+            node.owner_rotation = next_owner_rotation(node.owner_rotation, pages, self.cp_size)
         if node.device_page_ids is not None:
             upper.device_page_ids = node.device_page_ids[:pages]
             node.device_page_ids = node.device_page_ids[pages:]
@@ -403,7 +413,9 @@ class RadixTree:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the tree is broken."""
-        tree_check.check_integrity(self.page_size, list(self.iter_nodes()), self.tiers)
+        tree_check.check_integrity(
+            self.page_size, list(self.iter_nodes()), self.tiers, self.cp_size
+        )
 
     def device_page_set(self) -> set[int]:
         return {p for n in self.iter_nodes() for p in (n.device_page_ids or [])}

@@ -12,9 +12,12 @@ from gpu_worker.cache.tree_tiers import TreeTiers
 from gpu_worker.cache.tree_walk import child_key
 
 
-def check_integrity(page_size: int, nodes: list[TreeNode], tiers: TreeTiers) -> None:
+def check_integrity(
+    page_size: int, nodes: list[TreeNode], tiers: TreeTiers, cp_size: int = 1
+) -> None:
     """Raise AssertionError if any invariant of a tree is broken: `nodes` are all of its
-    nodes but the roots, `tiers` its tier state."""
+    nodes but the roots, `tiers` its tier state, `cp_size` the CP ranks its pages go
+    round-robin over."""
     ps = page_size
     device_seen: set[int] = set()
     host_seen: set[int] = set()
@@ -27,7 +30,7 @@ def check_integrity(page_size: int, nodes: list[TreeNode], tiers: TreeTiers) -> 
         assert parent.children.get(child_key(n.key, ps)) is n, f"{n!r}: bad child link"
         assert n.on_device or n.on_host, f"{n!r}: holds no KV"
         _check_pins(n)
-        rotation = next_owner_rotation(parent.owner_rotation, len(parent.key) // ps)
+        rotation = next_owner_rotation(parent.owner_rotation, len(parent.key) // ps, cp_size)
         assert n.owner_rotation == rotation, f"{n!r}: owner rotation breaks its path's cycle"
         top = parent.parent is None
         if n.on_device:
