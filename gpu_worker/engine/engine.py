@@ -312,7 +312,7 @@ class Engine:
         long forward too, and not while it only waits (for a load, for KV from a prefill
         engine) or hangs. A plain int, read from other threads. On a pipeline, rank 0 does
         not move while later stages compute."""
-        return self.model.layers_run
+        return self.model.progress.layers_run
 
     def follow(self) -> None:
         """Ranks other than 0: step as rank 0 says until it sends Stop."""

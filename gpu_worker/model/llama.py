@@ -71,6 +71,15 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class LayerProgress:
+    """Decoder layers a model instance has run (read from other threads: an int is atomic)."""
+
+    __slots__ = ("layers_run",)
+
+    def __init__(self) -> None:
+        self.layers_run = 0
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and lm_head (maybe tied).
 
@@ -104,8 +113,10 @@ class LlamaModel(nn.Module):
         # needs the plain one); not a parameter, so checkpoints and shards never see it.
         self.packed_logits: torch.Tensor | None = None
         # decoder layers run so far: grows within a long forward, so a watcher on another
-        # thread (the engine service) tells a slow prefill from a hung one
-        self.layers_run = 0
+        # thread (the engine service) tells a slow prefill from a hung one. Counted in a
+        # plain object: `+=` on a Module attribute goes through `Module.__setattr__` (its
+        # parameter/buffer/module checks), which cost ~3 us a layer in every decode step.
+        self.progress = LayerProgress()
 
     @property
     def num_layers(self) -> int:
@@ -177,7 +188,7 @@ class LlamaModel(nn.Module):
         for layer_id, layer in enumerate(self.layers):
             kv_cache.before_attention(layer_id, batch)
             h = layer(h, rope, plan, kv_cache)
-            self.layers_run += 1
+            self.progress.layers_run += 1
         if not self.last_stage:
             return h  # (T, hidden)
         assert self.norm is not None
