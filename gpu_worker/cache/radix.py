@@ -143,6 +143,7 @@ class RadixTree:
             raise ValueError(f"cp_size must be positive, got {cp_size}")
         self.page_size = page_size
         self.cp_size = cp_size
+        self._splitter = self._split  # bound once: the walks of every request pass it
         self.namespace = namespace
         self.record_events = record_events
         self.event_log = KVEventLog(namespace is not None and record_events)
@@ -171,7 +172,8 @@ class RadixTree:
         self._next_id += 1
         node.last_access = clock
         if parent is not None:
-            parent.children[child_key(key, self.page_size)] = node
+            ps = self.page_size  # `child_key` inlined: one node per insert
+            parent.children[key[0] if ps == 1 else key[:ps].tobytes()] = node
             if self.cp_size > 1:  # else every rotation is 0 (TreeNode's default)
                 node.owner_rotation = next_owner_rotation(
                     parent.owner_rotation, len(parent.key) // self.page_size, self.cp_size
@@ -234,7 +236,7 @@ class RadixTree:
         device_parts: list[PageIds] = []  # joined once at the end: `array +=` per node
         host_parts: list[PageIds] = []  # reallocates (arrays grow by 1/16) and cost 3x more
         end = len(q) - len(q) % self.page_size
-        for node, _, pos in walk(root, q, end, self.page_size, self._split):
+        for node, _, pos in walk(root, q, end, self.page_size, self._splitter):
             node.last_access = clock
             node.hit_count += 1
             pages = node.device_page_ids
@@ -275,7 +277,7 @@ class RadixTree:
         clock = self._clock
         root = node = self._root_for(salt)
         pos = dup_len = 0
-        for node, start, pos in walk(root, q, end, ps, self._split):
+        for node, start, pos in walk(root, q, end, ps, self._splitter):
             node.last_access = clock
             if node.device_page_ids is None:  # host-only: the caller's pages revive it
                 self.tiers.add_device(node, page_ids_of(page_ids[start // ps : pos // ps]))
@@ -340,7 +342,7 @@ class RadixTree:
         pos, dup_end = 0, start_len
         unused: list[HostPageId] = []
         taking = True  # until a node past start_len already has (or is getting) a host copy
-        for node, start, pos in walk(root, q, end, ps, self._split):
+        for node, start, pos in walk(root, q, end, ps, self._splitter):
             node.last_access = clock
             if start < start_len:
                 continue
