@@ -84,10 +84,32 @@ def test_insert_host_takes_pages_past_the_host_prefix_and_returns_the_rest() -> 
     leaf = result.last_node
     assert list(leaf.key) == [5, 6] and leaf.host_page_ids == array("q", [7])
     assert leaf.device_page_ids is None and leaf.in_storage
-    # again: every node already has its host copy, so no page is taken; `dup_end` stops at
-    # the first node that had one (as before the walker: what it was, not what it might be)
+    # again: every node already has its host copy, so no page is taken, and `dup_end` is
+    # the range's end (the tree got nothing of it from storage)
     again = tree.insert_host([1, 2, 3, 4, 5, 6], [HostPageId(8), HostPageId(9)], 2)
-    assert (again.last_node, again.dup_end, again.unused_page_ids) == (leaf, 4, [8, 9])
+    assert (again.last_node, again.dup_end, again.unused_page_ids) == (leaf, 6, [8, 9])
+    tree.check_integrity()
+
+
+def test_insert_host_skips_host_copies_made_meanwhile_and_takes_what_follows() -> None:
+    """A backup that committed while the read ran gave the range's first node its host
+    copy: that page is not taken, the node after it still takes its page (before, nothing
+    past the first such node was taken, and `dup_end` claimed the rest came from storage)."""
+    tree = RadixTree(2)
+    tree.insert([1, 2, 3, 4, 5, 6], dev(0, 1, 2))
+    tree.match_prefix([1, 2, 3, 4, 9])  # split: a = [1, 2, 3, 4], c = [5, 6]
+    a = tree.match_prefix([1, 2, 9]).last_node  # split again: a = [1, 2], b = [3, 4]
+    b = tree.match_prefix([1, 2, 3, 4, 9]).last_node
+    c = tree.match_prefix([1, 2, 3, 4, 5, 6, 9]).last_node
+    assert [list(n.key) for n in (a, b, c)] == [[1, 2], [3, 4], [5, 6]]
+    for node, page in ((a, 5), (b, 6)):  # a was on the host at the read's start, b since
+        tree.tiers.mark_backup_pending(node, 0 if node is a else 2)
+        tree.tiers.lock(node)
+        tree.tiers.commit_backup(node, 0 if node is a else 2, [HostPageId(page)])
+        tree.tiers.unlock(node)
+    result = tree.insert_host([1, 2, 3, 4, 5, 6, 9], [HostPageId(7), HostPageId(8)], 2)
+    assert (result.dup_end, result.unused_page_ids) == (4, [7])
+    assert c.host_page_ids == array("q", [8]) and c.in_storage and not b.in_storage
     tree.check_integrity()
 
 

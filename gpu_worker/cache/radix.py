@@ -327,8 +327,10 @@ class RadixTree:
 
         Nodes past `start_len` without a host copy take the pages (a node on the device only
         gains its host copy; new host-only nodes are created where the path ends); they are
-        marked `in_storage`. From the first node that already has a host copy or a backup in
-        flight, pages are not taken (see `HostInsertResult` for what is returned).
+        marked `in_storage`. Nodes of the range that got their host copy meanwhile (a backup
+        committed while the read ran) form a prefix of it (the host tier is prefix-closed):
+        their pages are not taken, and `dup_end` ends after them. From a node with a backup
+        in flight on, nothing is taken (see `HostInsertResult` for what is returned).
         """
         q = as_token_ids(ids)
         ps = self.page_size
@@ -341,18 +343,19 @@ class RadixTree:
         root = node = self._root_for(salt)
         pos, dup_end = 0, start_len
         unused: list[HostPageId] = []
-        taking = True  # until a node past start_len already has (or is getting) a host copy
+        taking = True  # until a node past the host copies has a backup in flight
         for node, start, pos in walk(root, q, end, ps, self._splitter):
             node.last_access = clock
             if start < start_len:
                 continue
             pages = host[(start - start_len) // ps : (pos - start_len) // ps]
-            if taking and node.host_page_ids is None and not node.backup_pending:
+            if taking and node.host_page_ids is not None and dup_end == start:
+                dup_end = pos  # got its host copy meanwhile (a backup): the range's prefix
+                unused += [HostPageId(p) for p in pages]
+            elif taking and node.host_page_ids is None and not node.backup_pending:
                 node.in_storage = True
                 self.tiers.add_host(node, pages)
-            else:
-                if taking and node.host_page_ids is not None:
-                    dup_end = pos  # already on host: a prefix of the range
+            else:  # a backup in flight: neither it nor what follows can take host pages
                 taking = False
                 unused += [HostPageId(p) for p in pages]
         if pos < end and taking and pos >= start_len:
