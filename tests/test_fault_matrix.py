@@ -31,7 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import nats
+import nats.errors
 import pytest
+import redis.asyncio as aioredis
+import redis.exceptions
 from fault_helpers import (
     HEAL_TIMEOUT_S,
     Answer,
@@ -132,6 +136,19 @@ async def finish(
     assert not problems, f"{len(problems)} unclean answers: {problems[:5]}"
     await full_round(mesh.url, before.expected)
     assert await pools(mesh.url, mesh.spec.engine_ids) == before.pools
+
+
+async def still_authenticated(mesh: UpMesh) -> None:
+    """The restarted servers still refuse a client without credentials (issue 20,
+    acceptance 4: the processes reconnected with theirs, not to an open server)."""
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(mesh.nats_url(), allow_reconnect=False, connect_timeout=5)
+    r = aioredis.Redis.from_url(mesh.plain_redis_url())
+    try:
+        with pytest.raises(redis.exceptions.RedisError, match=r"(?i)auth|password"):
+            await r.get("hc:engines")
+    finally:
+        await r.aclose()
 
 
 async def recover(mesh: UpMesh, since: float, load: Load) -> float:
@@ -308,6 +325,7 @@ async def test_redis_killed(colo: UpMesh) -> None:
         took = await recover(colo, t0, load)
     assert not load.problems(frozenset({"ok"})), load.summary()
     assert colo.pid_of("redis") != before.pids["redis"]
+    await still_authenticated(colo)
     await finish(colo, before, load, "redis-server killed", took)
 
 
@@ -387,6 +405,7 @@ async def _nats_killed(mesh: UpMesh, name: str) -> None:
     assert not waited and not any(w in witness.detail for w in slow), (waited, witness)
     engines = mesh.spec.engine_ids
     assert mesh.pid_of("nats") != before.pids["nats"]
+    await still_authenticated(mesh)
     assert {e: mesh.pid_of(e) for e in engines} == {e: before.pids[e] for e in engines}
     assert await epochs(mesh.url, engines) == before.epochs  # reconnected, not restarted
     await finish(mesh, before, load, name, took)
