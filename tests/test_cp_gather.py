@@ -376,6 +376,9 @@ def test_sharded_pool_refuses_reads_it_did_not_gather() -> None:
     with pytest.raises(RuntimeError, match="before_attention"):
         pool.get_kv(2, slots)  # layer 1 was prefetched, layer 2 never gathered
     assert not pool.contiguous_slices
+    unaligned = ForwardBatch.build([([0] * 2, 4, slots + 1)], torch.device("cpu"))
+    with pytest.raises(ValueError, match="page-aligned"):
+        pool.before_attention(0, unaligned)
 
 
 def test_scratch_and_device_bytes() -> None:

@@ -15,8 +15,9 @@ logical pages (a batch's prefix pages, in logical order, say A B C). The gather:
 2. `pack_owned`: this rank copies its owned pages of the list, for one layer, from its pool
    into its chunk, the `send` buffer of `M` pages (`send[gathered[i] - rank * M]`). A chunk
    holding fewer than `M` pages keeps whatever its tail held (padding nobody maps).
-3. The caller all-gathers the `N` chunks (`dist.all_gather_into_tensor`, equal sizes), giving
-   the `(N * M, num_kv, page_size, num_kv_heads, head_dim)` gathered buffer on every rank;
+3. The caller all-gathers the `N` chunks (equal sizes: `dist.all_gather_single`, torch
+   2.13's name for `all_gather_into_tensor`), giving the `(N * M, num_kv, page_size,
+   num_kv_heads, head_dim)` gathered buffer on every rank;
    `send` may be chunk `rank` of that buffer itself (an in-place all-gather).
 
 Layouts. `pool` is the rank's device pool, `(num_layers, num_kv, num_local_slots,

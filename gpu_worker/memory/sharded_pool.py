@@ -283,7 +283,7 @@ class ShardedDeviceKVPool:
         if self.cp_size > 1 and m > 0:
             # bytes, bit-exact and a dtype every backend moves (gloo has no int16)
             out = pages[: plan.num_gathered_pages].view(-1).view(torch.uint8)
-            buf.work = dist.all_gather_into_tensor(
+            buf.work = dist.all_gather_single(
                 out, send.reshape(-1).view(torch.uint8), group=self.group, async_op=True
             )
         buf.layer, buf.plan, buf.consumed = layer, plan, False
@@ -335,15 +335,16 @@ def build_plan(
 ) -> CPGatherPlan:
     """The gather plan of `batch` (see `CPGatherPlan` and the module doc)."""
     p = layout.page_size
+    # the slot of each page's first position, for every request: one host copy
+    firsts = torch.cat([s[::p] for s in batch.slot_ids]).tolist() if batch.slot_ids else []
+    if any(x % p for x in firsts):
+        raise ValueError("CP sharding needs page-aligned slot_ids")
     prefix: dict[int, None] = {}  # ordered sets: logical order of first appearance
     new: dict[int, None] = {}
-    for seq_len, extend_len, slots in zip(
-        batch.seq_lens, batch.extend_lens, batch.slot_ids, strict=True
-    ):
-        firsts = slots[::p].tolist()  # the slot of each page's first position
-        if any(x % p for x in firsts):
-            raise ValueError("CP sharding needs page-aligned slot_ids")
-        pages = [x // p for x in firsts]
+    start = 0
+    for seq_len, extend_len in zip(batch.seq_lens, batch.extend_lens, strict=True):
+        pages = [x // p for x in firsts[start : start + -(-seq_len // p)]]
+        start += len(pages)
         num_prefix = -(-(seq_len - extend_len) // p)  # pages holding a prefix token
         prefix.update(dict.fromkeys(pages[:num_prefix]))
         new.update(dict.fromkeys(pages[num_prefix:]))
