@@ -284,6 +284,49 @@ WORLD_CASES = [
 ]
 
 
+class GatherReadPool(DeviceKVPool):
+    """A replicated pool that attention reads by slot gathers only, as it reads a sharded
+    one (the in-place decode path sums in another order, so its logits differ in the last
+    bits)."""
+
+    contiguous_slices = False
+
+
+@torch.no_grad()
+def model_oracle(preset: str, rank: int, world: int, group) -> None:
+    """The float64 preset's logits over chunked prefill, decode and a shared prefix are the
+    same with the sharded pool as with a replicated one, exactly."""
+    from gpu_worker.model import build_model
+
+    model = build_model(preset, torch.device("cpu"), torch.float64, seed=0)[1]
+    c = model.config
+    spec = KVSpec(c.num_layers, c.num_kv_heads, c.kv_head_dim, PAGE_SIZE, torch.float64, c.num_kv)
+    cpu = torch.device("cpu")
+    replicated = GatherReadPool(spec, 24, cpu)
+    sharded = ShardedDeviceKVPool(spec, 24, cpu, rank, world, group, check_reads=True)
+    sharded.kv.fill_(float("nan"))
+    pages = {"A": [0, 1, 2, 3], "B": [5, 6, 7], "C": [0, 1, 9, 10]}
+    tokens = {"A": list(range(30, 41)), "B": list(range(70, 76)), "C": [*range(30, 38), 90, 91]}
+    # passes: (request, prefix_len, new tokens); decode steps feed back the argmax
+    passes = [[("A", 0, 7), ("B", 0, 6)], [("A", 7, 4)], [("C", 8, 2)]]
+    passes += [[("A", 11 + i, 1), ("B", 6 + i, 1), ("C", 10 + i, 1)] for i in range(3)]
+    for step, seqs in enumerate(passes):
+        built = []
+        for name, prefix_len, num_new in seqs:
+            slots = replicated.slot_ids(pages[name], prefix_len + num_new)
+            built.append((tokens[name][prefix_len : prefix_len + num_new], prefix_len, slots))
+        want = model(ForwardBatch.build(built, cpu), replicated)
+        got = model(ForwardBatch.build(built, cpu), sharded)
+        assert not bool(want.isnan().any())
+        assert_bits_equal(got, want, f"{preset} pass {step} logits")
+        for (name, prefix_len, num_new), row in zip(seqs, want, strict=True):
+            if len(tokens[name]) == prefix_len + num_new:  # its next token: greedy
+                tokens[name].append(int(row.argmax()))
+
+
+MODEL_PRESETS = {2: ["tiny", "tiny-mla"], 4: ["tiny"]}
+
+
 def world_rank(rank: int, world: int, port: int, cases: list, results: mp.Queue) -> None:
     try:
         torch.set_num_threads(1)
@@ -311,6 +354,8 @@ def world_rank(rank: int, world: int, port: int, cases: list, results: mp.Queue)
             check_union(sharded, replicated, group)
             expected = (sharded.num_local_pages + 1) * spec.bytes_per_page
             assert sharded.device_bytes() == expected
+        for preset in MODEL_PRESETS[world]:
+            model_oracle(preset, rank, world, group)
         dist.destroy_process_group()
         results.put((rank, "ok"))
     except BaseException:
