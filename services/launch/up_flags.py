@@ -24,7 +24,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="NATS and Redis credentials made by `hicache-mesh credentials DIR` (for external "
-        "servers given those configs); default: fresh ones in up's work directory",
+        "servers given those configs); default: fresh ones in up's work directory at every "
+        "start, so restarting `up` rotates them",
     )
     tls = parser.add_argument_group("TLS for NATS and Redis (deployments across hosts)")
     tls.add_argument(
