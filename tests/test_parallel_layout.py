@@ -34,12 +34,21 @@ def test_ranks_are_stage_major() -> None:
         ParallelConfig(tp_size=0)
 
 
-def test_context_parallelism_is_refused_until_built() -> None:
+def test_context_parallel_ranks_sit_between_stage_and_tp() -> None:
+    """CP is accepted (issue 22); its ranks are numbered as the module says, and KV
+    sharding needs CP ranks to shard over (tests/test_cp_engine.py runs the engines)."""
     assert ParallelConfig(2, 3, cp_size=1) == ParallelConfig(2, 3)
-    with pytest.raises(ValueError, match="context parallelism is not supported yet"):
-        ParallelConfig(cp_size=2)
+    p = ParallelConfig(tp_size=2, pp_size=2, cp_size=2)
+    assert p.world_size == 8 and p.describe() == "TP2/PP2/CP2"
+    coords = [p.coords(r) for r in range(8)]
+    assert [(c.pp, c.cp, c.tp) for c in coords[:4]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert p.stage_world(1) == [4, 5, 6, 7] and p.cp_ranks(1, 1) == [5, 7]
+    assert ParallelConfig(2, 3).stage_world(2) == ParallelConfig(2, 3).stage_ranks(2)
+    assert ParallelConfig(cp_size=4, kv_sharding=True).describe() == "TP1/PP1/CP4 sharded"
     with pytest.raises(ValueError, match="--cp-size must be a positive integer"):
         ParallelConfig(cp_size=0)
+    with pytest.raises(ValueError, match=r"--enable-kv-cache-sharding .* needs --cp-size 2"):
+        ParallelConfig(kv_sharding=True)
 
 
 def test_rank_suffix_names_are_the_stored_ones_at_cp_1() -> None:

@@ -63,7 +63,8 @@ class RankDivergenceError(RuntimeError):
 
 
 def rank_label(groups: ParallelGroups) -> str:
-    return f"rank{groups.rank} PP{groups.pp_rank}/TP{groups.tp_rank}"
+    cp = f"/CP{groups.cp_rank}" if groups.config.cp_size > 1 else ""
+    return f"rank{groups.rank} PP{groups.pp_rank}{cp}/TP{groups.tp_rank}"
 
 
 class ConsensusRecorder:

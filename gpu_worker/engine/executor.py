@@ -11,9 +11,10 @@ outcomes at the same logical point.
 
 Guards: before the hidden states, a stage sends the batch's shape (tokens, requests), and
 the next stage refuses a batch it did not plan itself (`StageMismatchError`) instead of
-receiving a tensor of another size; with the rank consensus checker on, TP ranks also
-compare their batch shapes before the forward. Ranks that diverged then fail in Python, so
-the checker can report the decision that diverged first rather than a later crash.
+receiving a tensor of another size; with the rank consensus checker on, the TP (and CP)
+ranks of a stage also compare their batch shapes before the forward. Ranks that diverged
+then fail in Python, so the checker can report the decision that diverged first rather
+than a later crash.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class ModelExecutor:
         self.model_config_whole = model_config_whole
         self.groups = groups
         self.device = device
-        self.guard_tp = guard_tp and groups.tp_cpu is not None
+        self.guard_tp = guard_tp and groups.stage_cpu is not None
         self.sends = Sends()
 
     def run(
@@ -112,10 +113,10 @@ class ModelExecutor:
     def _check_tp_shape(self, shape: tuple[int, int]) -> None:
         g = self.groups
         t = torch.tensor([shape[0], shape[1], -shape[0], -shape[1]], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g.tp_cpu)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g.stage_cpu)
         if int(t[0]) != -int(t[2]) or int(t[1]) != -int(t[3]):
             raise StageMismatchError(
-                f"TP ranks of stage {g.pp_rank} planned different batches "
+                f"TP/CP ranks of stage {g.pp_rank} planned different batches "
                 f"({int(t[0])}..{-int(t[2])} tokens); {g.describe()} planned {shape[0]}"
             )
 

@@ -4,11 +4,14 @@ Torch-free, so launchers and flags can describe a layout without loading torch. 
 numbered stage-major, TP innermost: `rank = (pp_rank * cp_size + cp_rank) * tp_size +
 tp_rank`, so the ranks of one pipeline stage are consecutive, those of one TP group too, and
 world rank 0 is TP rank 0 of the first stage (the rank that talks to the engine service).
-With `cp_size` 1 (the only size supported yet) this is `pp_rank * tp_size + tp_rank`.
+With `cp_size` 1 this is `pp_rank * tp_size + tp_rank`.
 
-Context parallelism (CP) will shard a sequence's KV pages over `cp_size` ranks of a stage,
-each owning the pages of one owner class (`memory/allocator.py`); it is refused until it is
-built.
+Context parallelism (CP): `cp_size` ranks of a stage (each a whole TP group) run the same
+scheduler over the same logical pages. Their KV is either replicated (every CP rank holds
+every page) or, with `kv_sharding` (`--enable-kv-cache-sharding`), sharded by page: each
+rank holds the pages of its owner class (`parallel/cp_layout.py`) and gathers a layer's
+pages before attending (`memory/sharded_pool.py`). Every CP rank computes every token of a
+batch yet (no split prefill), so a CP engine's outputs are CP1's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ class RankCoords:
     """Where one world rank sits on each parallel axis."""
 
     pp: int  # pipeline stage
-    cp: int  # context-parallel rank within the stage (always 0 yet)
+    cp: int  # context-parallel rank within the stage
     tp: int  # tensor-parallel rank within its TP group
 
 
@@ -29,16 +32,18 @@ class RankCoords:
 class ParallelConfig:
     tp_size: int = 1  # --tp-size: KV heads (and attention/MLP weights) split across ranks
     pp_size: int = 1  # --pp-size: layers split across pipeline stages
-    cp_size: int = 1  # KV pages of a sequence split across ranks (not supported yet: 1)
+    cp_size: int = 1  # --cp-size: ranks of a stage that share a sequence's KV pages
+    kv_sharding: bool = False  # --enable-kv-cache-sharding: each CP rank keeps its pages only
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size", "cp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
-        if self.cp_size > 1:
+        if self.kv_sharding and self.cp_size == 1:
             raise ValueError(
-                f"context parallelism is not supported yet (cp_size {self.cp_size}); use 1"
+                "--enable-kv-cache-sharding shards pages over the CP ranks: it needs "
+                "--cp-size 2 or more"
             )
 
     @property
@@ -61,6 +66,12 @@ class ParallelConfig:
         the whole stage), in TP order."""
         return [self.rank_of(pp_rank, t, cp_rank) for t in range(self.tp_size)]
 
+    def stage_world(self, pp_rank: int) -> list[int]:
+        """Every world rank of stage `pp_rank` (its TP x CP ranks, consecutive): the ranks
+        that agree on rank 0's commands and the ready-ACK counts of a step."""
+        first = self.rank_of(pp_rank, 0, 0)
+        return list(range(first, first + self.tp_size * self.cp_size))
+
     def cp_ranks(self, pp_rank: int, tp_rank: int) -> list[int]:
         """The world ranks that share stage `pp_rank` and TP rank `tp_rank` (a CP group),
         in CP order."""
@@ -79,6 +90,7 @@ class ParallelConfig:
 
     def describe(self) -> str:
         cp = f"/CP{self.cp_size}" if self.cp_size > 1 else ""
+        cp += " sharded" if self.kv_sharding else ""
         return f"TP{self.tp_size}/PP{self.pp_size}{cp}"
 
 

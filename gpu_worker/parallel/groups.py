@@ -10,8 +10,11 @@ Groups:
   of `pp_sync`, sampled tokens) and start-up agreement. The same group as `world` on CPU.
 - `tp` / `tp_cpu`: this stage's TP group for tensors (the row-parallel all_reduce) and for
   control (rank 0's command list and the ready-ACK MIN); None at TP 1.
-- `cp`: the ranks of this stage with this rank's TP index, which will share a sequence's KV
-  pages (context parallelism); None at CP 1, the only size supported yet.
+- `cp`: the ranks of this stage with this rank's TP index, which share a sequence's KV
+  pages (context parallelism: the sharded pool's gathers); None at CP 1.
+- `stage_cpu`: gloo over every rank of this stage (TP x CP): control that all of them must
+  agree on (rank 0's command list, the ready-ACK MIN, the batch-shape guard). At CP 1 it
+  is `tp_cpu` itself (no extra group); None when the stage is one rank.
 - `consensus`: a dedicated gloo group over the world for the rank consensus checker's side
   thread, so its collectives never interleave with the scheduler's; None when it is off.
 - `storage_hit` / `storage_progress` / `storage_write`: three gloo groups over the world for
@@ -43,6 +46,7 @@ class ParallelGroups:
     tp: dist.ProcessGroup | None = None
     tp_cpu: dist.ProcessGroup | None = None
     cp: dist.ProcessGroup | None = None
+    stage_cpu: dist.ProcessGroup | None = None
     consensus: dist.ProcessGroup | None = None
     storage_hit: dist.ProcessGroup | None = None
     storage_progress: dist.ProcessGroup | None = None
@@ -130,6 +134,7 @@ def init_parallel_groups(
     cpu_world = dist.new_group(backend="gloo", timeout=timeout) if cuda else world
     tp, tp_cpu = _tp_groups(config, rank, timeout, cuda)
     cp = _cp_group(config, rank, timeout)
+    stage_cpu = tp_cpu if config.cp_size == 1 else _stage_group(config, rank, timeout)
     consensus_group = dist.new_group(backend="gloo", timeout=timeout) if consensus else None
     storage_hit = dist.new_group(backend="gloo", timeout=timeout) if storage else None
     storage_progress = dist.new_group(backend="gloo", timeout=timeout) if storage else None
@@ -142,6 +147,7 @@ def init_parallel_groups(
         tp,
         tp_cpu,
         cp,
+        stage_cpu,
         consensus_group,
         storage_hit,
         storage_progress,
@@ -171,8 +177,7 @@ def _tp_groups(
 def _cp_group(
     config: ParallelConfig, rank: int, timeout: datetime.timedelta
 ) -> dist.ProcessGroup | None:
-    """This rank's CP group; None at CP 1 (the only size `ParallelConfig` accepts yet).
-    Every rank creates every CP group."""
+    """This rank's CP group; None at CP 1. Every rank creates every CP group."""
     if config.cp_size == 1:
         return None
     own = config.coords(rank)
@@ -183,6 +188,21 @@ def _cp_group(
             if (stage, tp_rank) == (own.pp, own.tp):
                 cp = group
     return cp
+
+
+def _stage_group(
+    config: ParallelConfig, rank: int, timeout: datetime.timedelta
+) -> dist.ProcessGroup:
+    """A gloo group over this rank's stage (TP x CP ranks). Every rank creates every
+    stage's group."""
+    own = config.coords(rank).pp
+    mine = None
+    for stage in range(config.pp_size):
+        group = dist.new_group(config.stage_world(stage), backend="gloo", timeout=timeout)
+        if stage == own:
+            mine = group
+    assert mine is not None
+    return mine
 
 
 def destroy_parallel_groups(groups: ParallelGroups) -> None:

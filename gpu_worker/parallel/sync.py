@@ -2,12 +2,13 @@
 
 DESIGN.md 4 and the article's PP x HiCache section. Each step:
 
-- PP0 (the first stage). Rank 0 sends its pickled command list to its TP peers point to
-  point, non-blocking (a size header, then the bytes when there are any): distributing work
+- PP0 (the first stage). Rank 0 sends its pickled command list to its stage peers (TP x
+  CP ranks) point to point, non-blocking (a size header, then the bytes when there are any): distributing work
   never makes rank 0 wait. Every PP0 rank counts the consecutive finished ACKs at the front
   of each of its ACK queues (transfers; external storage's hit queries, read progress and
-  writes), and the stage agrees on their all_reduce(MIN) over its TP group, one packed int
-  tensor: the ACKs finished on every TP rank. The number of queued ACKs is the same on every
+  writes), and the stage agrees on their all_reduce(MIN) over its TP x CP ranks
+  (`ParallelGroups.stage_cpu`: CP ranks agree as TP ranks do), one packed int tensor: the
+  ACKs finished on every rank of the stage. The number of queued ACKs is the same on every
   rank (they submit and consume at the same logical points), so when no queue holds any the
   counts are 0 on every rank and no rank joins the reduction; when one does, every rank
   joins it, whatever its own counts. In a steady decode with nothing in flight agreement
@@ -143,21 +144,21 @@ class StepSync:
         self, commands: list[Any] | None, local_ready: tuple[int, ...], queued: tuple[int, ...]
     ) -> tuple[list[Any], torch.Tensor, tuple[int, ...]]:
         g = self.groups
-        if g.tp_cpu is None:  # TP 1: rank 0 is the whole first stage
+        if g.stage_cpu is None:  # TP 1, CP 1: rank 0 is the whole first stage
             return commands or [], encode_object(commands or []), local_ready
         if g.rank == 0:
             data = encode_object(commands or [])
             size = torch.tensor([data.numel()], dtype=torch.int64)
-            for peer in g.config.stage_ranks(0)[1:]:
+            for peer in g.config.stage_world(0)[1:]:
                 self.sends.send(size, peer, g.cpu_world, TAG_HEADER)
                 if data.numel():
                     self.sends.send(data, peer, g.cpu_world, TAG_COMMANDS)
         else:
             size = torch.empty(1, dtype=torch.int64)
-            dist.recv(size, g.tp_src, group=g.cpu_world, tag=TAG_HEADER)
+            dist.recv(size, 0, group=g.cpu_world, tag=TAG_HEADER)
             data = torch.empty(int(size[0]), dtype=torch.uint8)
             if data.numel():
-                dist.recv(data, g.tp_src, group=g.cpu_world, tag=TAG_COMMANDS)
+                dist.recv(data, 0, group=g.cpu_world, tag=TAG_COMMANDS)
             commands = decode_object(data)
         agreed = (0,) * len(local_ready)  # nothing queued on any rank: nothing to agree on
         # "tp_min" off: queues differ between ranks, so all reduce every step and ignore the
@@ -165,7 +166,7 @@ class StepSync:
         if self.disable != "all" and (any(queued) or self.disable == "tp_min"):
             counts = torch.tensor(local_ready, dtype=torch.int64)
             start = time.perf_counter()
-            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=g.tp_cpu)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=g.stage_cpu)
             self.reduce_seconds += time.perf_counter() - start
             self.num_reductions += 1
             agreed = tuple(int(c) for c in counts.tolist())
