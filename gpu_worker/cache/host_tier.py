@@ -145,7 +145,7 @@ class HostTier:
         """Start loading `match`'s host part into device `pages` (the caller took them and
         pinned the host range with `ref_host`; the ACK unpins it)."""
         ticket = LoadTicket(match.last_node, match.device_len, pages)
-        self.pools.device.mark_pending(pages, True)
+        self.pools.replicated_device("the host tier").mark_pending(pages, True)
         fail = self._loads_to_fail > 0
         self._loads_to_fail -= int(fail)
         views = [pair.load() for pair in self.pools.tier_views()]
@@ -191,7 +191,7 @@ class HostTier:
             return
         ticket = ack.op
         assert isinstance(ticket, LoadTicket)
-        self.pools.device.mark_pending(ticket.page_ids, False)
+        self.pools.replicated_device("the host tier").mark_pending(ticket.page_ids, False)
         if error is None:
             freed = self.tree.tiers.commit_load(ticket.last_node, ticket.start_len, ticket.page_ids)
             self.pools.device.allocator.free(list(freed))

@@ -19,6 +19,11 @@ class DebugHooks:
     perturb_sampler: bool = False  # every request's 3rd output token becomes (token + 1) % vocab
     silent_flush: bool = False  # a flush drops the cache without KV events (a stale index)
     layer_delay_s: float = 0.0  # every decoder layer first sleeps this long (a slow forward)
+    # attention reads the device pool by slot gathers only, never runs in place (the path a
+    # sharded pool takes; in place sums in another order): a CP1 engine so configured is the
+    # bit-exact reference of a sharded CP engine
+    gather_reads: bool = False
+    poison_kv: bool = False  # a sharded pool's unwritten rows and fresh gathers are NaN
 
     def __post_init__(self) -> None:
         if not self.layer_delay_s >= 0:
@@ -41,3 +46,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.model, self.device))
+        par, cache = self.parallel, self.cache
+        if par.kv_sharding and cache.enable_hierarchical_cache:
+            raise ValueError(
+                "--enable-kv-cache-sharding does not support --enable-hierarchical-cache yet "
+                "(host backup and reload of owned pages are still to come); use replicated CP "
+                "(leave out --enable-kv-cache-sharding) for a host tier"
+            )
+        if par.cp_size > 1 and cache.hicache_storage_backend is not None:
+            raise ValueError(
+                f"--cp-size {par.cp_size} does not support --hicache-storage-backend yet "
+                "(L3 objects written by owner ranks are still to come)"
+            )

@@ -1,6 +1,6 @@
 """The engine API: generate, flush_cache, cache statistics, on rank 0 of the engine's world.
 
-An engine is one model replica in one `torch.distributed` world of TP x PP ranks, built by
+An engine is one model replica in one `torch.distributed` world of TP x CP x PP ranks, built by
 the launcher (`gpu_worker/engine/rank.py`) and passed in as `ParallelGroups`; a world of one
 needs no process group at all. Rank 0 takes every input (`submit`, `abort`, `flush_cache`,
 `write_kv`, ...) as a typed command (`commands.py`); at the start of each step it hands the
@@ -43,7 +43,7 @@ from gpu_worker.engine.kv_import import KVImport
 from gpu_worker.engine.pending import PendingCommands
 from gpu_worker.engine.storage_setup import storage_backend, storage_layout
 from gpu_worker.memory.kv_spec import KVSpec
-from gpu_worker.memory.pool_group import PoolGroup
+from gpu_worker.memory.pool_group import KVSharding, PoolGroup
 from gpu_worker.model.config import PRESETS, parse_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.tokenizer import load_tokenizer
@@ -110,10 +110,17 @@ class Engine:
         host_pages = None
         if config.cache.enable_hierarchical_cache:  # bytes per page differ between stages
             host_pages = agree_min(groups, config.cache.num_host_pages(self.kv_spec))
-        # the engine's KV pools over one slot mapping: a draft model's would join the group
+        # the engine's KV pools over one slot mapping: a draft model's would join the group.
+        # Sharded CP: --max-total-tokens is the logical pool; this rank holds 1/N of its rows
         pools = PoolGroup.target_only(
-            self.kv_spec, config.cache.num_device_pages, self.device, config.cache.check_reads
+            self.kv_spec,
+            config.cache.num_device_pages,
+            self.device,
+            config.cache.check_reads,
+            _sharding(config, groups),
         )
+        if config.debug.gather_reads:
+            pools.device.contiguous_slices = False
         self.cache = PrefixCache(
             config.cache,
             self.kv_spec,
@@ -423,6 +430,15 @@ def _divergence_named(recorder: consensus.ConsensusRecorder | None) -> Iterator[
         if found is not None:
             raise consensus.RankDivergenceError(found.report()) from e
         raise
+
+
+def _sharding(config: EngineConfig, groups: ParallelGroups) -> KVSharding | None:
+    """This rank's share of the device pool under --enable-kv-cache-sharding, else None."""
+    if not config.parallel.kv_sharding:
+        return None
+    return KVSharding(
+        groups.cp_rank, config.parallel.cp_size, groups.cp, poison=config.debug.poison_kv
+    )
 
 
 def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:

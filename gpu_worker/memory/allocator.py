@@ -47,9 +47,15 @@ class PageAllocator:
     def can_alloc(self, n: int, owner: int = 0) -> bool:
         return n <= len(self._free[owner])
 
-    def alloc(self, n: int, owner: int = 0) -> list[int] | None:
+    def alloc(self, n: int, owner: int | None = None) -> list[int] | None:
         """Take `n` pages of owner class `owner`, or None (and nothing taken) when fewer of
-        its pages are free."""
+        its pages are free. `owner` None: the `n` lowest free ids of any class (with one
+        class, class 0), for a caller that does not follow an owner cycle: a sharded pool
+        works with any page ids, and `num_free` is then exactly what it can take."""
+        if owner is None:
+            if self.num_owners > 1:
+                return self._alloc_any(n)
+            owner = 0
         free = self._free[owner]
         if n > len(free):
             return None
@@ -61,6 +67,19 @@ class PageAllocator:
         taken = free[-n:]
         del free[-n:]
         taken.reverse()
+        return taken
+
+    def _alloc_any(self, n: int) -> list[int] | None:
+        if n > self.num_free:
+            return None
+        for owner, free in enumerate(self._free):
+            if not self._sorted[owner]:
+                free.sort(reverse=True)
+                self._sorted[owner] = True
+        taken = []
+        for _ in range(n):  # each class's lowest id is at its end: take the lowest of those
+            _, owner = min((free[-1], o) for o, free in enumerate(self._free) if free)
+            taken.append(self._free[owner].pop())
         return taken
 
     def free(self, page_ids: list[int]) -> None:

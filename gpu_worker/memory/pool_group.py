@@ -16,6 +16,10 @@ draft model's KV (and any indexer or recurrent state) will join it, as `HostRows
   from those of a named source pool (`PoolMember.source`).
 Only the target exists today; the group refuses any other member until a draft model
 brings the code that moves it (`UnsupportedMember`).
+
+Context parallelism with `--enable-kv-cache-sharding` (`KVSharding`): the target's device
+pool is this CP rank's `ShardedDeviceKVPool` (its owned rows of the same logical pages and
+page ids). It has no host pool yet: backup and reload of owned pages is still to come.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from gpu_worker.kernels.moves import PoolView
 from gpu_worker.kernels.relayout import RunView
 from gpu_worker.memory.device_pool import DeviceKVPool
 from gpu_worker.memory.host_pool import HostKVPool, HostLayout
 from gpu_worker.memory.kv_spec import KVSpec
+from gpu_worker.memory.sharded_pool import ShardedDeviceKVPool
 
 TARGET = "target"  # the name of the target model's member
 
@@ -64,6 +70,16 @@ class PoolMember:
 
 
 @dataclass(frozen=True, slots=True)
+class KVSharding:
+    """This rank's place among the CP ranks that shard the device pool's pages."""
+
+    cp_rank: int
+    cp_size: int
+    group: dist.ProcessGroup | None  # the CP group of the gathers
+    poison: bool = False  # tests: rows no rank wrote read as NaN (`ShardedDeviceKVPool`)
+
+
+@dataclass(frozen=True, slots=True)
 class TierViews:
     """One member's device and host pools as views for page copies between the tiers, of
     one kind: runs of head groups for a `page_unified` host pool, whole blocks otherwise."""
@@ -94,24 +110,45 @@ class PoolGroup:
         num_pages: int,
         device: torch.device,
         check_reads: bool = False,
+        sharding: KVSharding | None = None,
     ) -> None:
         """Device pools of `num_pages` pages for `members` (today exactly the target);
-        `check_reads`: fail any read of a page whose load is not consumed."""
+        `check_reads`: fail any read of a page whose load is not consumed; `sharding`: the
+        target's pool holds only this CP rank's pages."""
         if [m.name for m in members] != [TARGET] or members[0].host_rows is not HostRows.SAME_SLOTS:
             raise UnsupportedMember(
                 f"a pool group holds exactly the target pool ({TARGET!r}, same slots) for now; "
                 f"draft, indexer and CP-sharded pools are not supported yet: {list(members)}"
             )
         self.members = tuple(members)
-        self.device = DeviceKVPool(members[0].spec, num_pages, device, check_reads)
+        spec = members[0].spec
+        self.device: DeviceKVPool | ShardedDeviceKVPool
+        if sharding is None:
+            self.device = DeviceKVPool(spec, num_pages, device, check_reads)
+        else:
+            s = sharding
+            self.device = ShardedDeviceKVPool(
+                spec, num_pages, device, s.cp_rank, s.cp_size, s.group, poison=s.poison
+            )
         self.host: HostKVPool | None = None
 
     @classmethod
     def target_only(
-        cls, spec: KVSpec, num_pages: int, device: torch.device, check_reads: bool = False
+        cls,
+        spec: KVSpec,
+        num_pages: int,
+        device: torch.device,
+        check_reads: bool = False,
+        sharding: KVSharding | None = None,
     ) -> PoolGroup:
         """The group of an engine without draft state: the target pool alone."""
-        return cls([PoolMember(TARGET, spec)], num_pages, device, check_reads)
+        return cls([PoolMember(TARGET, spec)], num_pages, device, check_reads, sharding)
+
+    def replicated_device(self, what: str) -> DeviceKVPool:
+        """The target's device pool where `what` needs every page's rows on this rank."""
+        if not isinstance(self.device, DeviceKVPool):
+            raise UnsupportedMember(f"{what} does not support a CP-sharded device pool yet")
+        return self.device
 
     @property
     def spec(self) -> KVSpec:
@@ -130,6 +167,7 @@ class PoolGroup:
         target's. `group_heads`: KV heads per group of a `page_unified` layout."""
         if self.host is not None:
             raise RuntimeError("the group has its host pools already")
+        self.replicated_device("the host tier")
         self.host = HostKVPool(self.spec, num_pages, layout, self.device.device, group_heads)
         return self.host
 
@@ -138,7 +176,8 @@ class PoolGroup:
         moves the same page ids through each pair, in one operation."""
         if self.host is None:
             raise RuntimeError("the group has no host pools")
+        device = self.replicated_device("the host tier")
         host = self.host.page_view()
         if isinstance(host, RunView):
-            return [TierViews(self.device.run_view(self.host.group_heads), host)]
-        return [TierViews(self.device.page_view(), host)]
+            return [TierViews(device.run_view(self.host.group_heads), host)]
+        return [TierViews(device.page_view(), host)]

@@ -34,7 +34,9 @@ with that buffer). Every gather is consumed by exactly one `before_attention`.
 Memory: `device_bytes()` is the owned rows plus one scratch page for the writes a rank
 drops; `scratch_bytes()` is every buffer's current size (buffers grow to the largest plan
 and stay), `scratch_bytes_for(plan)` what a plan needs: the scheduler counts both buffers
-before it admits a batch. The host tier, PP and TP are unaware of this pool yet.
+before it admits a batch. The engine uses it with `--enable-kv-cache-sharding` (each CP
+rank of each TP rank and stage holds its share of its own heads and layers); the host tier
+and P/D are unaware of it yet.
 """
 
 from __future__ import annotations
@@ -116,7 +118,9 @@ class ShardedDeviceKVPool:
     head_dim): the owned rows at `CPLayout.local_rows`, then one trash page. `group` is the
     CP group (None only at cp_size 1); `allocator` hands out logical pages by owner class.
     `wait_layer(layer)`, if given, runs before a layer's pages are packed: where a host load
-    of that layer must complete first (restore -> gather -> attend).
+    of that layer must complete first (restore -> gather -> attend). `poison` (tests): the
+    rows start as NaN and each gather's buffer is NaN before it fills, so a read of a row
+    no rank wrote, or of a stale gather, shows in the logits.
     """
 
     contiguous_slices = False  # logical slots are not rows of `kv`: no in-place runs
@@ -134,6 +138,7 @@ class ShardedDeviceKVPool:
         backend: str = "auto",
         check_reads: bool = False,
         wait_layer: Callable[[int], None] | None = None,
+        poison: bool = False,
     ) -> None:
         if not 0 <= cp_rank < cp_size or (group is None and cp_size > 1) or num_buffers < 1:
             raise ValueError(f"bad CP rank {cp_rank} of {cp_size}, group {group}, buffers")
@@ -145,8 +150,10 @@ class ShardedDeviceKVPool:
         self.allocator = PageAllocator(num_pages, "device", num_owners=cp_size)
         self.num_local_pages = self.layout.num_local_pages(num_pages)
         num_rows = (self.num_local_pages + 1) * spec.page_size
-        self.kv = torch.zeros(
+        self.poison = poison and spec.dtype.is_floating_point
+        self.kv = torch.full(
             (spec.num_layers, spec.num_kv, num_rows, spec.num_kv_heads, spec.head_dim),
+            float("nan") if self.poison else 0,
             dtype=spec.dtype,
             device=device,
         )
@@ -263,6 +270,8 @@ class ShardedDeviceKVPool:
             fill = float("nan") if s.dtype.is_floating_point else 0
             buf.data = torch.full((numel,), fill, dtype=s.dtype, device=self.device)
         pages = buf.data[:numel].view(plan.num_scratch_pages, *page_shape)
+        if self.poison:
+            pages.fill_(float("nan"))
         m, rank = plan.chunk_pages, self.cp_rank
         send = pages[rank * m : (rank + 1) * m]  # (M, num_kv, p, H, D): this rank's chunk
         if self.wait_layer is not None:

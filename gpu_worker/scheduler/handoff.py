@@ -82,7 +82,7 @@ class KVHandOff:
             device=self.device,
         )
         move_pages(
-            self.cache.device_pool.run_view(1),
+            self.cache.pools.replicated_device("P/D KV transfer").run_view(1),
             RunView.unified(staging),
             torch.tensor(src, dtype=torch.int64, device=self.device),
             torch.arange(len(src), dtype=torch.int64, device=self.device),

@@ -50,7 +50,7 @@ class RemoteKVReceiver:
         dst = req.page_ids[token_start // ps : token_start // ps + num_pages]
         move_pages(
             RunView.unified(staging.to(self.device)),
-            self.cache.device_pool.run_view(1),
+            self.cache.pools.replicated_device("P/D KV transfer").run_view(1),
             torch.arange(num_pages, dtype=torch.int64, device=self.device),
             torch.tensor(dst, dtype=torch.int64, device=self.device),
         )
