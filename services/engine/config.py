@@ -34,6 +34,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--debug-transfer-delay-ms must be >= 0")
     if not args.debug_layer_delay_ms >= 0:
         raise ValueError("--debug-layer-delay-ms must be >= 0")
+    if args.cp_size > 1 and args.disaggregation_mode != "null":
+        raise ValueError(
+            f"--cp-size {args.cp_size} does not support --disaggregation-mode "
+            f"{args.disaggregation_mode} yet (KV transfer from and to CP ranks is still to "
+            "come); use a colocated engine"
+        )
     delay = DelayInjection(args.debug_transfer_delay_ms) if args.debug_transfer_delay_ms else None
     radix = not args.disable_radix_cache and (
         args.disaggregation_mode != "decode" or args.disaggregation_decode_enable_radix_cache
@@ -92,7 +98,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         context_len=args.context_length,
         cache=cache,
         scheduler=sched,
-        parallel=ParallelConfig(args.tp_size, args.pp_size),
+        parallel=ParallelConfig(
+            args.tp_size, args.pp_size, args.cp_size, args.enable_kv_cache_sharding
+        ),
         batch_invariant=args.enable_deterministic_inference,
         debug=debug,
     )

@@ -121,6 +121,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="pipeline stages (layers are split evenly across them)",
     )
     p.add_argument(
+        "--cp-size",
+        "--context-parallel-size",
+        dest="cp_size",
+        type=int,
+        default=1,
+        help="context-parallel ranks per pipeline stage, each a whole TP group (the engine "
+        "runs TP x CP x PP ranks); they share a sequence's KV pages. Every CP rank holds every "
+        "page unless --enable-kv-cache-sharding",
+    )
+    p.add_argument(
+        "--enable-kv-cache-sharding",
+        action="store_true",
+        help="with --cp-size N > 1: shard the device KV cache by page over the CP ranks; each "
+        "rank holds only the pages it owns (1/N of --max-total-tokens' rows, plus gather "
+        "buffers) and all-gathers a layer's pages before its attention",
+    )
+    p.add_argument(
         "--debug-transfer-delay-ms",
         type=float,
         default=0.0,

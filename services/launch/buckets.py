@@ -1,10 +1,10 @@
 """`hicache-mesh up --bucket NAME[:key=value,...]` (repeatable) or `--buckets-file FILE.toml`:
 the engine buckets to start, each with its own parallel layout.
 
-Keys: `tp` and `pp` (the bucket's engines' --tp-size/--pp-size; default: the shared flags),
-`max_len` (prompt + max_tokens it serves: the router sends a request to the smallest bucket
-that fits; one bucket may leave it out and serve any length) and `engines` (how many;
-default: --engines). The TOML file holds the same as `[[bucket]]` tables:
+Keys: `tp`, `pp` and `cp` (the bucket's engines' --tp-size/--pp-size/--cp-size; default:
+the shared flags), `max_len` (prompt + max_tokens it serves: the router sends a request to
+the smallest bucket that fits; one bucket may leave it out and serve any length) and
+`engines` (how many; default: --engines). The TOML file holds the same as `[[bucket]]` tables:
 
     [[bucket]]
     name = "short"
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-KEYS = ("tp", "pp", "max_len", "engines")
+KEYS = ("tp", "pp", "cp", "max_len", "engines")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,7 @@ class LaunchBucket:
     name: str
     tp: int | None = None  # None: the shared --tp-size
     pp: int | None = None
+    cp: int | None = None
     max_len: int | None = None  # None: any length
     engines: int | None = None  # None: the shared --engines
 

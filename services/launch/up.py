@@ -266,6 +266,7 @@ class Mesh:
                 flags = ["--bucket", b.name]
                 flags += [] if b.tp is None else ["--tp-size", str(b.tp)]
                 flags += [] if b.pp is None else ["--pp-size", str(b.pp)]
+                flags += [] if b.cp is None else ["--cp-size", str(b.cp)]
                 out += [(f"{b.name}-{i}", flags) for i in range(b.engines or a.engines)]
             return out
         if not a.pd:

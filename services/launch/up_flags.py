@@ -77,7 +77,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket",
         action="append",
-        metavar="NAME[:tp=N,pp=N,max_len=N,engines=N]",
+        metavar="NAME[:tp=N,pp=N,cp=N,max_len=N,engines=N]",
         help="an engine bucket with its own parallel layout, serving prompt + max_tokens up "
         "to max_len (repeat for several; services/launch/buckets.py); default: one bucket "
         "'default' of --engines engines",
@@ -87,7 +87,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="FILE.toml",
-        help="the buckets as [[bucket]] tables (name, tp, pp, max_len, engines)",
+        help="the buckets as [[bucket]] tables (name, tp, pp, cp, max_len, engines)",
     )
     parser.add_argument(
         "--api-key",
