@@ -1,0 +1,244 @@
+"""Context-parallel engines give CP1's outputs (issue 22, first slice of acceptance 1).
+
+Each case launches a real world of rank processes (`tests/multirank.py`, gloo on CPU) with
+`--cp-size` 2 or 4, replicated (every CP rank holds every page) or sharded
+(`--enable-kv-cache-sharding`: each rank holds its own pages and all-gathers a layer's
+pages before attending), and runs one scripted workload on it: a cold batch over shared
+prefixes under device-pool pressure, the same batch again (device hits), a second turn that
+extends the first's outputs (a shared prefix of another length), the device cache evicted
+(recompute into reused pages of other owners), and a flush. The same workload runs on a
+CP1 engine of the same model and TP layout. Every CP rank still computes every token (no
+split prefill yet), so tokens, cached-token counts and float64 logits must be equal, bit
+for bit. A sharded engine reads KV by slot gathers (its pool has no in-place runs), so its
+reference is a CP1 engine that reads by gathers too (`DebugHooks.gather_reads`); a
+replicated one is compared with the plain CP1 engine. Sharded pools are poisoned: rows no
+rank wrote and fresh gather buffers are NaN, so a read of a row that was not gathered shows
+in the logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import random
+from pathlib import Path
+
+import pytest
+import test_multirank_consensus
+import torch
+from multirank import WorldFailed, run_world
+from test_multirank_consensus import checker_env, stress
+
+from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.consensus.records import load_logs
+from gpu_worker.engine.engine import DebugHooks, Engine, EngineConfig
+from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.parallel.config import ParallelConfig
+from gpu_worker.scheduler.scheduler import SchedulerConfig
+from services.engine import flags
+from services.engine.config import engine_config_from_args
+from services.launch.buckets import LaunchBucket, parse_bucket
+
+PAGE = 4
+NUM_PAGES = 72  # the logical pool: a batch of all prompts does not fit at once
+GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
+
+# (phase, output ids, cached device, cached host, logits (steps, vocab)) per request
+Run = list[tuple[str, list[int], int, int, torch.Tensor]]
+
+
+def make_prompts(seed: int = 22) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(3):
+        shared = [rng.randrange(256) for _ in range(rng.randint(9, 26))]
+        for _ in range(3):
+            prompts.append(shared + [rng.randrange(256) for _ in range(rng.randint(2, 9))])
+    return prompts
+
+
+def traced_batch(engine: Engine, phase: str, prompts: list[list[int]]) -> Run:
+    reqs = [engine.submit(p, GREEDY) for p in prompts]
+    for r in reqs:
+        r.logits_trace = []
+    outs = engine.run(reqs)
+    return [
+        (phase, o.output_ids, o.cached.device, o.cached.host, torch.stack(r.logits_trace or []))
+        for o, r in zip(outs, reqs, strict=True)
+    ]
+
+
+def workload(engine: Engine, prompts: list[list[int]]) -> tuple[Run, int, set[int]]:
+    """The phases (see the module doc) on rank 0 or a CP1 engine; with them, rank 0's
+    device pool rows and the owner classes (page % cp_size) of the pages the tree held."""
+    run = traced_batch(engine, "cold", prompts)
+    run += traced_batch(engine, "device", prompts)
+    held = {p for n in engine.cache.tree.iter_nodes() for p in (n.device_page_ids or [])}
+    second = [p + out + [7, 9] for p, (_, out, *_rest) in zip(prompts, run, strict=False)]
+    run += traced_batch(engine, "turn2", second[:6])
+    if engine.config.cache.enable_hierarchical_cache:
+        engine.evict_device(engine.cache.tree.num_device_pages)  # drains the backups first
+        run += traced_batch(engine, "host", prompts[:6])
+    else:
+        engine.evict_device(engine.cache.tree.num_device_pages)
+        run += traced_batch(engine, "evicted", prompts[3:])
+    assert engine.flush_cache()
+    run += traced_batch(engine, "flushed", prompts[:3])
+    engine.drain()  # on every rank
+    engine.check_integrity()
+    owners = {p % engine.config.parallel.cp_size for p in held}
+    return run, engine.cache.device_pool.kv.shape[2], owners
+
+
+def config(
+    cp: int, sharded: bool, tp: int = 1, pp: int = 1, host: bool = False, gather: bool = False
+) -> EngineConfig:
+    cache = CacheConfig(
+        page_size=PAGE,
+        num_device_pages=NUM_PAGES,
+        enable_hierarchical_cache=host,
+        hicache_ratio=4.0,
+        hicache_write_policy="write_through",
+        write_through_threshold=1,
+    )
+    return EngineConfig(
+        model="tiny-tp" if tp > 1 else "tiny",
+        cache=cache,
+        scheduler=SchedulerConfig(chunked_prefill_size=24),
+        parallel=ParallelConfig(tp, pp, cp, sharded),
+        batch_invariant=True,
+        debug=DebugHooks(gather_reads=gather, poison_kv=sharded),
+    )
+
+
+@functools.cache
+def reference(tp: int, host: bool, gather: bool) -> Run:
+    """The CP1 run (TP1: in this process; TP2: a TP2 world, whose logits differ from TP1's
+    in the last bits)."""
+    cfg = config(1, False, tp=tp, host=host, gather=gather)
+    if tp == 1:
+        engine = Engine(cfg)
+        try:
+            return workload(engine, make_prompts())[0]
+        finally:
+            engine.close()
+    return run_world(cfg, workload, make_prompts())[0]
+
+
+CASES = [  # (cp, sharded, tp, pp, host)
+    (2, True, 1, 1, False),
+    (2, False, 1, 1, False),
+    (4, True, 1, 1, False),
+    (4, False, 1, 1, False),
+    (2, True, 2, 1, False),
+    (2, True, 1, 2, False),
+    (2, False, 1, 1, True),  # replicated CP keeps the host tier: each rank holds every page
+]
+
+
+@pytest.mark.parametrize(("cp", "sharded", "tp", "pp", "host"), CASES)
+def test_cp_engine_equals_cp1(cp: int, sharded: bool, tp: int, pp: int, host: bool) -> None:
+    want = reference(tp, host, gather=sharded)
+    got, rows, owners = run_world(config(cp, sharded, tp, pp, host), workload, make_prompts())
+
+    hits = {phase: 0 for phase, *_ in want}
+    for (phase, w_out, w_dev, w_host, w_logits), (g_phase, out, dev, host_hit, logits) in zip(
+        want, got, strict=True
+    ):
+        assert phase == g_phase
+        assert out == w_out, f"{phase}: tokens differ from CP1"
+        assert (dev, host_hit) == (w_dev, w_host), f"{phase}: cached tokens per tier differ"
+        assert logits.shape == w_logits.shape == (GREEDY.max_new_tokens, 260)
+        assert not logits.isnan().any(), f"{phase}: a row no rank wrote was read"
+        assert torch.equal(logits, w_logits), f"{phase}: logits are not bit-identical to CP1"
+        hits[phase] += dev + host_hit
+    assert hits["cold"] == 0 and hits["flushed"] == 0
+    assert hits["device"] > 0 and hits["turn2"] > 0
+    assert hits.get("host", 1) > 0 and hits.get("evicted", 0) == 0
+    assert len({tuple(out) for _, out, *_ in want}) > 4  # varied outputs
+    # rank 0's pool: 1/N of the logical pages plus a trash page when sharded, else all
+    assert rows == ((-(-NUM_PAGES // cp) + 1) * PAGE if sharded else NUM_PAGES * PAGE)
+    assert owners == set(range(cp))  # the tree held pages of every rank
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    flags.add_engine_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cp_flags_and_refusals() -> None:
+    config_ = engine_config_from_args(_args("--cp-size", "4", "--enable-kv-cache-sharding"))
+    assert config_.parallel == ParallelConfig(1, 1, 4, True)
+    assert config_.parallel.world_size == 4
+    assert flags.engine_argv(_args("--cp-size", "2", "--enable-kv-cache-sharding")) == [
+        "--cp-size",
+        "2",
+        "--enable-kv-cache-sharding",
+    ]
+    assert engine_config_from_args(_args("--context-parallel-size", "2")).parallel.cp_size == 2
+    for bad in ("0", "-2"):
+        with pytest.raises(ValueError, match="--cp-size must be a positive integer"):
+            engine_config_from_args(_args("--cp-size", bad))
+    with pytest.raises(SystemExit):  # argparse: not an integer
+        _args("--cp-size", "two")
+    with pytest.raises(ValueError, match="needs --cp-size 2 or more"):
+        engine_config_from_args(_args("--enable-kv-cache-sharding"))
+    sharded = ("--cp-size", "2", "--enable-kv-cache-sharding")
+    with pytest.raises(ValueError, match="does not support --enable-hierarchical-cache yet"):
+        engine_config_from_args(_args(*sharded, "--enable-hierarchical-cache"))
+    storage = ("--enable-hierarchical-cache", "--hicache-storage-backend", "file")
+    with pytest.raises(ValueError, match="--cp-size 2 does not support --hicache-storage"):
+        engine_config_from_args(_args("--cp-size", "2", *storage))
+    with pytest.raises(ValueError, match="does not support --disaggregation-mode prefill"):
+        engine_config_from_args(_args("--cp-size", "2", "--disaggregation-mode", "prefill"))
+    # replicated CP keeps the host tier
+    replicated = engine_config_from_args(_args("--cp-size", "2", "--enable-hierarchical-cache"))
+    assert replicated.cache.enable_hierarchical_cache and not replicated.parallel.kv_sharding
+    with pytest.raises(ValueError, match="needs --cp-size 2"):
+        dataclasses.replace(replicated.parallel, kv_sharding=True, cp_size=1)
+    # `up` buckets take cp= like tp= and pp=
+    assert parse_bucket("long:tp=2,cp=2,engines=1") == LaunchBucket("long", 2, None, 2, None, 1)
+    with pytest.raises(ValueError, match="cp must be a positive integer"):
+        parse_bucket("long:cp=0")
+
+
+# ---------------------------------------------------------------- agreement across CP
+
+NUM_STRESS = 200
+
+
+def stress_config(disable: str = "none") -> EngineConfig:
+    """Replicated CP2 with a host tier and per-rank transfer delays: the ranks see
+    different ACKs ready at the same logical point, and only the agreement over the stage's
+    TP x CP ranks (TP is 1 here: no TP group at all) keeps their trees alike."""
+    base = test_multirank_consensus.stress_config(disable)
+    cache = dataclasses.replace(base.cache, num_device_pages=96)
+    return dataclasses.replace(base, model="tiny", cache=cache, parallel=ParallelConfig(cp_size=2))
+
+
+def test_cp_ranks_agree_on_acks_under_delays(tmp_path: Path) -> None:
+    reqs = test_multirank_consensus.make_requests(num_requests=NUM_STRESS)
+    config = stress_config()
+    got = run_world(config, stress, reqs, env=checker_env(tmp_path))
+    assert got["divergence"] is None
+    assert isinstance(got["checked"], int) and got["checked"] > 4 * NUM_STRESS
+    assert isinstance(got["host_hits"], int) and got["host_hits"] > 0  # ACKs were consumed
+    single = Engine(dataclasses.replace(config, parallel=ParallelConfig()))
+    try:
+        assert got["outputs"] == stress(single, reqs)["outputs"]
+    finally:
+        single.close()
+    assert sorted(load_logs(tmp_path)) == ["rank0 PP0/CP0/TP0", "rank1 PP0/CP1/TP0"]
+
+
+def test_checker_reports_cp_ranks_that_consume_their_own_counts(tmp_path: Path) -> None:
+    """The same world with the stage MIN switched off (`tp_min`): each CP rank consumes its
+    own ready count, and the checker names the ACK count consumed."""
+    reqs = test_multirank_consensus.make_requests(num_requests=NUM_STRESS)
+    with pytest.raises(WorldFailed) as failed:
+        run_world(stress_config("tp_min"), stress, reqs, env=checker_env(tmp_path))
+    text = str(failed.value)
+    assert "RankDivergenceError" in text and "the parameters differ" in text
+    assert "Scheduler.consume_acks" in text.split("Found rank divergence")[-1].splitlines()[1]
