@@ -145,6 +145,7 @@ class MeshSpec:
     heartbeat_s: float = 0.5
     max_total_tokens: int = 4096
     extra: tuple[str, ...] = ()  # more `up` flags (e.g. --tp-size 2 --pp-size 2)
+    host_tier: bool = True  # --enable-hierarchical-cache (a sharded CP engine refuses it)
 
     @property
     def engine_ids(self) -> tuple[str, ...]:
@@ -168,7 +169,7 @@ class MeshSpec:
             str(PAGE),
             "--max-total-tokens",
             str(self.max_total_tokens),
-            "--enable-hierarchical-cache",
+            *(["--enable-hierarchical-cache"] if self.host_tier else []),
             "--heartbeat-interval",
             str(self.heartbeat_s),
             *self.extra,
