@@ -25,6 +25,7 @@ import random
 from pathlib import Path
 
 import pytest
+import test_compose
 import test_multirank_consensus
 import torch
 from multirank import WorldFailed, run_world
@@ -242,3 +243,17 @@ def test_checker_reports_cp_ranks_that_consume_their_own_counts(tmp_path: Path) 
     text = str(failed.value)
     assert "RankDivergenceError" in text and "the parameters differ" in text
     assert "Scheduler.consume_acks" in text.split("Found rank divergence")[-1].splitlines()[1]
+
+
+def test_compose_engines_take_cp_size_from_the_environment() -> None:
+    """CP_SIZE sets the colocated compose engines' --cp-size (1 when unset: replicated CP
+    keeps their host tier); the P/D and buckets files have none (P/D and L3 refuse CP)."""
+    for path in test_compose.COMPOSE_FILES:
+        for name, svc in test_compose.services(path).items():
+            cmd = svc.get("command", [])
+            if cmd[:3] != ["python", "-m", "services.engine"]:
+                continue
+            if path.name == "docker-compose.yml":
+                assert cmd[cmd.index("--cp-size") + 1] == "${CP_SIZE:-1}", name
+            else:
+                assert "--cp-size" not in cmd, (path.name, name)
