@@ -190,8 +190,9 @@ def test_cp_flags_and_refusals() -> None:
     with pytest.raises(ValueError, match="does not support --enable-hierarchical-cache yet"):
         engine_config_from_args(_args(*sharded, "--enable-hierarchical-cache"))
     storage = ("--enable-hierarchical-cache", "--hicache-storage-backend", "file")
-    with pytest.raises(ValueError, match="--cp-size 2 does not support --hicache-storage"):
-        engine_config_from_args(_args("--cp-size", "2", *storage))
+    with pytest.raises(ValueError, match="sharding does not support --enable-hierarchical"):
+        engine_config_from_args(_args(*sharded, *storage))  # L3 needs the host tier
+    assert engine_config_from_args(_args("--cp-size", "2", *storage)).parallel.cp_size == 2
     with pytest.raises(ValueError, match="does not support --disaggregation-mode prefill"):
         engine_config_from_args(_args("--cp-size", "2", "--disaggregation-mode", "prefill"))
     # replicated CP keeps the host tier
@@ -257,3 +258,59 @@ def test_compose_engines_take_cp_size_from_the_environment() -> None:
                 assert cmd[cmd.index("--cp-size") + 1] == "${CP_SIZE:-1}", name
             else:
                 assert "--cp-size" not in cmd, (path.name, name)
+
+
+# ---------------------------------------------------------------- replicated CP and L3
+
+
+def write_then_read(engine: Engine, prompts: list[list[int]]) -> dict[str, object]:
+    """Compute `prompts` (written through to the store), flush, serve them from the store."""
+    first = [o.output_ids for o in engine.run([engine.submit(p, GREEDY) for p in prompts])]
+    engine.drain()
+    assert engine.flush_cache()
+    outs = engine.run([engine.submit(p, GREEDY) for p in prompts])
+    engine.drain()
+    engine.check_integrity()
+    return {
+        "first": first,
+        "outputs": [o.output_ids for o in outs],
+        "storage": sum(o.cached.storage for o in outs),
+        "objects": engine.cache_stats()["storage_objects"],
+    }
+
+
+def storage_config(directory: Path, cp: int, scheme: str) -> EngineConfig:
+    cache = CacheConfig(
+        page_size=PAGE,
+        num_device_pages=NUM_PAGES,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(directory),
+        hicache_storage_key_scheme=scheme,  # type: ignore[arg-type]
+        storage_batch_pages=2,
+    )
+    return EngineConfig(model="tiny", cache=cache, parallel=ParallelConfig(cp_size=cp))
+
+
+@pytest.mark.parametrize("scheme", ["rank-suffix", "unified"])
+def test_replicated_cp_shares_the_store_with_cp1(tmp_path: Path, scheme: str) -> None:
+    """Replicated CP2 writes each object once (CP rank 0; as many objects as CP1 writes),
+    serves the prompts back from the store like CP1, and a CP1 engine reads what it wrote."""
+    prompts = make_prompts()[:4]
+    got = run_world(storage_config(tmp_path / "cp2", 2, scheme), write_then_read, prompts)
+    cp1 = Engine(storage_config(tmp_path / "cp1", 1, scheme))
+    try:
+        want = write_then_read(cp1, prompts)
+    finally:
+        cp1.close()
+    assert got["first"] == want["first"] == got["outputs"] == want["outputs"]
+    assert got["storage"] == want["storage"] and isinstance(want["storage"], int)
+    assert want["storage"] > 0 and got["objects"] == want["objects"]
+    reader = Engine(storage_config(tmp_path / "cp2", 1, scheme))  # CP2's store
+    try:
+        assert reader.flush_cache()
+        outs = reader.run([reader.submit(p, GREEDY) for p in prompts])
+        assert [o.output_ids for o in outs] == want["outputs"]
+        assert sum(o.cached.storage for o in outs) == want["storage"]
+    finally:
+        reader.close()

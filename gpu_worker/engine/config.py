@@ -53,8 +53,9 @@ class EngineConfig:
                 "(host backup and reload of owned pages are still to come); use replicated CP "
                 "(leave out --enable-kv-cache-sharding) for a host tier"
             )
-        if par.cp_size > 1 and cache.hicache_storage_backend is not None:
+        if par.kv_sharding and cache.hicache_storage_backend is not None:
             raise ValueError(
-                f"--cp-size {par.cp_size} does not support --hicache-storage-backend yet "
-                "(L3 objects written by owner ranks are still to come)"
+                "--enable-kv-cache-sharding does not support --hicache-storage-backend yet "
+                "(L3 objects written by their owner ranks are still to come); replicated CP "
+                "(without --enable-kv-cache-sharding) reads and writes the store"
             )

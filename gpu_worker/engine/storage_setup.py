@@ -3,6 +3,7 @@ its part of a page."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from gpu_worker.cache.hicache import CacheConfig
@@ -20,12 +21,20 @@ def storage_layout(config: EngineConfig, mc: ModelConfig, rank: int) -> StorageL
 
     MLA's latent is replicated over TP: under either key scheme only TP rank 0 of each
     stage writes a page's objects, and every TP rank reads those (rank-suffix: all name
-    them `tp0of{T}...`; unified: `mla_replicated` cells have no `_H`)."""
-    cc, par = config.cache, config.parallel
-    tp_rank = par.coords(rank).tp
+    them `tp0of{T}...`; unified: `mla_replicated` cells have no `_H`).
+
+    Replicated CP is replication too: every CP rank holds what the rank of its stage and TP
+    index holds at CP 1, so under either scheme it names that rank's objects (a CP1 engine
+    of the same TP x PP layout shares them) and only CP rank 0 writes them."""
+    cc, whole = config.cache, config.parallel
+    if whole.kv_sharding:
+        raise ValueError("a sharded CP engine has no storage layout yet")
+    where = whole.coords(rank)
+    par = dataclasses.replace(whole, cp_size=1)
+    rank, tp_rank, writer = par.rank_of(where.pp, where.tp), where.tp, where.cp == 0
     names = shard_names(par, rank, replicated=mc.mla)
     if cc.hicache_storage_key_scheme != "unified":
-        writes = tp_rank == 0 or not mc.mla
+        writes = (tp_rank == 0 or not mc.mla) and writer
         return StorageLayout(names.shard, layout=names.layout, writes=writes)
     namespace = StorageNamespace(
         model=config.model,
@@ -46,6 +55,8 @@ def storage_layout(config: EngineConfig, mc: ModelConfig, rank: int) -> StorageL
         (heads.start, heads.stop),
         tp_rank,
     )
+    if not writer:
+        cells = dataclasses.replace(cells, writes=False)
     return StorageLayout(names.shard, namespace, cells, names.layout)
 
 
