@@ -11,10 +11,12 @@ from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.memory.pool_group import (
     TARGET,
     HostRows,
+    KVSharding,
     PoolGroup,
     PoolMember,
     UnsupportedMember,
 )
+from gpu_worker.memory.sharded_pool import ShardedDeviceKVPool
 
 CPU = torch.device("cpu")
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype=torch.float64)
@@ -71,3 +73,20 @@ def test_only_a_sidecar_names_its_source_pool() -> None:
     with pytest.raises(ValueError, match="names its source"):
         PoolMember("draft", DRAFT, HostRows.PACKED, TARGET)
     assert PoolMember("draft", DRAFT, HostRows.SIDECAR, TARGET).source == TARGET
+
+
+def test_a_sharded_group_holds_a_sharded_device_pool_and_no_host_pool_yet() -> None:
+    """`--enable-kv-cache-sharding`: the target's device pool is this CP rank's share (one
+    rank here: the gathers of CP worlds are tests/test_cp_engine.py's); the host tier and
+    P/D, which need every page's rows, refuse it by name."""
+    group = PoolGroup.target_only(SPEC, 8, CPU, sharding=KVSharding(0, 1, None, poison=True))
+    assert isinstance(group.device, ShardedDeviceKVPool) and group.device.num_pages == 8
+    assert not group.device.contiguous_slices and group.device.kv.isnan().all()
+    assert group.device.allocator.num_owners == 1
+    with pytest.raises(UnsupportedMember, match="the host tier does not support a CP-sharded"):
+        group.attach_host(5, "page_first")
+    assert group.host is None
+    with pytest.raises(UnsupportedMember, match="P/D KV transfer does not support"):
+        group.replicated_device("P/D KV transfer")
+    plain = PoolGroup.target_only(SPEC, 8, CPU)
+    assert plain.replicated_device("the host tier") is plain.device

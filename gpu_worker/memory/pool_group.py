@@ -51,7 +51,8 @@ class HostRows(enum.Enum):
 
 
 class UnsupportedMember(ValueError):
-    """A member the group cannot move yet (a draft, indexer or CP-sharded pool)."""
+    """A member the group cannot move yet (a draft or indexer pool), or a move a CP-sharded
+    device pool does not support yet (the host tier, P/D)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,8 @@ class PoolGroup:
         if [m.name for m in members] != [TARGET] or members[0].host_rows is not HostRows.SAME_SLOTS:
             raise UnsupportedMember(
                 f"a pool group holds exactly the target pool ({TARGET!r}, same slots) for now; "
-                f"draft, indexer and CP-sharded pools are not supported yet: {list(members)}"
+                f"draft and indexer pools are not supported yet (a CP-sharded target is "
+                f"`sharding`): {list(members)}"
             )
         self.members = tuple(members)
         spec = members[0].spec
