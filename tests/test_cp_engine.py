@@ -139,9 +139,14 @@ CASES = [  # (cp, sharded, tp, pp, host)
 
 
 @pytest.mark.parametrize(("cp", "sharded", "tp", "pp", "host"), CASES)
-def test_cp_engine_equals_cp1(cp: int, sharded: bool, tp: int, pp: int, host: bool) -> None:
+def test_cp_engine_equals_cp1(
+    tmp_path: Path, cp: int, sharded: bool, tp: int, pp: int, host: bool
+) -> None:
+    """With the checker on, the stage also compares the tokens its ranks sampled: a
+    replicated CP rank's own KV shows in no output of rank 0's."""
     want = reference(tp, host, gather=sharded)
-    got, rows, owners = run_world(config(cp, sharded, tp, pp, host), workload, make_prompts())
+    cfg = config(cp, sharded, tp, pp, host)
+    got, rows, owners = run_world(cfg, workload, make_prompts(), env=checker_env(tmp_path))
 
     hits = {phase: 0 for phase, *_ in want}
     for (phase, w_out, w_dev, w_host, w_logits), (g_phase, out, dev, host_hit, logits) in zip(
@@ -194,7 +199,9 @@ def test_cp_flags_and_refusals() -> None:
         engine_config_from_args(_args(*sharded, *storage))  # L3 needs the host tier
     assert engine_config_from_args(_args("--cp-size", "2", *storage)).parallel.cp_size == 2
     with pytest.raises(ValueError, match="does not support --disaggregation-mode prefill"):
-        engine_config_from_args(_args("--cp-size", "2", "--disaggregation-mode", "prefill"))
+        engine_config_from_args(_args(*sharded, "--disaggregation-mode", "prefill"))
+    pd = engine_config_from_args(_args("--cp-size", "2", "--disaggregation-mode", "decode"))
+    assert pd.parallel == ParallelConfig(cp_size=2)  # replicated CP serves P/D
     # replicated CP keeps the host tier
     replicated = engine_config_from_args(_args("--cp-size", "2", "--enable-hierarchical-cache"))
     assert replicated.cache.enable_hierarchical_cache and not replicated.parallel.kv_sharding

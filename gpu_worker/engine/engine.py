@@ -224,6 +224,7 @@ class Engine:
         reuse: bool = True,
     ) -> Req:
         """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`)."""
+        _check_pd(self.config)
         req = self.submit(prompt_ids, sampling, cache_salt)
         req.remote = RemoteKV(reuse=reuse and self.config.cache.enable_radix_cache)
         return req
@@ -233,6 +234,7 @@ class Engine:
     ) -> Req:
         """A P/D prefill request: compute the prompt, sample one token, and pack the KV from
         `export_from` on (`req.export` when it finishes; every rank's shard on rank 0)."""
+        _check_pd(self.config)
         ps = self.kv_spec.page_size
         ids = self.validate(prompt_ids, sampling)
         if not 0 <= export_from < len(ids) or export_from % ps:
@@ -430,6 +432,14 @@ def _divergence_named(recorder: consensus.ConsensusRecorder | None) -> Iterator[
         if found is not None:
             raise consensus.RankDivergenceError(found.report()) from e
         raise
+
+
+def _check_pd(config: EngineConfig) -> None:
+    if config.parallel.kv_sharding:
+        raise InvalidRequestError(
+            "P/D is not supported with --enable-kv-cache-sharding yet (KV sent and "
+            "received by owner ranks is still to come)"
+        )
 
 
 def _sharding(config: EngineConfig, groups: ParallelGroups) -> KVSharding | None:

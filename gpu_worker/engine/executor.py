@@ -12,7 +12,8 @@ outcomes at the same logical point.
 Guards: before the hidden states, a stage sends the batch's shape (tokens, requests), and
 the next stage refuses a batch it did not plan itself (`StageMismatchError`) instead of
 receiving a tensor of another size; with the rank consensus checker on, the TP (and CP)
-ranks of a stage also compare their batch shapes before the forward. Ranks that diverged
+ranks of a stage also compare their batch shapes before the forward, and with CP the
+tokens they sampled after it (CP ranks compute apart). Ranks that diverged
 then fail in Python, so the checker can report the decision that diverged first rather
 than a later crash.
 """
@@ -96,6 +97,8 @@ class ModelExecutor:
                 )
             return outcomes
         outcomes = [None if s is None else _sample(out[i], s) for i, s in enumerate(specs)]
+        if self.guard_tp and g.config.cp_size > 1:
+            self._check_sampled(outcomes)
         if g.config.pp_size > 1:
             self._send_outcomes(outcomes)
         return outcomes
@@ -120,6 +123,21 @@ class ModelExecutor:
                 f"({int(t[0])}..{-int(t[2])} tokens); {g.describe()} planned {shape[0]}"
             )
 
+    def _check_sampled(self, outcomes: list[SampleOutcome | None]) -> None:
+        """Every CP rank computes and samples every row itself, and only rank 0's tokens
+        reach a client: a CP rank whose KV went wrong would sample other tokens and drift
+        unseen. Its stage compares a checksum of the sampled tokens (checker on only)."""
+        g = self.groups
+        toks = torch.tensor([s.token for o in outcomes if o for s in o.tokens], dtype=torch.int64)
+        mine = torch.stack([toks.sum(), (toks * torch.arange(1, len(toks) + 1)).sum()])
+        t = torch.cat([mine, -mine])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g.stage_cpu)
+        if not torch.equal(t[:2], -t[2:]):
+            raise StageMismatchError(
+                f"ranks of stage {g.pp_rank} sampled different tokens; {g.describe()} "
+                f"sampled {toks.tolist()}"
+            )
+
     def collect_export(
         self, staging: torch.Tensor
     ) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
@@ -128,16 +146,19 @@ class ModelExecutor:
         the shards of `ParallelConfig.kv_ranks` (every rank's, or for MLA's replicated
         latent one per stage), in rank order, with their ranks; the others send theirs to
         it if it is one of those, and get only their own back. Every rank calls it at the
-        same logical point: when the request finishes."""
+        same logical point: when the request finishes. Replicated CP: only CP rank 0's
+        shards go, and the ranks returned are of `ParallelConfig.kv_layout` (the CP1
+        layout the wire and a decode engine know)."""
         g = self.groups
         whole = self.model_config_whole
         ranks = g.config.kv_ranks(whole.mla)
+        wire = tuple(g.config.kv_rank(r) for r in ranks)
         if g.world_size == 1:
-            return ranks, (staging,)
+            return wire, (staging,)
         if g.rank != 0:
             if g.rank in ranks:
                 self.sends.send(staging.contiguous(), 0, g.cpu_world, TAG_EXPORT)
-            return (g.rank,), (staging,)
+            return (g.config.kv_rank(g.rank),), (staging,)
         out = [staging]
         for rank in ranks[1:]:
             shard = ModelShard.of(whole, g.config, rank).local_config(whole)
@@ -154,7 +175,7 @@ class ModelExecutor:
             part = torch.empty(shape, dtype=staging.dtype)
             dist.recv(part, rank, group=g.cpu_world, tag=TAG_EXPORT)
             out.append(part)
-        return ranks, tuple(out)
+        return wire, tuple(out)
 
     def _send_outcomes(self, outcomes: list[SampleOutcome | None]) -> None:
         g = self.groups

@@ -135,7 +135,7 @@ class KVImport:
         ranges. MLA's latent is every TP rank's one head: a stage's one shard fills it, and
         each own TP rank takes all of it."""
         own = self.parallel
-        if sender == own:  # the same cut: own rank r's shard is r's, or its TP rank 0's
+        if sender == own and own.cp_size == 1:  # the same cut: r's shard, or its TP rank 0's
             return tuple(
                 parts[r] if r in parts else parts[r - r % own.tp_size]
                 for r in range(own.world_size)

@@ -80,13 +80,25 @@ class ParallelConfig:
     def kv_ranks(self, replicated: bool) -> tuple[int, ...]:
         """The world ranks whose KV shards differ: every rank, or, with KV replicated over
         TP (MLA's latent), TP rank 0 of each stage (and CP rank; the others hold copies of
-        its shard)."""
-        if replicated:
-            ranks = (
-                self.rank_of(p, 0, c) for p in range(self.pp_size) for c in range(self.cp_size)
-            )
-            return tuple(ranks)
-        return tuple(range(self.world_size))
+        its shard). Replicated CP is replication too: only CP rank 0's count."""
+        cps = range(self.cp_size if self.kv_sharding else 1)
+        tps = range(1 if replicated else self.tp_size)
+        ranks = (self.rank_of(p, t, c) for p in range(self.pp_size) for c in cps for t in tps)
+        return tuple(ranks)
+
+    def kv_layout(self) -> ParallelConfig:
+        """The layout a replicated CP engine's KV has: its CP1 layout (every CP rank holds
+        what CP rank 0 holds); a CP1 or sharded layout is its own. P/D frames and storage
+        objects name ranks of this layout (`kv_rank`)."""
+        if self.cp_size == 1 or self.kv_sharding:
+            return self
+        return ParallelConfig(self.tp_size, self.pp_size)
+
+    def kv_rank(self, rank: int) -> int:
+        """World rank `rank`'s rank in `kv_layout()` (its CP rank 0 peer's place there)."""
+        where = self.coords(rank)
+        layout = self.kv_layout()
+        return layout.rank_of(where.pp, where.tp, where.cp if layout is self else 0)
 
     def describe(self) -> str:
         cp = f"/CP{self.cp_size}" if self.cp_size > 1 else ""

@@ -91,7 +91,10 @@ class ParallelGroups:
         return self.config.rank_of(pp_rank, self.tp_rank, self.cp_rank)
 
     def describe(self) -> str:
-        return f"rank {self.rank} (PP{self.pp_rank}/TP{self.tp_rank} of {self.config.describe()})"
+        cp = f"/CP{self.cp_rank}" if self.config.cp_size > 1 else ""
+        return (
+            f"rank {self.rank} (PP{self.pp_rank}{cp}/TP{self.tp_rank} of {self.config.describe()})"
+        )
 
 
 def rank_device(device: str, rank: int) -> torch.device:

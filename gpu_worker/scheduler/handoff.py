@@ -89,5 +89,5 @@ class KVHandOff:
         )
         ranks, stagings = self.executor.collect_export(staging.cpu())  # all, on rank 0
         first = req.output_ids[0]
-        world = self.executor.groups.world_size
+        world = self.executor.groups.config.kv_layout().world_size  # replicated CP: CP1's
         return KVExport(stagings, req.export_from, req.prompt_len, first, ranks, world)

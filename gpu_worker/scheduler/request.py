@@ -77,7 +77,9 @@ class KVExport:
     head per group, (num_pages, its num_kv_heads, its num_layers, num_kv, page_size, 1,
     head_dim); rank 0 holds them all. `ranks` is `ParallelConfig.kv_ranks`: every rank, or
     for MLA (num_kv 1, one head, the latent row, the same on every TP rank of a stage) only
-    TP rank 0 of each stage, so a replicated latent crosses the wire once.
+    TP rank 0 of each stage, so a replicated latent crosses the wire once; replicated CP
+    sends CP rank 0's only. They are ranks of `ParallelConfig.kv_layout` (of `world_size`
+    ranks), the layout a decode engine cuts from.
     """
 
     stagings: tuple[torch.Tensor, ...]
@@ -85,7 +87,7 @@ class KVExport:
     token_end: int
     first_token: int
     ranks: tuple[int, ...] = (0,)
-    world_size: int = 1  # of the exporting engine
+    world_size: int = 1  # of the exporting engine's kv_layout (its world, but at replicated CP)
 
     @property
     def num_pages(self) -> int:
