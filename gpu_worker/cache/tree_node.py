@@ -45,6 +45,18 @@ def next_owner_rotation(rotation: int, num_pages: int, cp_size: int = 1) -> int:
     return (rotation + num_pages) % cp_size
 
 
+def owner_cycle_break(page_ids: Sequence[int], rotation: int, cp_size: int) -> int | None:
+    """The first offset `i` of a run of device pages starting at owner `rotation` whose page
+    is not of owner class `(rotation + i) % cp_size` (page `q` is owned by CP rank
+    `q % cp_size`), or None when the run keeps the cycle (always with `cp_size` 1)."""
+    if cp_size == 1:
+        return None
+    for i, q in enumerate(page_ids):
+        if q % cp_size != (rotation + i) % cp_size:
+            return i
+    return None
+
+
 class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"

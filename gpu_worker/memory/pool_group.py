@@ -94,24 +94,31 @@ class PoolGroup:
         num_pages: int,
         device: torch.device,
         check_reads: bool = False,
+        num_owners: int = 1,
     ) -> None:
         """Device pools of `num_pages` pages for `members` (today exactly the target);
-        `check_reads`: fail any read of a page whose load is not consumed."""
+        `check_reads`: fail any read of a page whose load is not consumed; `num_owners`: the
+        owner classes (CP ranks) of the page ids the device allocator hands out."""
         if [m.name for m in members] != [TARGET] or members[0].host_rows is not HostRows.SAME_SLOTS:
             raise UnsupportedMember(
                 f"a pool group holds exactly the target pool ({TARGET!r}, same slots) for now; "
                 f"draft, indexer and CP-sharded pools are not supported yet: {list(members)}"
             )
         self.members = tuple(members)
-        self.device = DeviceKVPool(members[0].spec, num_pages, device, check_reads)
+        self.device = DeviceKVPool(members[0].spec, num_pages, device, check_reads, num_owners)
         self.host: HostKVPool | None = None
 
     @classmethod
     def target_only(
-        cls, spec: KVSpec, num_pages: int, device: torch.device, check_reads: bool = False
+        cls,
+        spec: KVSpec,
+        num_pages: int,
+        device: torch.device,
+        check_reads: bool = False,
+        num_owners: int = 1,
     ) -> PoolGroup:
         """The group of an engine without draft state: the target pool alone."""
-        return cls([PoolMember(TARGET, spec)], num_pages, device, check_reads)
+        return cls([PoolMember(TARGET, spec)], num_pages, device, check_reads, num_owners)
 
     @property
     def spec(self) -> KVSpec:
