@@ -219,7 +219,8 @@ class RadixTree:
         node.key = key = key[at:]
         node.parent = upper
         upper.children[key[0] if ps == 1 else key[:ps].tobytes()] = node
-        self.tiers.device_heap.offer(upper)  # on device above a host-only lower part
+        if node.device_page_ids is None:  # else its one child is on the device: not a leaf
+            self.tiers.device_heap.offer(upper)  # on device above a host-only lower part
         return upper
 
     # ----------------------------------------------------------------- verbs along a key

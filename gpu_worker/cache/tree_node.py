@@ -21,7 +21,14 @@ dtype of a torch int64 index tensor."""
 
 
 def join_page_ids(parts: list[PageIds]) -> PageIds:
-    """One new `array('q')` holding `parts` end to end (a single copy of their bytes)."""
+    """One new `array('q')` holding `parts` end to end. One or two parts (most matches) are
+    one slice or one concatenation, a single copy; more are joined as bytes first (two
+    copies, but one allocation however many parts: `+` per part would be quadratic)."""
+    n = len(parts)
+    if n == 1:
+        return parts[0][:]
+    if n == 2:
+        return parts[0] + parts[1]
     out = array("q")
     if parts:
         out.frombytes(b"".join(parts))
