@@ -23,7 +23,7 @@ def test_two_owner_classes_each_hand_out_their_own_pages() -> None:
     a = PageAllocator(7, num_owners=2)
     assert (a.num_free, a.num_free_of(0), a.num_free_of(1)) == (7, 4, 3)
     assert a.alloc(2, owner=0) == [0, 2] and a.alloc(2, owner=1) == [1, 3]
-    assert a.alloc(1) == [4]  # no owner asked: the lowest free id of any class
+    assert a.alloc(1) == [4]  # owner class 0 by default
     assert a.alloc(2, owner=1) is None and a.num_free_of(1) == 1  # nothing taken
     a.free([3, 0, 2])  # each page back to its own class
     assert (a.num_free_of(0), a.num_free_of(1)) == (3, 2)
@@ -32,19 +32,6 @@ def test_two_owner_classes_each_hand_out_their_own_pages() -> None:
     assert a.num_free == 0 and not a.can_alloc(1, owner=0)
     a.reset()
     assert a.alloc(4, owner=0) == [0, 2, 4, 6] and a.alloc(3, owner=1) == [1, 3, 5]
-
-
-def test_no_owner_takes_the_lowest_free_ids_of_every_class() -> None:
-    """What a caller that does not follow an owner cycle gets (the engine's sharded pool
-    until allocation does): ids over every class, lowest first, so `num_free` is what it
-    can take; all or nothing."""
-    a = PageAllocator(9, num_owners=3)
-    assert a.alloc(4) == [0, 1, 2, 3]
-    a.free([1, 2])
-    assert a.alloc(3) == [1, 2, 4] and a.num_free == 4
-    assert a.alloc(5) is None and a.num_free == 4  # nothing taken
-    assert a.alloc(4) == [5, 6, 7, 8] and a.num_free == 0
-    assert PageAllocator(5).alloc(3) == PageAllocator(5).alloc(3, owner=0) == [0, 1, 2]
 
 
 def test_owner_classes_must_fit_the_pool() -> None:

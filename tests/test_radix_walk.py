@@ -145,7 +145,8 @@ def test_owner_rotations_follow_the_path_with_three_cp_ranks() -> None:
     tree = RadixTree(2, cp_size=3)
     tree.insert(list(range(14)), dev(*range(7)))  # one node, pages 0..6
     tree.match_prefix(list(range(4)))  # split after 2 pages: the lower part starts at page 2
-    tree.insert([*range(10), 99, 99], dev(*range(10, 16)))  # split after page 5, new leaf
+    # split after page 5, new leaf: the path's pages 0..4 plus page 8 (owner 8 % 3 == 5 % 3)
+    tree.insert([*range(10), 99, 99], dev(0, 1, 2, 3, 4, 8))
     starts = {}
     for node in tree.iter_nodes():
         start = node.path_len() - len(node.key)

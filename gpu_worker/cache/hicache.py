@@ -177,6 +177,7 @@ class PrefixCache:
         storage_groups: tuple[Any, Any, Any] = (None, None, None),
         rank: int = 0,
         pools: PoolGroup | None = None,
+        cp_size: int = 1,
     ) -> None:
         """With a `namespace`, the tree hashes its pages (and, with `record_events`, records
         KV events).
@@ -188,16 +189,21 @@ class PrefixCache:
         unified scheme lays the host pool out `page_unified`), and the `storage_groups`
         (hit, progress, write) agree over the world (None in a world of one). `pools`: the
         engine's KV pools (default: the target pool of `spec` alone), without host pools:
-        the cache makes those when it has a host tier."""
+        the cache makes those when it has a host tier. `cp_size`: the CP ranks device pages
+        go round-robin over (the pools' owner classes; `alloc`)."""
         self.config = config
         self.spec = spec
         if pools is None:
-            pools = PoolGroup.target_only(spec, config.num_device_pages, device, config.check_reads)
+            pools = PoolGroup.target_only(
+                spec, config.num_device_pages, device, config.check_reads, cp_size
+            )
         if pools.spec != spec:
             raise ValueError(f"the pool group's target holds {pools.spec}, not {spec}")
+        if pools.device.allocator.num_owners != cp_size:
+            raise ValueError(f"the pool group's device pages are not in {cp_size} owner classes")
         self.pools = pools
         self.device_pool = self.pools.device
-        self.tree = RadixTree(config.page_size, namespace, record_events)
+        self.tree = RadixTree(config.page_size, namespace, record_events, cp_size)
         self.hierarchical = config.enable_hierarchical_cache and config.enable_radix_cache
         self.stats = CacheStats()
         self.cost = LoadCostModel()  # rank 0's measurements
@@ -207,7 +213,7 @@ class PrefixCache:
         self.host: HostTier | None = None
         self.storage: StorageTier | None = None
         if self.hierarchical:
-            self.host = self._host_tier(num_host_pages, delay_seed, storage_layout, storage)
+            self.host = _host_tier(self, num_host_pages, delay_seed, storage_layout, storage)
             self.host_pool, self.transfers = self.host.pool, self.host.transfers
         if storage is not None:
             if self.host is None or namespace is None or storage_layout is None:
@@ -217,34 +223,6 @@ class PrefixCache:
             )
             self.host.after_backup = self.storage.writes.after_backup
         self.acks = AckQueues(self.host, self.storage)
-
-    def _host_tier(
-        self,
-        num_host_pages: int | None,
-        delay_seed: int,
-        layout: StorageLayout | None,
-        storage: StorageBackend | None,
-    ) -> HostTier:
-        config = self.config
-        unified = storage is not None and layout is not None and layout.unified
-        self.pools.attach_host(
-            num_host_pages or config.num_host_pages(self.spec),
-            "page_unified" if unified else config.hicache_mem_layout,
-            layout.group_heads if layout is not None and unified else None,
-        )
-        delay = config.transfer_delay
-        if delay is not None and delay_seed:
-            delay = dataclasses.replace(delay, seed=delay.seed + delay_seed)
-        transfers = TransferEngine(self.device_pool.device, config.transfer_workers, delay)
-        return HostTier(
-            self.pools,
-            self.tree,
-            transfers,
-            self.stats,
-            self.cost,
-            lambda: self.cost_estimate,
-            config.debug_fail_loads,
-        )
 
     @property
     def page_size(self) -> int:
@@ -306,13 +284,42 @@ class PrefixCache:
 
     # ----------------------------------------------------------------- device pages
 
-    @rank_consensus(same_params=["num_pages"], same_results=["result"])
-    def alloc(self, num_pages: int) -> list[PageId] | None:
-        """Take `num_pages` device pages, evicting unlocked cache if needed; None if impossible."""
-        short = num_pages - self.num_free_device_pages
-        if short > 0:
+    def can_alloc(self, num_pages: int, start_page: int = 0) -> bool:
+        """Whether `alloc(num_pages, start_page)` can succeed: enough free pages plus pages
+        eviction could free (unlocked tree pages) in every owner class the run takes from.
+        With several classes this walks the tree's nodes."""
+        allocator = self.device_pool.allocator
+        k = allocator.num_owners
+        if k == 1:
+            return num_pages <= self.num_available_device_pages
+        available = [allocator.num_free_of(o) for o in range(k)]
+        for node in self.tree.iter_nodes():
+            if node.lock_ref == 0 and node.device_page_ids is not None:
+                for q in node.device_page_ids:
+                    available[q % k] += 1
+        need = allocator.run_counts(num_pages, start_page % k)
+        return all(n <= a for n, a in zip(need, available, strict=True))
+
+    @rank_consensus(same_params=["num_pages", "start_page"], same_results=["result"])
+    def alloc(self, num_pages: int, start_page: int = 0) -> list[PageId] | None:
+        """Take `num_pages` device pages for a request's path pages `start_page, ...`,
+        evicting unlocked cache if needed; None (nothing taken) if impossible.
+
+        Page j is of owner class `(start_page + j) % cp_size`: a request's new pages continue
+        its prefix's owner cycle (a path from a root starts at rotation 0), which the tree
+        requires of every insert. With one class the pages are the lowest free ids.
+        """
+        allocator = self.device_pool.allocator
+        first = start_page % allocator.num_owners
+        short = allocator.shortfall(num_pages, first)
+        while short > 0:
+            free = allocator.num_free
             self.evict_device(short)
-        pages = self.device_pool.allocator.alloc(num_pages)
+            # eviction frees LRU pages of any class: go on while it frees and a class is short
+            if allocator.num_owners == 1 or allocator.num_free == free:
+                break
+            short = allocator.shortfall(num_pages, first)
+        pages = allocator.alloc_run(num_pages, first)
         return None if pages is None else [PageId(p) for p in pages]
 
     def free(self, page_ids: list[PageId]) -> None:
@@ -382,7 +389,7 @@ class PrefixCache:
             self.stats.loads_skipped += 1
             return None
         self.tree.tiers.ref_host(match.last_node)
-        pages = self.alloc(len(match.host_page_ids))
+        pages = self.alloc(len(match.host_page_ids), match.device_len // self.page_size)
         if pages is None:
             self.tree.tiers.unref_host(match.last_node)
             return None
@@ -431,6 +438,37 @@ class PrefixCache:
             self.transfers.close()
         if self.storage is not None:
             self.storage.io.close()
+
+
+def _host_tier(
+    cache: PrefixCache,
+    num_host_pages: int | None,
+    delay_seed: int,
+    layout: StorageLayout | None,
+    storage: StorageBackend | None,
+) -> HostTier:
+    """The host tier of `cache`: its pool group gains the host pools (laid out
+    `page_unified` for the unified storage scheme), copies run on a transfer engine."""
+    config = cache.config
+    unified = storage is not None and layout is not None and layout.unified
+    cache.pools.attach_host(
+        num_host_pages or config.num_host_pages(cache.spec),
+        "page_unified" if unified else config.hicache_mem_layout,
+        layout.group_heads if layout is not None and unified else None,
+    )
+    delay = config.transfer_delay
+    if delay is not None and delay_seed:
+        delay = dataclasses.replace(delay, seed=delay.seed + delay_seed)
+    transfers = TransferEngine(cache.device_pool.device, config.transfer_workers, delay)
+    return HostTier(
+        cache.pools,
+        cache.tree,
+        transfers,
+        cache.stats,
+        cache.cost,
+        lambda: cache.cost_estimate,
+        config.debug_fail_loads,
+    )
 
 
 def _storage_tier(

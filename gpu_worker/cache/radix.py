@@ -39,6 +39,7 @@ from gpu_worker.cache.tree_node import (
     TreeNode,
     join_page_ids,
     next_owner_rotation,
+    owner_cycle_break,
     page_ids_of,
 )
 from gpu_worker.cache.tree_tiers import EvictResult, TreeTiers
@@ -218,7 +219,8 @@ class RadixTree:
         node.key = key = key[at:]
         node.parent = upper
         upper.children[key[0] if ps == 1 else key[:ps].tobytes()] = node
-        self.tiers.device_heap.offer(upper)  # on device above a host-only lower part
+        if node.device_page_ids is None:  # else its one child is on the device: not a leaf
+            self.tiers.device_heap.offer(upper)  # on device above a host-only lower part
         return upper
 
     # ----------------------------------------------------------------- verbs along a key
@@ -271,6 +273,10 @@ class RadixTree:
         frees those it allocated itself). Every page past `dup_len` now belongs to the tree:
         host-only nodes on the path take the caller's pages as their device copy, new nodes
         are created for the rest.
+
+        With `cp_size` > 1 the page for path position k must be of owner class k % cp_size
+        (a root's path starts at rotation 0): pages of another rotation would join two
+        incompatible owner cycles, so such an insert raises ValueError and changes nothing.
         """
         q = as_token_ids(ids)
         ps = self.page_size
@@ -279,6 +285,14 @@ class RadixTree:
             raise ValueError(
                 f"insert needs {end // ps} pages for {end} tokens, got {len(page_ids)}"
             )
+        if self.cp_size > 1:
+            k = owner_cycle_break(page_ids[: end // ps], 0, self.cp_size)
+            if k is not None:
+                raise ValueError(
+                    f"insert: device page {page_ids[k]} at path page {k} is owned by CP rank "
+                    f"{page_ids[k] % self.cp_size}, the path's cycle needs rank "
+                    f"{k % self.cp_size} (cp_size {self.cp_size})"
+                )
         self._clock += 1
         clock = self._clock
         root = node = self._root_for(salt)
@@ -337,6 +351,9 @@ class RadixTree:
         committed while the read ran) form a prefix of it (the host tier is prefix-closed):
         their pages are not taken, and `dup_end` ends after them. From a node with a backup
         in flight on, nothing is taken (see `HostInsertResult` for what is returned).
+
+        Host page ids are not owner-classed (the host pool has one class), so nothing here
+        checks an owner cycle: a host page's owner rank follows from its path position.
         """
         q = as_token_ids(ids)
         ps = self.page_size

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from array import array
 
-from gpu_worker.cache.tree_node import TreeNode, next_owner_rotation
+from gpu_worker.cache.tree_node import TreeNode, next_owner_rotation, owner_cycle_break
 from gpu_worker.cache.tree_tiers import TreeTiers
 from gpu_worker.cache.tree_walk import child_key
 
@@ -37,6 +37,8 @@ def check_integrity(
             assert top or parent.on_device, f"{n!r}: on device, parent is not"
             assert n.device_page_ids is not None and len(n.device_page_ids) == len(n.key) // ps
             assert device_seen.isdisjoint(n.device_page_ids), f"{n!r}: device page twice"
+            broken = owner_cycle_break(n.device_page_ids, n.owner_rotation, cp_size)
+            assert broken is None, f"{n!r}: its page {broken} breaks the owner cycle"
             device_seen.update(n.device_page_ids)
             num_device += len(n.device_page_ids)
             num_locked += len(n.device_page_ids) if n.lock_ref else 0

@@ -21,7 +21,14 @@ dtype of a torch int64 index tensor."""
 
 
 def join_page_ids(parts: list[PageIds]) -> PageIds:
-    """One new `array('q')` holding `parts` end to end (a single copy of their bytes)."""
+    """One new `array('q')` holding `parts` end to end. One or two parts (most matches) are
+    one slice or one concatenation, a single copy; more are joined as bytes first (two
+    copies, but one allocation however many parts: `+` per part would be quadratic)."""
+    n = len(parts)
+    if n == 1:
+        return parts[0][:]
+    if n == 2:
+        return parts[0] + parts[1]
     out = array("q")
     if parts:
         out.frombytes(b"".join(parts))
@@ -43,6 +50,18 @@ def next_owner_rotation(rotation: int, num_pages: int, cp_size: int = 1) -> int:
     starts that many owners further on. With `cp_size` 1 (today) every rotation is 0.
     """
     return (rotation + num_pages) % cp_size
+
+
+def owner_cycle_break(page_ids: Sequence[int], rotation: int, cp_size: int) -> int | None:
+    """The first offset `i` of a run of device pages starting at owner `rotation` whose page
+    is not of owner class `(rotation + i) % cp_size` (page `q` is owned by CP rank
+    `q % cp_size`), or None when the run keeps the cycle (always with `cp_size` 1)."""
+    if cp_size == 1:
+        return None
+    for i, q in enumerate(page_ids):
+        if q % cp_size != (rotation + i) % cp_size:
+            return i
+    return None
 
 
 class Tier(enum.Enum):

@@ -111,13 +111,17 @@ class Engine:
         if config.cache.enable_hierarchical_cache:  # bytes per page differ between stages
             host_pages = agree_min(groups, config.cache.num_host_pages(self.kv_spec))
         # the engine's KV pools over one slot mapping: a draft model's would join the group.
-        # Sharded CP: --max-total-tokens is the logical pool; this rank holds 1/N of its rows
+        # Sharded CP: --max-total-tokens is the logical pool; this rank holds 1/N of its rows,
+        # and the tree and allocator keep every path's pages on the owner cycle
+        sharding = _sharding(config, groups)
+        owners = 1 if sharding is None else sharding.cp_size
         pools = PoolGroup.target_only(
             self.kv_spec,
             config.cache.num_device_pages,
             self.device,
             config.cache.check_reads,
-            _sharding(config, groups),
+            num_owners=owners,
+            sharding=sharding,
         )
         if config.debug.gather_reads:
             pools.device.contiguous_slices = False
@@ -136,6 +140,7 @@ class Engine:
             storage_groups=(groups.storage_hit, groups.storage_progress, groups.storage_write),
             rank=self.rank,
             pools=pools,
+            cp_size=owners,
         )
         # a request reserves pages for every token it may write, so the longest one this
         # engine serves is also bounded by its device pool (SGLang's max request length)

@@ -12,9 +12,10 @@ class PageAllocator:
     """Hands out page ids, lowest first, by owner class.
 
     Page `p` belongs to owner class `p % num_owners`, and each class has its own free list:
-    `alloc(n, owner)` takes from that class only. Context parallelism will hand a sequence's
-    pages out round-robin over its CP ranks' classes; with one class (today) every page is
-    class 0.
+    `alloc(n, owner)` takes from that class only. Context parallelism hands a sequence's
+    pages out round-robin over its CP ranks' classes (`alloc_run`: page j of a run from class
+    `(first_owner + j) % num_owners`); with one class every page is class 0 and `alloc_run`
+    is `alloc`.
 
     Lowest-first (rather than a LIFO stack) makes the ids a deterministic function of the
     sequence of alloc/free calls, which is what lets ranks of one engine, and tests, agree on
@@ -47,15 +48,9 @@ class PageAllocator:
     def can_alloc(self, n: int, owner: int = 0) -> bool:
         return n <= len(self._free[owner])
 
-    def alloc(self, n: int, owner: int | None = None) -> list[int] | None:
+    def alloc(self, n: int, owner: int = 0) -> list[int] | None:
         """Take `n` pages of owner class `owner`, or None (and nothing taken) when fewer of
-        its pages are free. `owner` None: the `n` lowest free ids of any class (with one
-        class, class 0), for a caller that does not follow an owner cycle: a sharded pool
-        works with any page ids, and `num_free` is then exactly what it can take."""
-        if owner is None:
-            if self.num_owners > 1:
-                return self._alloc_any(n)
-            owner = 0
+        its pages are free."""
         free = self._free[owner]
         if n > len(free):
             return None
@@ -69,18 +64,30 @@ class PageAllocator:
         taken.reverse()
         return taken
 
-    def _alloc_any(self, n: int) -> list[int] | None:
-        if n > self.num_free:
+    def run_counts(self, n: int, first_owner: int = 0) -> list[int]:
+        """Pages of each owner class in a run of `n` starting at class `first_owner`."""
+        k = self.num_owners
+        base, extra = divmod(n, k)
+        return [base + int((o - first_owner) % k < extra) for o in range(k)]
+
+    def shortfall(self, n: int, first_owner: int = 0) -> int:
+        """Pages missing from the owner classes that a run of `n` starting at `first_owner`
+        takes from (0 when `alloc_run` would succeed)."""
+        counts = self.run_counts(n, first_owner)
+        return sum(max(0, c - len(free)) for c, free in zip(counts, self._free, strict=True))
+
+    def alloc_run(self, n: int, first_owner: int = 0) -> list[int] | None:
+        """`n` pages continuing an owner cycle: page j is of class `(first_owner + j) %
+        num_owners`, lowest free id of its class first. None (and nothing taken) when any
+        class is short. With one class this is `alloc(n)`: the same ids in the same order."""
+        k = self.num_owners
+        if k == 1:
+            return self.alloc(n)
+        if self.shortfall(n, first_owner):
             return None
-        for owner, free in enumerate(self._free):
-            if not self._sorted[owner]:
-                free.sort(reverse=True)
-                self._sorted[owner] = True
-        taken = []
-        for _ in range(n):  # each class's lowest id is at its end: take the lowest of those
-            _, owner = min((free[-1], o) for o, free in enumerate(self._free) if free)
-            taken.append(self._free[owner].pop())
-        return taken
+        per_class = [self.alloc(c, o) or [] for o, c in enumerate(self.run_counts(n, first_owner))]
+        # page j is the (j // k)-th page of its class: the classes take turns, one page each
+        return [per_class[(first_owner + j) % k][j // k] for j in range(n)]
 
     def free(self, page_ids: list[int]) -> None:
         """Return pages, each to its owner class. The caller must own them; a double free

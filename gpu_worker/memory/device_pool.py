@@ -19,15 +19,23 @@ class DeviceKVPool:
 
     With `check_reads`, pages written by an in-flight load are marked pending and `get_kv`
     raises if attention would read one before its completion was consumed (invariant 3).
+
+    `num_owners`: the owner classes of its page ids (the CP ranks pages go round-robin over,
+    `PageAllocator`); the pool still holds every page's rows.
     """
 
     def __init__(
-        self, spec: KVSpec, num_pages: int, device: torch.device, check_reads: bool = False
+        self,
+        spec: KVSpec,
+        num_pages: int,
+        device: torch.device,
+        check_reads: bool = False,
+        num_owners: int = 1,
     ) -> None:
         self.spec = spec
         self.device = device
         self.num_pages = num_pages
-        self.allocator = PageAllocator(num_pages, "device")
+        self.allocator = PageAllocator(num_pages, "device", num_owners)
         num_slots = num_pages * spec.page_size
         self.kv = torch.zeros(
             (spec.num_layers, spec.num_kv, num_slots, spec.num_kv_heads, spec.head_dim),

@@ -111,11 +111,14 @@ class PoolGroup:
         num_pages: int,
         device: torch.device,
         check_reads: bool = False,
+        num_owners: int = 1,
         sharding: KVSharding | None = None,
     ) -> None:
         """Device pools of `num_pages` pages for `members` (today exactly the target);
-        `check_reads`: fail any read of a page whose load is not consumed; `sharding`: the
-        target's pool holds only this CP rank's pages."""
+        `check_reads`: fail any read of a page whose load is not consumed; `num_owners`: the
+        owner classes (CP ranks) of the page ids the device allocator hands out; `sharding`:
+        the target's pool holds only this CP rank's pages (its owner classes are the CP
+        ranks)."""
         if [m.name for m in members] != [TARGET] or members[0].host_rows is not HostRows.SAME_SLOTS:
             raise UnsupportedMember(
                 f"a pool group holds exactly the target pool ({TARGET!r}, same slots) for now; "
@@ -126,9 +129,11 @@ class PoolGroup:
         spec = members[0].spec
         self.device: DeviceKVPool | ShardedDeviceKVPool
         if sharding is None:
-            self.device = DeviceKVPool(spec, num_pages, device, check_reads)
+            self.device = DeviceKVPool(spec, num_pages, device, check_reads, num_owners)
         else:
             s = sharding
+            if num_owners not in (1, s.cp_size):
+                raise ValueError(f"a pool sharded over {s.cp_size} ranks has as many owners")
             self.device = ShardedDeviceKVPool(
                 spec, num_pages, device, s.cp_rank, s.cp_size, s.group, poison=s.poison
             )
@@ -141,10 +146,12 @@ class PoolGroup:
         num_pages: int,
         device: torch.device,
         check_reads: bool = False,
+        num_owners: int = 1,
         sharding: KVSharding | None = None,
     ) -> PoolGroup:
         """The group of an engine without draft state: the target pool alone."""
-        return cls([PoolMember(TARGET, spec)], num_pages, device, check_reads, sharding)
+        members = [PoolMember(TARGET, spec)]
+        return cls(members, num_pages, device, check_reads, num_owners, sharding)
 
     def replicated_device(self, what: str) -> DeviceKVPool:
         """The target's device pool where `what` needs every page's rows on this rank."""

@@ -54,7 +54,8 @@ class Admission:
         cache.lock(match.last_device_node)
         load_pages = len(match.host_page_ids)
         own_pages = -(-req.lens.max_kv_len // ps) - match.total_len // ps
-        if load_pages + own_pages > cache.num_available_device_pages:
+        # the host part's pages and the request's own follow the device part on its path
+        if not cache.can_alloc(load_pages + own_pages, match.device_len // ps):
             cache.unlock(match.last_device_node)
             # nothing running and no copy in flight (a backup's ACK unlocks its pages, a
             # failed load's frees them): nothing will ever free more (the engine checks
@@ -66,7 +67,7 @@ class Admission:
         ticket = cache.start_load(match)
         if ticket is None and match.host_len:  # no room to load: compute it instead
             own_pages += load_pages
-        pages = cache.alloc(own_pages)
+        pages = cache.alloc(own_pages, match.device_len // ps + (load_pages if ticket else 0))
         assert pages is not None, "the budget check guaranteed these pages"
         req.last_node = match.last_device_node
         req.lens.cached_len = match.device_len
