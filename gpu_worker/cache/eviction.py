@@ -57,12 +57,14 @@ N = TypeVar("N", bound=EvictableNode)
 
 
 def device_leaf(n: EvictableNode) -> bool:
-    """`n` may drop its device pages now: unlocked, and no child is on the device."""
+    """`n` may drop its device pages now: unlocked, and no child is on the device. (`not
+    n.children` first: most nodes offered are new leaves, and `any` would build a generator
+    to look at none.)"""
     return (
         n.parent is not None
         and n.device_page_ids is not None
         and n.lock_ref == 0
-        and not any(c.device_page_ids is not None for c in n.children.values())
+        and (not n.children or not any(c.device_page_ids is not None for c in n.children.values()))
     )
 
 
@@ -73,7 +75,10 @@ def host_leaf(n: EvictableNode) -> bool:
         n.host_page_ids is not None
         and n.host_ref == 0
         and not n.backup_pending
-        and not any(c.host_page_ids is not None or c.backup_pending for c in n.children.values())
+        and (
+            not n.children
+            or not any(c.host_page_ids is not None or c.backup_pending for c in n.children.values())
+        )
     )
 
 

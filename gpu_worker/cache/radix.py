@@ -279,7 +279,7 @@ class RadixTree:
         (a root's path starts at rotation 0): pages of another rotation would join two
         incompatible owner cycles, so such an insert raises ValueError and changes nothing.
         """
-        q = as_token_ids(ids)
+        q = ids if type(ids) is array and ids.typecode == "I" else as_token_ids(ids)
         ps = self.page_size
         end = len(q) - len(q) % ps
         if len(page_ids) < end // ps:
@@ -296,7 +296,7 @@ class RadixTree:
                 )
         self._clock += 1
         clock = self._clock
-        root = node = self._root_for(salt)
+        root = node = self.roots.get(salt) or self._root_for(salt)
         pos = dup_len = 0
         for node, start, pos in walk(root, q, end, ps, self._splitter):
             node.last_access = clock
