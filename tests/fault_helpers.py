@@ -515,6 +515,20 @@ async def baseline(url: str, reqs: Sequence[Req]) -> dict[Req, tuple[int, ...]]:
     return out
 
 
+async def assert_repeat_is_cached(url: str, req: Req, want: tuple[int, ...]) -> None:
+    """`req` again, plain: the same greedy tokens as `want`, with part of its prompt served
+    from the cache."""
+    body = {"prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": 0}
+    body["ignore_eos"] = True
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/v1/completions", json=body) as r,
+    ):
+        data = await r.json()
+    assert tuple(data["choices"][0]["token_ids"]) == want
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # served from cache
+
+
 async def full_round(url: str, expected: dict[Req, tuple[int, ...]]) -> None:
     """Every request, 8 at a time: all 200 with the tokens of before the fault."""
     reqs = list(expected)

@@ -16,7 +16,13 @@ import pickle
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpu_worker.engine.engine import Engine
+    from gpu_worker.model.sampling import SamplingParams
 
 T = TypeVar("T")
 
@@ -86,3 +92,41 @@ def run_world(
     if status != "ok":
         raise WorldFailed(f"the workload failed on rank 0:\n{value}")
     return value  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------ the oracle's workload
+
+# (phase, output ids, cached device, cached host, logits (steps, vocab)) per request
+Run = list[tuple[str, list[int], int, int, "torch.Tensor"]]
+
+
+def shared_prefix_prompts(
+    seed: int, shared: tuple[int, int], tail: tuple[int, int]
+) -> list[list[int]]:
+    """Three groups of three prompts: a random shared prefix of `shared` (min, max) tokens,
+    then a tail of `tail` tokens each, ids below 256 (every test preset's vocabulary)."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(3):
+        prefix = [rng.randrange(256) for _ in range(rng.randint(*shared))]
+        for _ in range(3):
+            prompts.append(prefix + [rng.randrange(256) for _ in range(rng.randint(*tail))])
+    return prompts
+
+
+def traced_batch(
+    engine: Engine, phase: str, prompts: list[list[int]], sampling: SamplingParams
+) -> Run:
+    """Run `prompts` as one batch with every step's logits traced."""
+    import torch
+
+    reqs = [engine.submit(p, sampling) for p in prompts]
+    for r in reqs:
+        r.logits_trace = []
+    outs = engine.run(reqs)
+    return [
+        (phase, o.output_ids, o.cached.device, o.cached.host, torch.stack(r.logits_trace or []))
+        for o, r in zip(outs, reqs, strict=True)
+    ]

@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import random
 from pathlib import Path
 
 import pytest
 import test_compose
 import test_multirank_consensus
 import torch
-from multirank import WorldFailed, run_world
+from multirank import Run, WorldFailed, run_world, shared_prefix_prompts, traced_batch
 from test_multirank_consensus import checker_env, stress
 
 from gpu_worker.cache.hicache import CacheConfig
@@ -45,47 +44,27 @@ PAGE = 4
 NUM_PAGES = 72  # the logical pool: a batch of all prompts does not fit at once
 GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
 
-# (phase, output ids, cached device, cached host, logits (steps, vocab)) per request
-Run = list[tuple[str, list[int], int, int, torch.Tensor]]
-
 
 def make_prompts(seed: int = 22) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(3):
-        shared = [rng.randrange(256) for _ in range(rng.randint(9, 26))]
-        for _ in range(3):
-            prompts.append(shared + [rng.randrange(256) for _ in range(rng.randint(2, 9))])
-    return prompts
-
-
-def traced_batch(engine: Engine, phase: str, prompts: list[list[int]]) -> Run:
-    reqs = [engine.submit(p, GREEDY) for p in prompts]
-    for r in reqs:
-        r.logits_trace = []
-    outs = engine.run(reqs)
-    return [
-        (phase, o.output_ids, o.cached.device, o.cached.host, torch.stack(r.logits_trace or []))
-        for o, r in zip(outs, reqs, strict=True)
-    ]
+    return shared_prefix_prompts(seed, shared=(9, 26), tail=(2, 9))
 
 
 def workload(engine: Engine, prompts: list[list[int]]) -> tuple[Run, int, set[int]]:
     """The phases (see the module doc) on rank 0 or a CP1 engine; with them, rank 0's
     device pool rows and the owner classes (page % cp_size) of the pages the tree held."""
-    run = traced_batch(engine, "cold", prompts)
-    run += traced_batch(engine, "device", prompts)
+    run = traced_batch(engine, "cold", prompts, GREEDY)
+    run += traced_batch(engine, "device", prompts, GREEDY)
     held = {p for n in engine.cache.tree.iter_nodes() for p in (n.device_page_ids or [])}
     second = [p + out + [7, 9] for p, (_, out, *_rest) in zip(prompts, run, strict=False)]
-    run += traced_batch(engine, "turn2", second[:6])
+    run += traced_batch(engine, "turn2", second[:6], GREEDY)
     if engine.config.cache.enable_hierarchical_cache:
         engine.evict_device(engine.cache.tree.num_device_pages)  # drains the backups first
-        run += traced_batch(engine, "host", prompts[:6])
+        run += traced_batch(engine, "host", prompts[:6], GREEDY)
     else:
         engine.evict_device(engine.cache.tree.num_device_pages)
-        run += traced_batch(engine, "evicted", prompts[3:])
+        run += traced_batch(engine, "evicted", prompts[3:], GREEDY)
     assert engine.flush_cache()
-    run += traced_batch(engine, "flushed", prompts[:3])
+    run += traced_batch(engine, "flushed", prompts[:3], GREEDY)
     engine.drain()  # on every rank
     engine.check_integrity()
     owners = {p % engine.config.parallel.cp_size for p in held}

@@ -10,9 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import aiohttp
 import pytest
-from fault_helpers import MeshSpec, UpMesh, baseline, cold_reference, running_mesh, workload
+from fault_helpers import (
+    MeshSpec,
+    UpMesh,
+    assert_repeat_is_cached,
+    baseline,
+    cold_reference,
+    running_mesh,
+    workload,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,9 +39,4 @@ async def test_cp2_sharded_mesh_equals_cp1(mesh: UpMesh) -> None:
     assert got == cold_reference(reqs)
     assert len(mesh.ranks_of("engine-0")) == 1  # rank 1: the other CP rank
     assert "engine world TP1/PP1/CP2 sharded up" in mesh.log_path.read_text()
-    async with aiohttp.ClientSession() as http:
-        body = {"prompt": list(reqs[0].prompt), "max_tokens": 6, "temperature": 0}
-        async with http.post(f"{mesh.url}/v1/completions", json=body | {"ignore_eos": True}) as r:
-            data = await r.json()
-    assert tuple(data["choices"][0]["token_ids"]) == got[reqs[0]]
-    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # served from cache
+    await assert_repeat_is_cached(mesh.url, reqs[0], got[reqs[0]])

@@ -22,6 +22,7 @@ import pytest
 from fault_helpers import (
     MeshSpec,
     UpMesh,
+    assert_repeat_is_cached,
     baseline,
     cold_reference,
     epochs,
@@ -51,12 +52,7 @@ async def test_tp2_pp2_mesh_equals_tp1(mesh: UpMesh) -> None:
     got = await baseline(mesh.url, reqs)  # plain and streamed, 8 clients at a time
     assert got == cold_reference(reqs)
     assert {len(ranks) for ranks in map(mesh.ranks_of, mesh.spec.engine_ids)} == {3}
-    async with aiohttp.ClientSession() as http:
-        body = {"prompt": list(reqs[0].prompt), "max_tokens": 6, "temperature": 0}
-        async with http.post(f"{mesh.url}/v1/completions", json=body | {"ignore_eos": True}) as r:
-            data = await r.json()
-    assert tuple(data["choices"][0]["token_ids"]) == got[reqs[0]]
-    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # served from cache
+    await assert_repeat_is_cached(mesh.url, reqs[0], got[reqs[0]])
 
 
 async def test_rank_killed_mid_generation(mesh: UpMesh) -> None:

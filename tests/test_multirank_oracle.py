@@ -14,11 +14,10 @@ are asserted to happen, so a case where nothing is cached cannot pass by acciden
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
-from multirank import run_world
+from multirank import Run, run_world, shared_prefix_prompts, traced_batch
 
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
@@ -30,41 +29,21 @@ PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
 PHASES = ("cold", "device", "host", "turn2", "flushed")
 
-# (phase, output ids, cached device, cached host, logits (steps, vocab)) per request
-Run = list[tuple[str, list[int], int, int, torch.Tensor]]
-
 
 def make_prompts(seed: int = 11) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(3):
-        shared = [rng.randrange(256) for _ in range(rng.randint(13, 30))]
-        for _ in range(3):
-            prompts.append(shared + [rng.randrange(256) for _ in range(rng.randint(2, 11))])
-    return prompts
-
-
-def traced_batch(engine: Engine, phase: str, prompts: list[list[int]]) -> Run:
-    reqs = [engine.submit(p, GREEDY) for p in prompts]
-    for r in reqs:
-        r.logits_trace = []
-    outs = engine.run(reqs)
-    return [
-        (phase, o.output_ids, o.cached.device, o.cached.host, torch.stack(r.logits_trace or []))
-        for o, r in zip(outs, reqs, strict=True)
-    ]
+    return shared_prefix_prompts(seed, shared=(13, 30), tail=(2, 11))
 
 
 def workload(engine: Engine, prompts: list[list[int]]) -> Run:
     """The scripted phases (see the module doc); runs on rank 0 or on a TP1 engine."""
-    run = traced_batch(engine, "cold", prompts)
-    run += traced_batch(engine, "device", prompts)
+    run = traced_batch(engine, "cold", prompts, GREEDY)
+    run += traced_batch(engine, "device", prompts, GREEDY)
     engine.evict_device(engine.cache.tree.num_device_pages)  # drains the backups first
-    run += traced_batch(engine, "host", prompts)
+    run += traced_batch(engine, "host", prompts, GREEDY)
     second = [p + out + [7, 9] for p, (_, out, *_rest) in zip(prompts, run, strict=False)]
-    run += traced_batch(engine, "turn2", second)
+    run += traced_batch(engine, "turn2", second, GREEDY)
     assert engine.flush_cache()
-    run += traced_batch(engine, "flushed", prompts[:3])
+    run += traced_batch(engine, "flushed", prompts[:3], GREEDY)
     engine.drain()  # on every rank (rank 0's queue alone must never be drained)
     engine.check_integrity()
     return run
