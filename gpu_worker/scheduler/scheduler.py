@@ -64,9 +64,11 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         device: torch.device,
         perturb_sampler: bool = False,
+        perturb_rotation: bool = False,
     ) -> None:
         """`perturb_sampler`: test hook (`DebugHooks.perturb_sampler`): change each request's
-        third output token, so ranks or runs that should agree do not."""
+        third output token, so ranks or runs that should agree do not. `perturb_rotation`:
+        test hook (`DebugHooks.perturb_owner_rotation_rank`, see `Admission`)."""
         self.config = config
         self.executor = executor
         self.cache = cache
@@ -80,7 +82,7 @@ class Scheduler:
         # 0 on the first stage, whose counts every TP rank holds finished; a later stage
         # may wait for its own copy of what PP0 counted
         self.num_ack_waits = 0
-        self.admission = Admission(config, cache)
+        self.admission = Admission(config, cache, perturb_rotation)
         self.handoff = KVHandOff(cache, executor, device)
         self.remote_kv = RemoteKVReceiver(cache, self.handoff, self.eos_token_ids, device)
 
@@ -141,7 +143,7 @@ class Scheduler:
             self.cache.storage.grant()
         self.admission.finish_loads(self.running)
         finished = self._finish_aborted()
-        self.admission.admit(self.waiting, self.running)
+        finished += self.admission.admit(self.waiting, self.running)
         finished += self._drop_finished(self.remote_kv.finish_received(self.running))
         finished += self._forward()
         if self.idle and self.config.check_integrity_when_idle:

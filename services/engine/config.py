@@ -82,7 +82,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         if args.debug_storage_read_delay_ms
         else None,
     )
-    sched = SchedulerConfig(args.chunked_prefill_size, args.max_running_requests)
+    sched = SchedulerConfig(
+        args.chunked_prefill_size,
+        args.max_running_requests,
+        cp_gather_buffer_mb=args.cp_gather_buffer_mb,
+    )
     debug = DebugHooks(
         args.debug_disable_agreement,
         _rank_raise(args.debug_rank_raise),
