@@ -10,10 +10,14 @@ budget fails with a clear error, and the engine goes on serving.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from multirank import run_world, shared_prefix_prompts
+from test_multirank_consensus import checker_env
 
 from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.consensus.records import first_divergence, load_logs
 from gpu_worker.engine.engine import DebugHooks, Engine, EngineConfig
 from gpu_worker.memory.sharded_pool import ShardedDeviceKVPool
 from gpu_worker.model.sampling import SamplingParams
@@ -64,9 +68,10 @@ def budgeted_run(engine: Engine, prompts: list[list[int]], big: list[int]) -> di
     }
 
 
-def test_gather_budget_splits_the_batch_outputs_unchanged() -> None:
+def test_gather_budget_splits_the_batch_outputs_unchanged(tmp_path: Path) -> None:
     big = [7] * 160  # 41 pages with its outputs: over 40 scratch pages alone
-    small = run_world(config(2, BUDGET_MB), budgeted_run, PROMPTS, big)
+    env = checker_env(tmp_path)
+    small = run_world(config(2, BUDGET_MB), budgeted_run, PROMPTS, big, env=env)
     unsplit = run_world(config(2), budgeted_run, PROMPTS, big)
     single = Engine(config(1))
     try:
@@ -87,6 +92,12 @@ def test_gather_budget_splits_the_batch_outputs_unchanged() -> None:
     reason, message = small["big"]  # type: ignore[misc]
     assert reason == "error" and "--cp-gather-buffer-mb" in message
     assert unsplit["big"] == want["big"] == ("length", None)
+
+    logs = load_logs(tmp_path)  # every decision, as each CP rank took it
+    assert sorted(logs) == ["rank0 PP0/CP0/TP0", "rank1 PP0/CP1/TP0"]
+    assert first_divergence(logs) is None
+    fits = [r.results for r in logs["rank0 PP0/CP0/TP0"] if r.call == "Admission._gather_fits"]
+    assert "False" in fits and "True" in fits
 
 
 def test_budget_bound_covers_every_plan_of_a_decode_and_prefill_mix() -> None:
