@@ -17,7 +17,7 @@ from collections import deque
 from gpu_worker.cache.hicache import PrefixCache
 from gpu_worker.cache.radix import MatchResult
 from gpu_worker.consensus.checker import rank_consensus
-from gpu_worker.memory.sharded_pool import ShardedDeviceKVPool
+from gpu_worker.memory.sharded_pool import AttendedBatch, ShardedDeviceKVPool
 from gpu_worker.scheduler.config import SchedulerConfig
 from gpu_worker.scheduler.gather_budget import GatherBudget
 from gpu_worker.scheduler.request import CachedTokens, Req, ReqState, RequestError
@@ -145,6 +145,21 @@ class Admission:
             (r.page_ids for r in running), len(running), match.device_page_ids, num_new_pages
         )
         return need <= self.gather.max_scratch_pages
+
+    def check_gather(self, batch: AttendedBatch) -> None:
+        """Raise if a step's gather plan is over what admission allowed: the bound of
+        `gather_budget.py` must hold for every step of an admitted set (a failure here is a
+        bug in it, not a request's fault). Free: the pool builds the plan once per batch,
+        and the forward reuses it."""
+        pool = self.cache.device_pool
+        if self.gather is None or not isinstance(pool, ShardedDeviceKVPool):
+            return
+        pages = pool.plan(batch).num_scratch_pages
+        if pages > self.gather.max_scratch_pages:
+            raise RuntimeError(
+                f"a step's gather plan takes {pages} scratch pages, over the "
+                f"{self.gather.max_scratch_pages} its admission allowed"
+            )
 
     @staticmethod
     def _storage_len(req: Req, lo: int, hi: int) -> int:

@@ -5,7 +5,8 @@ One step (driven by `Engine.step`):
    rank (`gpu_worker/parallel/sync.py`), never read from this rank's own queue alone;
 2. the engine applies the step's commands (new requests, aborts, ...);
 3. `step()`: move requests whose load-back completed on to prefill and admit waiting
-   requests while the page budget allows (`Admission`, `scheduler/admission.py`);
+   requests while the page budget allows, and with a sharded CP pool the gather scratch
+   budget (`Admission`, `scheduler/admission.py`; `scheduler/gather_budget.py`);
 4. plan one forward over a ragged batch (every decoding request plus prefill chunks up to
    `chunked_prefill_size` tokens) and run it through the `StepExecutor` (the engine's
    `ModelExecutor`, seen through `gpu_worker/scheduler/executor.py`), which returns on every
@@ -196,6 +197,7 @@ class Scheduler:
             slots = pool.slot_ids(row.req.page_ids, row.kv_len + len(row.new_ids))
             seqs.append((row.new_ids, row.kv_len, slots))
         batch = ForwardBatch.build(seqs, self.device)
+        self.admission.check_gather(batch)
         specs = [_spec(row.req) if row.samples else None for row in plan]
         start = time.perf_counter()
         outcomes = self.executor.run(batch, pool, specs)
