@@ -89,15 +89,18 @@ class Admission:
         own_pages = -(-req.lens.max_kv_len // ps) - match.total_len // ps
         start_page = self._owner_rotation(req, match.device_len // ps)
         # the host part's pages and the request's own follow the device part on its path
-        if not cache.can_alloc(load_pages + own_pages, start_page) or not self._gather_fits(
-            req, match, load_pages + own_pages, running
-        ):
+        if not cache.can_alloc(load_pages + own_pages, start_page):
             cache.unlock(match.last_device_node)
             # nothing running and no copy in flight (a backup's ACK unlocks its pages, a
             # failed load's frees them): nothing will ever free more (the engine checks
             # sizes). The queued count is the same on every rank: ACKs queue at submission.
             if not running and not cache.num_queued_acks:
                 raise RuntimeError(f"request {req.rid} does not fit the device pool")
+            return False
+        if not self._gather_fits(req, match, load_pages + own_pages, running):
+            # running requests hold the gathers: it fits once they finish (alone its bound
+            # is `GatherBudget.alone`, which `_never_fits` checked)
+            cache.unlock(match.last_device_node)
             return False
         waiting.remove(req)
         ticket = cache.start_load(match)
