@@ -10,8 +10,10 @@ budget fails with a clear error, and the engine goes on serving.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
+import pytest
 import torch
 from multirank import run_world, shared_prefix_prompts
 from test_multirank_consensus import checker_env
@@ -24,6 +26,8 @@ from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.gather_budget import GatherBudget
 from gpu_worker.scheduler.scheduler import SchedulerConfig
+from services.engine import flags
+from services.engine.config import engine_config_from_args
 
 PAGE = 4
 # tiny preset, float64: one layer's K/V of a page is 2 x 4 x 2 x 16 x 8 = 2 KiB, so one
@@ -111,3 +115,16 @@ def test_budget_bound_covers_every_plan_of_a_decode_and_prefill_mix() -> None:
     assert need == 2 * 5 + min(10, 8 + 2) + 1
     # with the shared pages counted once: not 2 * 6 from 12 pages
     assert budget.with_request([[0, 1, 2, 3, 4, 5]], 1, [0, 1], 0) == 2 * 3 + 6 + 1
+
+
+def test_the_flag_reaches_the_scheduler_and_up_forwards_it() -> None:
+    parser = argparse.ArgumentParser()
+    flags.add_engine_args(parser)
+    argv = ["--cp-size", "2", "--enable-kv-cache-sharding", "--cp-gather-buffer-mb", "0.5"]
+    args = parser.parse_args(argv)
+    assert engine_config_from_args(args).scheduler.cp_gather_buffer_mb == 0.5
+    assert flags.engine_argv(args) == argv  # what `up` passes on to each engine
+    assert engine_config_from_args(parser.parse_args([])).scheduler == SchedulerConfig()
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(ValueError, match="--cp-gather-buffer-mb must be positive"):
+            engine_config_from_args(parser.parse_args(["--cp-gather-buffer-mb", bad]))

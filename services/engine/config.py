@@ -34,6 +34,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--debug-transfer-delay-ms must be >= 0")
     if not args.debug_layer_delay_ms >= 0:
         raise ValueError("--debug-layer-delay-ms must be >= 0")
+    if not args.cp_gather_buffer_mb > 0:
+        raise ValueError(f"--cp-gather-buffer-mb must be positive, got {args.cp_gather_buffer_mb}")
     if args.enable_kv_cache_sharding and args.disaggregation_mode != "null":
         raise ValueError(
             "--enable-kv-cache-sharding does not support --disaggregation-mode "
