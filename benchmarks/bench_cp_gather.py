@@ -1,6 +1,7 @@
-"""Benchmark the CP gather: its time per layer at 1K / 8K / 32K-token prefixes, with one
-scratch buffer (the gather runs when its layer starts) and with two (the next layer's gather
-runs while this layer attends).
+"""Benchmark the CP gather (issue 22, acceptance 6b and 6c): its share of a prefill step at
+1K / 8K / 32K-token prefixes with one scratch buffer (the gather runs when its layer starts)
+and with two (the next layer's gather runs while this layer attends), side by side; and the
+device bytes per rank of a sharded pool against a replicated one.
 
     python benchmarks/bench_cp_gather.py                      # N = 2 and 4, CPU gloo
     python benchmarks/bench_cp_gather.py --cp-sizes 2 --prefixes 1024 --rounds 1
@@ -10,12 +11,19 @@ interleaved rounds (1 buffer, 2 buffers, compute only; A B C A B C) so machine n
 every case alike. One step is a prefill chunk of `--chunk` new tokens over the prefix
 (pages in owner-cycle order, so each rank owns 1/N of them), every layer: `before_attention`
 (the gather), the chunk's `set_kv`, `get_kv` of the whole sequence and causal SDPA. Figures
-are medians over rounds of the per-layer mean, on rank 0:
+are medians over rounds of the per-layer mean, on rank 0, with the spread (max - min over
+rounds, of the step) beside them.
 
+The gather table, per prefix, one row per buffer count:
 - gather ms: time inside `before_attention` (with two buffers, only the part the prefetch
-  did not hide);
+  did not hide); share: gather / step;
 - step ms: the whole layer; compute ms: the same layer on a replicated pool (no gather);
-- overhead: step / compute - 1.
+- overhead: step / compute - 1; saved: what two buffers take off the one-buffer step.
+
+The memory table, per prefix (the pool sized for the prefix and chunk): a replicated pool's
+bytes on every rank, a sharded rank's owned rows (its 1/N plus one trash page) and both
+scratch buffers as the step's plan sized them, the goal (replicated / N + scratch) and the
+ratios.
 
 On CPU the ranks share the machine's cores with each other and with gloo's threads, so the
 overlap saves less than on a GPU with copy engines; the figures are this machine's.
@@ -108,7 +116,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out) -
         sharded = pools["2 buffers"]
         assert isinstance(sharded, ShardedDeviceKVPool)
         scratch = sharded.scratch_bytes_for(sharded.plan(batch))
-        rows.append((prefix, measured, sharded.device_bytes(), scratch))
+        replicated = pools["compute"].kv
+        replicated_bytes = replicated.numel() * replicated.element_size()
+        rows.append((prefix, measured, sharded.device_bytes(), scratch, replicated_bytes))
         del pools
     dist.barrier(group)
     if rank == 0:
@@ -142,6 +152,57 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+GATHER_HEADER = (
+    f"{'N':>2} {'prefix':>7} | {'gather ms':>15} | {'share of step':>13} | "
+    f"{'step ms (spread)':>27} | {'compute':>7} | {'overhead':>15} | {'saved':>6}\n"
+    f"{'':>10} | {'1 buf':>7} {'2 buf':>7} | {'1 buf':>6} {'2 buf':>6} | "
+    f"{'1 buf':>13} {'2 buf':>13} | {'ms':>7} | {'1 buf':>7} {'2 buf':>7} | {'2 buf':>6}"
+)
+
+
+def gather_rows(world: int, rows: list, layers: int) -> list[str]:
+    """Per prefix, the gather's share of the step with one buffer and with two, side by
+    side; saved: what the second buffer takes off the one-buffer step."""
+    out = []
+    for prefix, measured, *_ in rows:
+        med = {
+            arm: [statistics.median(x[i] for x in runs) * 1e3 / layers for i in (0, 1)]
+            for arm, runs in measured.items()
+        }
+        spread = {
+            arm: (max(x[1] for x in runs) - min(x[1] for x in runs)) * 1e3 / layers
+            for arm, runs in measured.items()
+        }
+        (g1, s1), (g2, s2), compute = med["1 buffer"], med["2 buffers"], med["compute"][1]
+        steps = [f"{s:6.2f} ({spread[arm]:5.2f})" for s, arm in ((s1, ARMS[0]), (s2, ARMS[1]))]
+        out.append(
+            f"{world:>2} {prefix:>7} | {g1:7.2f} {g2:7.2f} | {g1 / s1:6.1%} {g2 / s2:6.1%} | "
+            f"{steps[0]:>13} {steps[1]:>13} | {compute:7.2f} | "
+            f"{s1 / compute - 1:+7.0%} {s2 / compute - 1:+7.0%} | {1 - s2 / s1:+6.1%}"
+        )
+    return out
+
+
+MEMORY_HEADER = (
+    f"{'N':>2} {'prefix':>7} | {'replicated':>10} {'sharded':>8} {'scratch':>8} {'total':>8} "
+    f"{'goal':>8} | {'sharded/repl':>12} {'total/repl':>10} {'total/goal':>10}"
+)
+
+
+def memory_rows(world: int, rows: list) -> list[str]:
+    """Device bytes per rank, MiB: sharded rows (+ scratch) against a replicated pool."""
+    mib = 2**20
+    out = []
+    for prefix, _, sharded, scratch, replicated in rows:
+        total, goal = sharded + scratch, replicated / world + scratch
+        out.append(
+            f"{world:>2} {prefix:>7} | {replicated / mib:10.2f} {sharded / mib:8.2f} "
+            f"{scratch / mib:8.2f} {total / mib:8.2f} {goal / mib:8.2f} | "
+            f"{sharded / replicated:12.3f} {total / replicated:10.3f} {total / goal:10.3f}"
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4])
@@ -160,24 +221,15 @@ def main() -> None:
         f"{args.layers} layers, {args.kv_heads} KV heads x {args.head_dim}, page "
         f"{args.page_size}, {args.dtype}, chunk {args.chunk}, {args.rounds} rounds (median)"
     )
-    header = f"{'N':>2} {'prefix':>7} {'arm':>9} {'gather ms':>10} {'step ms':>9} {'overhead':>9}"
-    for world in args.cp_sizes:
-        print(f"\n{header}")
-        for prefix, measured, device_bytes, scratch in run_world(world, args):
-            per_layer = {
-                arm: [statistics.median(x[i] for x in runs) * 1e3 / args.layers for i in (0, 1)]
-                for arm, runs in measured.items()
-            }
-            compute = per_layer["compute"][1]
-            for arm in ARMS:
-                gather, step = per_layer[arm]
-                shown = f"{gather:10.3f}" if arm != "compute" else f"{'-':>10}"
-                over = f"{step / compute - 1:+9.1%}" if arm != "compute" else f"{'-':>9}"
-                print(f"{world:>2} {prefix:>7} {arm:>9} {shown} {step:9.3f} {over}")
-            print(
-                f"   device bytes/rank {device_bytes / 2**20:.2f} MiB, "
-                f"scratch (2 buffers) {scratch / 2**20:.2f} MiB"
-            )
+    results = {world: run_world(world, args) for world in args.cp_sizes}
+    print("\nThe gather's share of a prefill step, per layer: one buffer vs two")
+    print(GATHER_HEADER)
+    for world, rows in results.items():
+        print("\n".join(gather_rows(world, rows, args.layers)))
+    print("\nDevice bytes per rank, MiB (goal: replicated / N + the two scratch buffers)")
+    print(MEMORY_HEADER)
+    for world, rows in results.items():
+        print("\n".join(memory_rows(world, rows)))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_worker.cache.hicache import CacheConfig
@@ -24,10 +26,29 @@ class DebugHooks:
     # bit-exact reference of a sharded CP engine
     gather_reads: bool = False
     poison_kv: bool = False  # a sharded pool's unwritten rows and fresh gathers are NaN
+    # every decoder layer of every rank first sleeps a random time in [0, this), drawn per
+    # rank (seeded by it): ranks reach each layer's gather at different, changing times
+    rank_layer_delay_max_s: float = 0.0
+    # this world rank starts each request's new pages one owner class off its prefix's
+    # cycle (`scheduler/admission.py`): the consensus checker must name that entry
+    perturb_owner_rotation_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_delay_s >= 0:
             raise ValueError(f"layer_delay_s must be >= 0, got {self.layer_delay_s}")
+        if not self.rank_layer_delay_max_s >= 0:
+            raise ValueError(
+                f"rank_layer_delay_max_s must be >= 0, got {self.rank_layer_delay_max_s}"
+            )
+
+    def layer_delay(self, rank: int) -> Callable[[], float] | None:
+        """How long world rank `rank` sleeps before each decoder layer, drawn anew per
+        layer; None for no delay."""
+        if not self.layer_delay_s and not self.rank_layer_delay_max_s:
+            return None
+        fixed, spread = self.layer_delay_s, self.rank_layer_delay_max_s
+        rng = random.Random(7919 * rank + 1)
+        return lambda: fixed + spread * rng.random()
 
 
 @dataclass(frozen=True, slots=True)

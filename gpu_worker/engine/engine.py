@@ -165,11 +165,12 @@ class Engine:
             mc.eos_token_ids,
             self.device,
             perturb_sampler=config.debug.perturb_sampler,
+            perturb_rotation=config.debug.perturb_owner_rotation_rank == self.rank,
         )
-        if config.debug.layer_delay_s:
-            delay = config.debug.layer_delay_s
+        delay = config.debug.layer_delay(self.rank)
+        if delay is not None:
             for layer in self.model.layers:
-                layer.register_forward_pre_hook(lambda _m, _a: time.sleep(delay))
+                layer.register_forward_pre_hook(lambda _m, _a: time.sleep(delay()))
         self._commands = PendingCommands(self.cache, config.cache, self.kv_spec)  # rank 0
         self.kv_import = KVImport(mc, self.kv_spec, config.parallel, self.rank, self._commands.put)
         self._applier = CommandApplier(

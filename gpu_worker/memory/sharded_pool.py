@@ -331,6 +331,14 @@ class ShardedDeviceKVPool:
             raise RuntimeError(f"layer {layer} was read before before_attention gathered it")
         return rows
 
+    def scratch_pages_within(self, budget_bytes: int) -> int:
+        """The most scratch pages (`CPGatherPlan.num_scratch_pages`) a plan may have for
+        every buffer sized for it to fit `budget_bytes`: what admission holds a batch to
+        (`scheduler/gather_budget.py`). The same on every rank of a world: a page block is
+        one layer's K/V of a page, and every TP rank holds as many heads, every stage
+        layers of one shape."""
+        return budget_bytes // (len(self._buffers) * self._page_block_bytes())
+
 
 def _finish(buf: _Buffer) -> None:
     """Wait for the buffer's all-gather, if one is in flight."""

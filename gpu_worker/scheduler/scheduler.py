@@ -5,7 +5,8 @@ One step (driven by `Engine.step`):
    rank (`gpu_worker/parallel/sync.py`), never read from this rank's own queue alone;
 2. the engine applies the step's commands (new requests, aborts, ...);
 3. `step()`: move requests whose load-back completed on to prefill and admit waiting
-   requests while the page budget allows (`Admission`, `scheduler/admission.py`);
+   requests while the page budget allows, and with a sharded CP pool the gather scratch
+   budget (`Admission`, `scheduler/admission.py`; `scheduler/gather_budget.py`);
 4. plan one forward over a ragged batch (every decoding request plus prefill chunks up to
    `chunked_prefill_size` tokens) and run it through the `StepExecutor` (the engine's
    `ModelExecutor`, seen through `gpu_worker/scheduler/executor.py`), which returns on every
@@ -64,9 +65,11 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         device: torch.device,
         perturb_sampler: bool = False,
+        perturb_rotation: bool = False,
     ) -> None:
         """`perturb_sampler`: test hook (`DebugHooks.perturb_sampler`): change each request's
-        third output token, so ranks or runs that should agree do not."""
+        third output token, so ranks or runs that should agree do not. `perturb_rotation`:
+        test hook (`DebugHooks.perturb_owner_rotation_rank`, see `Admission`)."""
         self.config = config
         self.executor = executor
         self.cache = cache
@@ -80,7 +83,7 @@ class Scheduler:
         # 0 on the first stage, whose counts every TP rank holds finished; a later stage
         # may wait for its own copy of what PP0 counted
         self.num_ack_waits = 0
-        self.admission = Admission(config, cache)
+        self.admission = Admission(config, cache, perturb_rotation)
         self.handoff = KVHandOff(cache, executor, device)
         self.remote_kv = RemoteKVReceiver(cache, self.handoff, self.eos_token_ids, device)
 
@@ -141,7 +144,7 @@ class Scheduler:
             self.cache.storage.grant()
         self.admission.finish_loads(self.running)
         finished = self._finish_aborted()
-        self.admission.admit(self.waiting, self.running)
+        finished += self.admission.admit(self.waiting, self.running)
         finished += self._drop_finished(self.remote_kv.finish_received(self.running))
         finished += self._forward()
         if self.idle and self.config.check_integrity_when_idle:
@@ -194,6 +197,7 @@ class Scheduler:
             slots = pool.slot_ids(row.req.page_ids, row.kv_len + len(row.new_ids))
             seqs.append((row.new_ids, row.kv_len, slots))
         batch = ForwardBatch.build(seqs, self.device)
+        self.admission.check_gather(batch)
         specs = [_spec(row.req) if row.samples else None for row in plan]
         start = time.perf_counter()
         outcomes = self.executor.run(batch, pool, specs)

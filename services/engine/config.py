@@ -34,6 +34,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--debug-transfer-delay-ms must be >= 0")
     if not args.debug_layer_delay_ms >= 0:
         raise ValueError("--debug-layer-delay-ms must be >= 0")
+    if not args.cp_gather_buffer_mb > 0:
+        raise ValueError(f"--cp-gather-buffer-mb must be positive, got {args.cp_gather_buffer_mb}")
     if args.enable_kv_cache_sharding and args.disaggregation_mode != "null":
         raise ValueError(
             "--enable-kv-cache-sharding does not support --disaggregation-mode "
@@ -82,7 +84,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         if args.debug_storage_read_delay_ms
         else None,
     )
-    sched = SchedulerConfig(args.chunked_prefill_size, args.max_running_requests)
+    sched = SchedulerConfig(
+        args.chunked_prefill_size,
+        args.max_running_requests,
+        cp_gather_buffer_mb=args.cp_gather_buffer_mb,
+    )
     debug = DebugHooks(
         args.debug_disable_agreement,
         _rank_raise(args.debug_rank_raise),

@@ -138,6 +138,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "buffers) and all-gathers a layer's pages before its attention",
     )
     p.add_argument(
+        "--cp-gather-buffer-mb",
+        type=float,
+        default=1024.0,
+        help="with --enable-kv-cache-sharding: MiB per rank for the two gather scratch "
+        "buffers together; a request waits until the running batch's gathers leave room for "
+        "its pages, and one that could never fit fails with an error",
+    )
+    p.add_argument(
         "--debug-transfer-delay-ms",
         type=float,
         default=0.0,
