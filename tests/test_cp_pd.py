@@ -1,19 +1,32 @@
-"""P/D with replicated context-parallel engines, at the engine level (issue 22, build item 1:
-prefill and decode engines take --cp-size too).
+"""P/D with context-parallel engines, at the engine level (issue 22, build items 1 and 9).
 
-A replicated CP engine's KV is its CP1 layout's on every CP rank, so a CP prefill engine
+Replicated CP: an engine's KV is its CP1 layout's on every CP rank, so a CP prefill engine
 sends only CP rank 0's shards, named as ranks of that CP1 layout (`ParallelConfig.kv_layout`:
 what the wire's frames carry), and a CP decode engine cuts each received chunk for every
 one of its ranks, CP replicas included. `tests/test_pd_layouts.py`'s two turns (the second
 reuses decode's own cache) run between CP2 and CP1 engines both ways and between two CP2
 engines: the float64 logits of prefill's step 0 and decode's steps equal a cold CP1 run,
-bit for bit. A sharded engine refuses P/D requests with a clear error.
+bit for bit.
+
+Sharded CP (`--enable-kv-cache-sharding`): a prefill engine sends each page from its owner
+rank, and a decode engine of any layout takes it; a sharded decode engine writes on each CP
+rank the pages that rank owns. The same two turns go through the real wire: the prefill's
+export is cut into frames by the service's `cut_frames` under a small frame limit (several
+chunks, the last with fewer pages than CP ranks, so some rank sends nothing for it), and the
+decode side reads them back as `DecodeSide` does (`decode_frame`, `ShardAssembler`, the
+sender's layout and rotation from each header). Frame counts are checked against the owner
+cycle. Every engine here reads KV by slot gathers (`DebugHooks.gather_reads`, as a sharded
+pool must; see `tests/test_cp_engine.py`), the cold reference too, and sharded pools are
+poisoned (rows no rank wrote read as NaN), so a page written on the wrong rank or row, or not
+at all, shows in the logits, which must equal the cold CP1 run bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,8 +44,16 @@ from test_pd_layouts import (
 )
 from test_pd_layouts import config as pd_config
 
-from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
+from bus_schemas.kv_frame import (
+    chunk_senders,
+    decode_frame,
+    owned_pages,
+)
+from gpu_worker.engine.driver import StepLoop
+from gpu_worker.engine.engine import DebugHooks, Engine, EngineConfig
 from gpu_worker.parallel.config import ParallelConfig
+from gpu_worker.scheduler.request import CachedTokens
+from services.engine.pd_frames import ShardAssembler, cut_frames, sender_layout
 
 
 def config(cp: int, sharded: bool = False) -> EngineConfig:
@@ -87,19 +108,159 @@ def test_pd_between_cp_engines_equals_cold(
         assert export[4] == pages and received == pages * 8 * 8 * 2 * PAGE * 8 * 8  # f64
 
 
-def test_a_sharded_engine_refuses_pd_requests() -> None:
-    assert run_world(config(2, sharded=True), _pd_refusals) == 2
+# ---------------------------------------------------------------- sharded CP
+
+PAGE_BYTES = 8 * 8 * 2 * PAGE * 8 * 8  # tiny-tp, float64: 8 KV heads, 8 layers, head_dim 8
+FRAME_LIMIT = PAGE_BYTES + PAGE_BYTES // 2  # one page's shard per frame: chunks of N pages
+
+Layout = tuple[int, bool]  # (cp_size, sharded)
+# per turn: (frames, rotation of the export's first page, pages, prefill's step-0 logits)
+Frames = tuple[list[bytes], int, int, torch.Tensor]
 
 
-def _pd_refusals(engine: Engine) -> int:
-    refused = 0
-    for submit in (
-        lambda: engine.submit_prefill(TURN1, SP, "", export_from=0),
-        lambda: engine.submit_decode(TURN1, SP),
-    ):
+def sharded_config(cp: int, sharded: bool) -> EngineConfig:
+    """`config`, every engine reading by gathers (the bit-exact reference of a sharded
+    pool) and sharded pools poisoned."""
+    return dataclasses.replace(
+        config(cp, sharded), debug=DebugHooks(gather_reads=True, poison_kv=sharded)
+    )
+
+
+def on_layout(layout: Layout, workload: object, *args: object) -> object:
+    cp, sharded = layout
+    cfg = sharded_config(cp, sharded)
+    if cp == 1:
+        engine = Engine(cfg)
         try:
-            submit()
-        except InvalidRequestError as e:
-            assert "not supported with --enable-kv-cache-sharding yet" in str(e)
-            refused += 1
-    return refused
+            return workload(engine, *args)  # type: ignore[operator]
+        finally:
+            engine.close()
+    return run_world(cfg, workload, *args)  # type: ignore[arg-type]
+
+
+def prefill_frames(engine: Engine, turns: list[tuple[list[int], int]]) -> list[Frames]:
+    """Runs on a prefill engine: export each turn from its prefix and cut the export into
+    the frames the service would send."""
+    out = []
+    for export, step0 in (_export(engine, prompt, start) for prompt, start in turns):
+        tp = engine.config.parallel.tp_size
+        plan = cut_frames(f"t{len(out)}", export, CachedTokens(), tp, FRAME_LIMIT)
+        out.append((plan.frames, export.rotation, export.num_pages, step0))
+    return out
+
+
+def _export(engine: Engine, prompt: list[int], export_from: int) -> tuple[Any, torch.Tensor]:
+    p = engine.submit_prefill(prompt, SP, "", export_from=export_from)
+    p.logits_trace = []
+    _step_until(engine, lambda: p.export is not None)
+    step0 = torch.stack(p.logits_trace)
+    _step_until(engine, lambda: p.finish_reason is not None)
+    return p.export, step0
+
+
+def decode_frames(
+    engine: Engine, turns: list[tuple[list[int], int, list[bytes]]]
+) -> list[tuple[int, list[int], torch.Tensor, int, int]]:
+    """Runs on a decode engine: admit each turn, check decode's own prefix, write the
+    frames as `DecodeSide` would, and generate. Returns (prefix, ids, logits, bytes
+    received, tokens decode's device cache served) per turn."""
+    out = []
+    for prompt, want_prefix, frames in turns:
+        d = engine.submit_decode(prompt, SP, reuse=True)
+        d.logits_trace = []
+        _step_until(engine, lambda d=d: d.remote is not None and d.remote.prefix_len >= 0)
+        assert d.remote is not None and d.remote.prefix_len == want_prefix
+        shards = ShardAssembler()
+        for frame in frames:
+            header, payload = decode_frame(frame)
+            shard = shards.add(header, payload)
+            if shard is None:
+                continue
+            first = header.first_token if header.last else None
+            args = (header.token_start, header.token_end, memoryview(shard), first, header.rank)
+            engine.write_kv(d.rid, *args, sender_layout(header), header.rotation)
+            shards.written(header)
+        _step_until(engine, lambda d=d: d.finish_reason is not None)
+        logits = torch.stack(d.logits_trace)
+        out.append((want_prefix, d.output_ids, logits, d.remote.received_bytes, d.cached.device))
+    engine.drain()
+    engine.check_integrity()
+    return out
+
+
+def _step_until(engine: Engine, done: Any, timeout_s: float = 30.0) -> None:
+    deadline, loop = time.monotonic() + timeout_s, StepLoop(engine)
+    while not done():
+        assert time.monotonic() < deadline, "the engine did not get there"
+        loop.step_or_wait()
+
+
+@pytest.fixture(scope="module")
+def cold_gathered() -> list[tuple[list[int], torch.Tensor]]:
+    """Cold CP1 runs of both turns, reading by gathers (no cache)."""
+    cfg = sharded_config(1, False)
+    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_radix_cache=False))
+    engine = Engine(cfg)
+    out = []
+    for prompt in (TURN1, TURN2):
+        req = engine.submit(prompt, SP)
+        req.logits_trace = []
+        (result,) = engine.run([req])
+        out.append((result.output_ids, torch.stack(req.logits_trace)))
+    engine.close()
+    return out
+
+
+def expected_frames(num_pages: int, rotation: int, cp: int) -> list[tuple[int, int, int]]:
+    """(chunk's first page, CP rank, its pages in the chunk) of each frame of a transfer
+    under FRAME_LIMIT: chunks of `cp` pages, one page per rank, in rank order; a CP rank
+    owning none of a chunk's pages sends no frame for it."""
+    frames = []
+    for lo in range(0, num_pages, cp):
+        n, first = min(cp, num_pages - lo), (rotation + lo) % cp
+        frames += [(lo, c, len(owned_pages(n, cp, first, c))) for c in chunk_senders(n, cp, first)]
+    return frames
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [
+        ((2, True), (1, False)),
+        ((1, False), (2, True)),
+        ((2, True), (2, True)),
+        ((4, True), (2, True)),
+    ],
+    ids=["CP2s-CP1", "CP1-CP2s", "CP2s-CP2s", "CP4s-CP2s"],
+)
+def test_pd_with_sharded_engines_equals_cold(
+    cold_gathered: list[tuple[list[int], torch.Tensor]], prefill: Layout, decode: Layout
+) -> None:
+    turns = [(TURN1, DECODE_PREFIX[0]), (TURN2, DECODE_PREFIX[1])]
+    exports = on_layout(prefill, prefill_frames, turns)
+    assert isinstance(exports, list)
+    cp = prefill[0] if prefill[1] else 1
+    for (prompt, start), (frames, rotation, pages, _) in zip(turns, exports, strict=True):
+        assert pages == -(-(len(prompt) - start) // PAGE)
+        assert rotation == start // PAGE % cp  # a path's page k is on CP rank k % N
+        headers = [decode_frame(f)[0] for f in frames]
+        assert {(h.cp_size, h.world_size) for h in headers} == {(cp, cp)}
+        # each page once, from its owner; no frame from a rank owning none of a chunk
+        got = [(h.token_start // PAGE - start // PAGE, h.cp_rank, h.shard_len) for h in headers]
+        want = expected_frames(pages, rotation, cp)
+        assert got == [(lo, c, n * PAGE_BYTES) for lo, c, n in want]
+        assert sum(n for *_, n in want) == pages
+        assert all(h.rotation == h.token_start // PAGE % cp for h in headers)
+    decode_args = [
+        (prompt, prefix, frames)
+        for (prompt, prefix), (frames, *_) in zip(turns, exports, strict=True)
+    ]
+    got_turns = on_layout(decode, decode_frames, decode_args)
+    assert isinstance(got_turns, list)
+    for (want_ids, want_logits), (_, _, pages, step0), (prefix, ids, logits, received, hit) in zip(
+        cold_gathered, exports, got_turns, strict=True
+    ):
+        steps = torch.cat([step0, logits])
+        assert torch.equal(steps, want_logits), "logits differ from a cold CP1 run"
+        assert ids == want_ids
+        assert hit == prefix  # turn 2: decode's own device cache served its first 40 tokens
+        assert received == pages * PAGE_BYTES  # rank 0 took its shard of every page moved

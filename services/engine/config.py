@@ -34,12 +34,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--debug-transfer-delay-ms must be >= 0")
     if not args.debug_layer_delay_ms >= 0:
         raise ValueError("--debug-layer-delay-ms must be >= 0")
-    if args.enable_kv_cache_sharding and args.disaggregation_mode != "null":
-        raise ValueError(
-            "--enable-kv-cache-sharding does not support --disaggregation-mode "
-            f"{args.disaggregation_mode} yet (KV sent and received by owner ranks is still "
-            "to come); replicated CP (without it) serves P/D"
-        )
     delay = DelayInjection(args.debug_transfer_delay_ms) if args.debug_transfer_delay_ms else None
     radix = not args.disable_radix_cache and (
         args.disaggregation_mode != "decode" or args.disaggregation_decode_enable_radix_cache
