@@ -28,8 +28,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import torch
+from fault_helpers import (
+    MeshSpec,
+    baseline,
+    cold_reference,
+    running_mesh,
+    workload,
+)
 from multirank import run_world
 from test_multirank_consensus import checker_env
 from test_pd_layouts import (
@@ -44,15 +52,19 @@ from test_pd_layouts import (
 )
 from test_pd_layouts import config as pd_config
 
+from bus_schemas.codec import SchemaError
 from bus_schemas.kv_frame import (
+    HEADER_SIZE,
+    KVFrameHeader,
     chunk_senders,
     decode_frame,
+    encode_frame,
     owned_pages,
 )
 from gpu_worker.engine.driver import StepLoop
 from gpu_worker.engine.engine import DebugHooks, Engine, EngineConfig
 from gpu_worker.parallel.config import ParallelConfig
-from gpu_worker.scheduler.request import CachedTokens
+from gpu_worker.scheduler.request import CachedTokens, KVExport
 from services.engine.pd_frames import ShardAssembler, cut_frames, sender_layout
 
 
@@ -264,3 +276,117 @@ def test_pd_with_sharded_engines_equals_cold(
         assert ids == want_ids
         assert hit == prefix  # turn 2: decode's own device cache served its first 40 tokens
         assert received == pages * PAGE_BYTES  # rank 0 took its shard of every page moved
+
+
+def test_kv_frames_name_the_cp_layout_and_rotation() -> None:
+    h = KVFrameHeader("r", 0, 8, 16, rank=3, world_size=8, tp_size=2, cp_size=2, rotation=1)
+    got, _ = decode_frame(encode_frame(h, b"kv"))
+    assert HEADER_SIZE == 92 and got == dataclasses.replace(h, shard_len=2)
+    assert (got.pp_size, got.cp_rank) == (2, 1)
+    assert sender_layout(got) == ParallelConfig(2, 2, 2, kv_sharding=True)
+    plain = KVFrameHeader("r", 0, 0, 8, rank=1, world_size=4, tp_size=2)
+    assert sender_layout(decode_frame(encode_frame(plain, b"kv"))[0]) == ParallelConfig(2, 2)
+    with pytest.raises(ValueError, match="rotation 2 is not a CP rank of 2"):
+        dataclasses.replace(h, rotation=2)
+    with pytest.raises(ValueError, match="cp_size 3 x tp_size 2 does not divide world 8"):
+        dataclasses.replace(h, cp_size=3, rotation=0)
+    older = bytearray(encode_frame(h, b"kv"))
+    older[:4] = b"HKV3"  # no CP fields: its reader would take CP ranks for stages
+    with pytest.raises(SchemaError, match="magic"):
+        decode_frame(bytes(older))
+    # which CP ranks send a chunk, and which of its pages each holds
+    assert chunk_senders(1, 4, 2) == [2] and chunk_senders(3, 4, 3) == [0, 1, 3]
+    assert chunk_senders(9, 2, 1) == [0, 1] and chunk_senders(5, 1, 0) == [0]
+    assert list(owned_pages(5, 4, 2, 0)) == [2] and list(owned_pages(5, 2, 1, 1)) == [0, 2, 4]
+    assert list(owned_pages(3, 4, 0, 3)) == [] and list(owned_pages(3, 1, 0, 0)) == [0, 1, 2]
+
+
+def test_sharded_export_cut_in_parts_reassembles() -> None:
+    """A CP2 sharded export of 5 pages (page 0 on CP rank 1) cut under a limit smaller than
+    one page's shard: chunks of 2 pages, each owner's shard in parts, no frame of CP rank 0
+    for the last chunk; the parts put back by owner give every page exactly."""
+    shape = (5, 8, 8, 2, PAGE, 1, 8)
+    whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).view(shape)
+    stagings = (whole[1::2].contiguous(), whole[0::2].contiguous())  # CP ranks 0 and 1
+    export = KVExport(stagings, 8, 25, 7, (0, 1), 2, 2, 1, (0, 1))
+    limit = PAGE_BYTES // 3 + 8
+    plan = cut_frames("r", export, CachedTokens(), 1, limit)
+    back = torch.full(shape, float("nan"), dtype=torch.float64)
+    shards, senders = ShardAssembler(), []
+    for frame in plan.frames:
+        header, payload = decode_frame(frame)
+        assert len(frame) <= limit + HEADER_SIZE
+        shard = shards.add(header, payload)
+        if shard is None:
+            continue
+        lo = (header.token_start - 8) // PAGE
+        pages = -(-(header.token_end - header.token_start) // PAGE)
+        assert header.rotation == (1 + lo) % 2 and header.last == (header.token_end == 25)
+        senders.append((lo, header.rank))
+        mine = owned_pages(pages, 2, header.rotation, header.cp_rank)
+        piece = torch.frombuffer(bytearray(shard), dtype=torch.float64)
+        back[[lo + i for i in mine]] = piece.view(len(mine), *shape[1:])
+        shards.written(header)
+    assert torch.equal(back, whole)
+    assert senders == [(0, 0), (0, 1), (2, 0), (2, 1), (4, 1)]  # CP rank 1 owns page 4 alone
+    parts = -(-PAGE_BYTES // limit)  # of one page's shard
+    assert plan.units == [1] * (parts - 1) * 2 + [2] + [1] * (parts - 1) * 2 + [2] + [1] * (
+        parts - 1
+    ) + [1]
+
+
+def test_kv_import_refuses_shards_a_sharded_sender_never_sends() -> None:
+    engine = Engine(sharded_config(1, False))
+    sender = ParallelConfig(cp_size=2, kv_sharding=True)
+    page = bytes(PAGE_BYTES)
+    try:
+        # one page, on CP rank 0: rank 1 owns none of the chunk, so no shard of it comes
+        with pytest.raises(ValueError, match="CP rank 1 owns none of the 1 pages"):
+            engine.write_kv(0, 0, 4, page, None, 1, sender, 0)
+        with pytest.raises(ValueError, match="rotation 2 is not a CP rank of 2"):
+            engine.write_kv(0, 0, 4, page, None, 0, sender, 2)
+        with pytest.raises(ValueError, match="holds no token"):
+            engine.write_kv(0, 4, 4, b"", None, 0, sender, 0)
+        # three pages from page 0 on rank 0: rank 0's shard holds two of them
+        with pytest.raises(ValueError, match=f"has {PAGE_BYTES} bytes, expected {2 * PAGE_BYTES}"):
+            engine.write_kv(0, 0, 12, page, None, 0, sender, 0)
+        # two pages: the shards of one chunk must name one rotation
+        engine.write_kv(0, 0, 8, page, None, 0, sender, 0)
+        with pytest.raises(ValueError, match="page 0 on CP rank 1"):
+            engine.write_kv(0, 0, 8, page, None, 1, sender, 1)
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------- through the mesh
+
+
+@pytest.mark.timeout(300)
+async def test_pd_mesh_with_sharded_engines_equals_cp1(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`up --pd --cp-size 2 --enable-kv-cache-sharding`: a sharded prefill engine's frames
+    (cut for the real server's max_payload) reach a sharded decode engine through the
+    services; greedy outputs equal a CP1 engine's, and a repeat reuses decode's sharded
+    cache: only the suffix it lacks moves."""
+    sharded = ("--cp-size", "2", "--enable-kv-cache-sharding")
+    extra = (*sharded, "--disaggregation-decode-enable-radix-cache")
+    spec = MeshSpec(pd=True, extra=extra, host_tier=False)
+    with running_mesh(spec, tmp_path_factory, "pd-cp2sharded") as mesh:
+        reqs = workload(4)
+        got = await baseline(mesh.url, reqs)
+        assert got == cold_reference(reqs)
+        assert mesh.log_path.read_text().count("engine world TP1/PP1/CP2 sharded up") == 2
+        req = reqs[0]
+        body = {"prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": 0}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{mesh.url}/v1/completions", json={**body, "ignore_eos": True}) as r,
+        ):
+            data = await r.json()
+    assert tuple(data["choices"][0]["token_ids"]) == got[req]
+    usage = data["usage"]
+    pd = usage["disaggregation"]
+    assert pd["decode_prefix_len"] > 0  # decode's own cache
+    assert usage["prompt_tokens_details"]["cached_tokens"] == pd["decode_prefix_len"]
+    assert pd["transferred_tokens"] == len(req.prompt) - pd["decode_prefix_len"]
