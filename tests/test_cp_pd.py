@@ -141,7 +141,10 @@ def sharded_config(cp: int, sharded: bool, tp: int = 1) -> EngineConfig:
     )
 
 
-def on_layout(layout: Layout, workload: object, *args: object) -> object:
+def on_layout(layout: Layout, workload: object, *args: object, log_dir: Path) -> object:
+    """`workload` on an engine of `layout`: in this process, or on rank 0 of a world with
+    the rank consensus checker on (its stage compares the tokens each CP rank sampled, so
+    a page a sharded decode rank wrote wrongly shows even where rank 0's logits do not)."""
     cp, sharded, tp = layout
     cfg = sharded_config(cp, sharded, tp)
     if cp * tp == 1:
@@ -150,7 +153,7 @@ def on_layout(layout: Layout, workload: object, *args: object) -> object:
             return workload(engine, *args)  # type: ignore[operator]
         finally:
             engine.close()
-    return run_world(cfg, workload, *args)  # type: ignore[arg-type]
+    return run_world(cfg, workload, *args, env=checker_env(log_dir))  # type: ignore[arg-type]
 
 
 def prefill_frames(engine: Engine, turns: list[tuple[list[int], int]]) -> list[Frames]:
@@ -250,10 +253,13 @@ def expected_frames(num_pages: int, rotation: int, cp: int) -> list[tuple[int, i
     ids=["CP2s-CP1", "CP1-CP2s", "CP2s-CP2s", "CP4s-CP2s", "CP2s-CP2r", "CP2s-TP2"],
 )
 def test_pd_with_sharded_engines_equals_cold(
-    cold_gathered: list[tuple[list[int], torch.Tensor]], prefill: Layout, decode: Layout
+    cold_gathered: list[tuple[list[int], torch.Tensor]],
+    prefill: Layout,
+    decode: Layout,
+    tmp_path: Path,
 ) -> None:
     turns = [(TURN1, DECODE_PREFIX[0]), (TURN2, DECODE_PREFIX[1])]
-    exports = on_layout(prefill, prefill_frames, turns)
+    exports = on_layout(prefill, prefill_frames, turns, log_dir=tmp_path / "prefill")
     assert isinstance(exports, list)
     cp = prefill[0] if prefill[1] else 1
     for (prompt, start), (frames, rotation, pages, _) in zip(turns, exports, strict=True):
@@ -271,7 +277,7 @@ def test_pd_with_sharded_engines_equals_cold(
         (prompt, prefix, frames)
         for (prompt, prefix), (frames, *_) in zip(turns, exports, strict=True)
     ]
-    got_turns = on_layout(decode, decode_frames, decode_args)
+    got_turns = on_layout(decode, decode_frames, decode_args, log_dir=tmp_path / "decode")
     assert isinstance(got_turns, list)
     tp = decode[2]
     for (want_ids, want_logits), (_, _, pages, step0), (prefix, ids, logits, received, hit) in zip(
