@@ -15,8 +15,9 @@ export is cut into frames by the service's `cut_frames` under a small frame limi
 chunks, the last with fewer pages than CP ranks, so some rank sends nothing for it), and the
 decode side reads them back as `DecodeSide` does (`decode_frame`, `ShardAssembler`, the
 sender's layout and rotation from each header). Frame counts are checked against the owner
-cycle. Prefill engines: CP2 and CP4 sharded, and CP1; decode engines: CP1, CP2 sharded, CP2
-replicated and TP2 (within 1e-10 there: TP's all_reduce adds in another order). Every engine here reads KV by slot gathers (`DebugHooks.gather_reads`, as a sharded
+cycle. Prefill engines: CP2 and CP4 sharded, CP2 sharded x PP2, and CP1; decode engines:
+CP1, CP2 sharded, CP2 replicated and TP2 (within 1e-10 there: TP's all_reduce adds in
+another order). Every engine here reads KV by slot gathers (`DebugHooks.gather_reads`, as a sharded
 pool must; see `tests/test_cp_engine.py`), the cold reference too, and sharded pools are
 poisoned (rows no rank wrote read as NaN), so a page written on the wrong rank or row, or not
 at all, shows in the logits, which must equal the cold CP1 run bit for bit.
@@ -126,17 +127,17 @@ def test_pd_between_cp_engines_equals_cold(
 PAGE_BYTES = 8 * 8 * 2 * PAGE * 8 * 8  # tiny-tp, float64: 8 KV heads, 8 layers, head_dim 8
 FRAME_LIMIT = PAGE_BYTES + PAGE_BYTES // 2  # one page's shard per frame: chunks of N pages
 
-Layout = tuple[int, bool, int]  # (cp_size, sharded, tp_size)
+Layout = tuple[int, bool, int, int]  # (cp_size, sharded, tp_size, pp_size)
 # per turn: (frames, rotation of the export's first page, pages, prefill's step-0 logits)
 Frames = tuple[list[bytes], int, int, torch.Tensor]
 
 
-def sharded_config(cp: int, sharded: bool, tp: int = 1) -> EngineConfig:
+def sharded_config(cp: int, sharded: bool, tp: int = 1, pp: int = 1) -> EngineConfig:
     """`config`, every engine reading by gathers (the bit-exact reference of a sharded
     pool) and sharded pools poisoned."""
     return dataclasses.replace(
         config(cp, sharded),
-        parallel=ParallelConfig(tp, 1, cp, sharded),
+        parallel=ParallelConfig(tp, pp, cp, sharded),
         debug=DebugHooks(gather_reads=True, poison_kv=sharded),
     )
 
@@ -145,9 +146,8 @@ def on_layout(layout: Layout, workload: object, *args: object, log_dir: Path) ->
     """`workload` on an engine of `layout`: in this process, or on rank 0 of a world with
     the rank consensus checker on (its stage compares the tokens each CP rank sampled, so
     a page a sharded decode rank wrote wrongly shows even where rank 0's logits do not)."""
-    cp, sharded, tp = layout
-    cfg = sharded_config(cp, sharded, tp)
-    if cp * tp == 1:
+    cfg = sharded_config(*layout)
+    if cfg.parallel.world_size == 1:
         engine = Engine(cfg)
         try:
             return workload(engine, *args)  # type: ignore[operator]
@@ -229,28 +229,38 @@ def cold_gathered() -> list[tuple[list[int], torch.Tensor]]:
     return out
 
 
-def expected_frames(num_pages: int, rotation: int, cp: int) -> list[tuple[int, int, int]]:
-    """(chunk's first page, CP rank, its pages in the chunk) of each frame of a transfer
-    under FRAME_LIMIT: chunks of `cp` pages, one page per rank, in rank order; a CP rank
-    owning none of a chunk's pages sends no frame for it."""
+def expected_frames(
+    num_pages: int, rotation: int, layout: ParallelConfig
+) -> list[tuple[int, int, int]]:
+    """(chunk's first page, sending rank, shard bytes) of each frame of a transfer under
+    FRAME_LIMIT: chunks of as many pages as one rank's page shard fits the limit, times the
+    CP size when sharded (a rank holds one page in N), every rank's shard in rank order; a
+    rank owning none of a chunk's pages sends no frame for it."""
+    page_bytes = PAGE_BYTES // (layout.tp_size * layout.pp_size)  # one rank's shard of a page
+    cp = layout.cp_size if layout.kv_sharding else 1
+    per = FRAME_LIMIT // page_bytes * cp
     frames = []
-    for lo in range(0, num_pages, cp):
-        n, first = min(cp, num_pages - lo), (rotation + lo) % cp
-        frames += [(lo, c, len(owned_pages(n, cp, first, c))) for c in chunk_senders(n, cp, first)]
+    for lo in range(0, num_pages, per):
+        n, first = min(per, num_pages - lo), (rotation + lo) % cp
+        for r in layout.kv_ranks(False):
+            c = layout.coords(r).cp
+            if c in chunk_senders(n, cp, first):
+                frames.append((lo, r, len(owned_pages(n, cp, first, c)) * page_bytes))
     return frames
 
 
 @pytest.mark.parametrize(
     ("prefill", "decode"),
     [
-        ((2, True, 1), (1, False, 1)),
-        ((1, False, 1), (2, True, 1)),
-        ((2, True, 1), (2, True, 1)),
-        ((4, True, 1), (2, True, 1)),
-        ((2, True, 1), (2, False, 1)),
-        ((2, True, 1), (1, False, 2)),
+        ((2, True, 1, 1), (1, False, 1, 1)),
+        ((1, False, 1, 1), (2, True, 1, 1)),
+        ((2, True, 1, 1), (2, True, 1, 1)),
+        ((4, True, 1, 1), (2, True, 1, 1)),
+        ((2, True, 1, 1), (2, False, 1, 1)),
+        ((2, True, 1, 1), (1, False, 2, 1)),
+        ((2, True, 1, 2), (2, True, 1, 1)),
     ],
-    ids=["CP2s-CP1", "CP1-CP2s", "CP2s-CP2s", "CP4s-CP2s", "CP2s-CP2r", "CP2s-TP2"],
+    ids=["CP2s-CP1", "CP1-CP2s", "CP2s-CP2s", "CP4s-CP2s", "CP2s-CP2r", "CP2s-TP2", "CP2sPP2-CP2s"],
 )
 def test_pd_with_sharded_engines_equals_cold(
     cold_gathered: list[tuple[list[int], torch.Tensor]],
@@ -261,17 +271,16 @@ def test_pd_with_sharded_engines_equals_cold(
     turns = [(TURN1, DECODE_PREFIX[0]), (TURN2, DECODE_PREFIX[1])]
     exports = on_layout(prefill, prefill_frames, turns, log_dir=tmp_path / "prefill")
     assert isinstance(exports, list)
-    cp = prefill[0] if prefill[1] else 1
+    sender = sharded_config(*prefill).parallel
+    cp = sender.cp_size if sender.kv_sharding else 1
     for (prompt, start), (frames, rotation, pages, _) in zip(turns, exports, strict=True):
         assert pages == -(-(len(prompt) - start) // PAGE)
         assert rotation == start // PAGE % cp  # a path's page k is on CP rank k % N
         headers = [decode_frame(f)[0] for f in frames]
-        assert {(h.cp_size, h.world_size) for h in headers} == {(cp, cp)}
+        assert {sender_layout(h) for h in headers} == {sender}
         # each page once, from its owner; no frame from a rank owning none of a chunk
-        got = [(h.token_start // PAGE - start // PAGE, h.cp_rank, h.shard_len) for h in headers]
-        want = expected_frames(pages, rotation, cp)
-        assert got == [(lo, c, n * PAGE_BYTES) for lo, c, n in want]
-        assert sum(n for *_, n in want) == pages
+        got = [(h.token_start // PAGE - start // PAGE, h.rank, h.shard_len) for h in headers]
+        assert got == expected_frames(pages, rotation, sender)
         assert all(h.rotation == h.token_start // PAGE % cp for h in headers)
     decode_args = [
         (prompt, prefix, frames)
