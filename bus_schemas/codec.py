@@ -36,12 +36,21 @@ class Message:
 
     TYPE: ClassVar[str]
     VERSION: ClassVar[int] = 1
+    # Fields left out of the encoding while they hold their default: fields added to a
+    # message without a version bump, so that a consumer of the older schema (which refuses
+    # unknown fields) still reads every message that does not use them, and a new consumer
+    # reads an old message (the field is optional). Each must have a plain default.
+    OMIT_DEFAULTS: ClassVar[frozenset[str]] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
-        for name, convert in _plan(type(self)).encode:
+        plan = _plan(type(self))
+        for name, convert in plan.encode:
             value = getattr(self, name)
             out[name] = _to_plain(value) if convert else value
+        for name, default in plan.omit:
+            if out[name] == default:
+                del out[name]
         return out
 
     def encode(self) -> bytes:
@@ -100,6 +109,7 @@ class _Plan:
     names: frozenset[str]
     encode: tuple[tuple[str, bool], ...]  # (field, its value needs `_to_plain`)
     decode: tuple[tuple[str, type | None, Check, bool], ...]  # (field, exact, check, required)
+    omit: tuple[tuple[str, Any], ...]  # (field, its default): left out while it holds it
 
 
 _PLANS: dict[type, _Plan] = {}
@@ -123,8 +133,19 @@ def _plan(cls: type) -> _Plan:
                 )
                 for f in fields
             ),
+            omit=_omitted(cls, fields),
         )
     return plan
+
+
+def _omitted(cls: type, fields: tuple[dataclasses.Field[Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """`OMIT_DEFAULTS` of `cls` with each field's default; TypeError for a name that is not a
+    field with a plain default (a message class written wrongly, found at its first use)."""
+    defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+    wanted: frozenset[str] = getattr(cls, "OMIT_DEFAULTS", frozenset())
+    if not wanted <= defaults.keys():
+        raise TypeError(f"{cls.__name__}.OMIT_DEFAULTS names fields without a plain default")
+    return tuple((name, defaults[name]) for name in sorted(wanted))
 
 
 def _plain_hint(hint: Any) -> bool:

@@ -1,10 +1,11 @@
 """KV chunks on the bus: a binary frame with a small fixed header, then the KV bytes.
 
 Header (little-endian, 92 bytes):
-    magic b"HKV3" | request_id (32 bytes, ASCII, NUL-padded) | seq u32 | token_start u32 |
+    magic b"HKV4" | request_id (32 bytes, ASCII, NUL-padded) | seq u32 | token_start u32 |
     token_end u32 | first_token i32 (-1 unless last) | last u8 | pad 3 | prefill_cached_device
     u32 | prefill_cached_host u32 | payload_len u32 | crc32 u32 | rank u16 | world_size u16 |
-    tp_size u16 | reserved 2 | prefill_cached_storage u32 | part_offset u32 | shard_len u32
+    tp_size u16 | cp_size u8 | rotation u8 | prefill_cached_storage u32 | part_offset u32 |
+    shard_len u32
 A rank's shard of a chunk is KV of tokens `[token_start, token_end)` in whole pages, in the
 unified object order with one KV head per group (DESIGN.md 5): `(pages, kv_head, layer, K/V,
 token_in_page, head_dim)` of the sending rank's heads and layers (MLA: one head, the latent
@@ -19,10 +20,19 @@ small limit), which the receiver puts back together before writing it
 (`services/engine/pd_frames.py` cuts frames and reassembles shards).
 
 A multi-rank prefill engine sends its ranks' shards of each chunk: `rank`'s own layers and KV
-heads; `world_size` and `tp_size` give the sender's TP x PP layout, so a decode engine of
-another layout can cut from the shards the heads and layers each of its ranks holds.
+heads; `world_size`, `tp_size` and `cp_size` give the sender's TP x CP x PP layout, so a
+decode engine of another layout can cut from the shards the heads and layers each of its
+ranks holds. A sender whose KV is sharded by page over `cp_size` > 1 CP ranks
+(`--enable-kv-cache-sharding`) sends each page from its owner only: page `i` of the chunk is
+owned by CP rank `(rotation + i) % cp_size`, and a rank's shard holds the pages it owns, in
+order (`owned_pages`). A rank that owns none of a chunk's pages sends no frame for it, so
+the receiver derives from the header alone which ranks' shards make the chunk whole
+(`chunk_senders`). A replicated CP engine sends as its CP1 layout (`cp_size` 1).
 
-Versions: HKV2 had no parts (84 bytes); HKV1 another payload order. Both are refused.
+Versions: HKV3 had no CP fields (cp_size and rotation were reserved bytes): the magic changed
+with them so that an HKV3 reader refuses a sharded sender's frames rather than take its CP
+ranks for pipeline stages (a shard can have the size it expects and still be cut wrongly).
+HKV2 had no parts (84 bytes); HKV1 another payload order. All are refused.
 """
 
 from __future__ import annotations
@@ -33,8 +43,8 @@ from dataclasses import dataclass
 
 from bus_schemas.codec import SchemaError
 
-MAGIC = b"HKV3"
-_HEADER = struct.Struct("<4s32sIIIiB3xIIIIHHH2xIII")
+MAGIC = b"HKV4"
+_HEADER = struct.Struct("<4s32sIIIiB3xIIIIHHHBBIII")
 HEADER_SIZE = _HEADER.size
 
 
@@ -50,10 +60,12 @@ class KVFrameHeader:
     prefill_cached_host: int = 0
     rank: int = 0  # the sending rank: its shard of the chunk's KV
     world_size: int = 1  # ranks of the sending engine
-    tp_size: int = 1  # of which per pipeline stage (world_size // tp_size stages)
+    tp_size: int = 1  # of which per TP group (world_size // (tp_size * cp_size) stages)
     prefill_cached_storage: int = 0  # prompt tokens prefill read from external storage
     part_offset: int = 0  # where this frame's payload starts in the rank's shard
     shard_len: int = 0  # bytes of the rank's whole shard of the chunk (0: this payload's)
+    cp_size: int = 1  # CP ranks the sender shards pages over (1: every rank holds every page)
+    rotation: int = 0  # sharded CP: the CP rank that owns the chunk's first page
 
     def __post_init__(self) -> None:
         if len(self.request_id.encode()) > 32:
@@ -64,12 +76,37 @@ class KVFrameHeader:
             raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
         if self.tp_size < 1 or self.world_size % self.tp_size:
             raise ValueError(f"tp_size {self.tp_size} does not divide world {self.world_size}")
+        if not 1 <= self.cp_size <= 0xFF or self.world_size % (self.tp_size * self.cp_size):
+            raise ValueError(
+                f"cp_size {self.cp_size} x tp_size {self.tp_size} does not divide world "
+                f"{self.world_size}"
+            )
+        if not 0 <= self.rotation < self.cp_size:
+            raise ValueError(f"rotation {self.rotation} is not a CP rank of {self.cp_size}")
         if not 0 <= self.part_offset <= 0xFFFFFFFF or not 0 <= self.shard_len <= 0xFFFFFFFF:
             raise ValueError("part_offset and shard_len must fit 32 bits")
 
     @property
     def pp_size(self) -> int:
-        return self.world_size // self.tp_size
+        return self.world_size // (self.tp_size * self.cp_size)
+
+    @property
+    def cp_rank(self) -> int:
+        """The sending rank's CP rank (ranks are stage-major, TP innermost)."""
+        return self.rank // self.tp_size % self.cp_size
+
+
+def owned_pages(num_pages: int, cp_size: int, rotation: int, cp_rank: int) -> range:
+    """The pages (0-based, of a chunk or transfer of `num_pages` pages whose first page CP
+    rank `rotation` owns) that CP rank `cp_rank` owns when pages go round-robin over
+    `cp_size` ranks: every `cp_size`-th page from its first. All of them at `cp_size` 1."""
+    return range((cp_rank - rotation) % cp_size, num_pages, cp_size)
+
+
+def chunk_senders(num_pages: int, cp_size: int, rotation: int) -> list[int]:
+    """The CP ranks that own at least one of a chunk's `num_pages` pages: the shards that
+    make it whole (at `cp_size` 1, or with as many pages as ranks, every rank)."""
+    return sorted((rotation + i) % cp_size for i in range(min(num_pages, cp_size)))
 
 
 def encode_frame(header: KVFrameHeader, payload: bytes | memoryview) -> bytes:
@@ -97,6 +134,8 @@ def encode_frame(header: KVFrameHeader, payload: bytes | memoryview) -> bytes:
         header.rank,
         header.world_size,
         header.tp_size,
+        header.cp_size,
+        header.rotation,
         header.prefill_cached_storage,
         header.part_offset,
         shard_len,
@@ -124,6 +163,8 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
         rank,
         world,
         tp,
+        cp,
+        rotation,
         cached_storage,
         part_offset,
         shard_len,
@@ -156,6 +197,8 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
             cached_storage,
             part_offset,
             shard_len,
+            cp or 1,
+            rotation,
         )
     except (ValueError, UnicodeDecodeError) as e:
         raise SchemaError(f"bad KV frame header: {e}") from None

@@ -280,19 +280,35 @@ class ModelCard(Message):
 
 @dataclass(frozen=True, slots=True)
 class KVEvent(Message):
-    """Pages that became (`stored`) or stopped being (`removed`) held in one tier."""
+    """Pages that became (`stored`) or stopped being (`removed`) held in one tier.
+
+    Events are per logical page (the router's index scores logical prefixes), whatever the
+    engine's layout. An engine whose KV is sharded by page over `cp_size` > 1 CP ranks
+    (`--enable-kv-cache-sharding`) also says which rank holds each page: page `i` of
+    `page_hashes` on CP rank `(owner_rotation + i) % cp_size`, so another topology or a P/D
+    decode engine can tell. Both fields are left out at their defaults (`OMIT_DEFAULTS`:
+    every rank holds every page), so a consumer that predates them reads every other
+    engine's events, and a message without them reads as one of those.
+    """
 
     TYPE: ClassVar[str] = "kv_event"
+    OMIT_DEFAULTS: ClassVar[frozenset[str]] = frozenset({"owner_rotation", "cp_size"})
 
     kind: str  # "stored" | "removed"
     tier: str  # "device" | "host"
     page_hashes: list[str]
+    owner_rotation: int = 0  # sharded CP: the CP rank holding the first page
+    cp_size: int = 1  # CP ranks the pages are sharded over (1: every rank holds every page)
 
     def __post_init__(self) -> None:
         if self.kind not in ("stored", "removed"):
             raise ValueError(f"kind must be 'stored' or 'removed', got {self.kind!r}")
         if self.tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {self.tier!r}")
+        if self.cp_size < 1 or not 0 <= self.owner_rotation < self.cp_size:
+            raise ValueError(
+                f"owner_rotation {self.owner_rotation} is not a CP rank of cp_size {self.cp_size}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +320,9 @@ class KVEventBatch(Message):
     """
 
     TYPE: ClassVar[str] = "kv_events"
-    VERSION: ClassVar[int] = 2  # 2: store_id (events of the "storage" tier)
+    # 2: store_id (events of the "storage" tier). KVEvent's CP fields bumped nothing: they
+    # are left out at their defaults, so a version-2 consumer reads a CP1 engine's batches
+    VERSION: ClassVar[int] = 2
 
     engine_id: str
     bucket: str

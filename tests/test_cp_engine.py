@@ -177,8 +177,8 @@ def test_cp_flags_and_refusals() -> None:
     with pytest.raises(ValueError, match="sharding does not support --enable-hierarchical"):
         engine_config_from_args(_args(*sharded, *storage))  # L3 needs the host tier
     assert engine_config_from_args(_args("--cp-size", "2", *storage)).parallel.cp_size == 2
-    with pytest.raises(ValueError, match="does not support --disaggregation-mode prefill"):
-        engine_config_from_args(_args(*sharded, "--disaggregation-mode", "prefill"))
+    sharded_pd = engine_config_from_args(_args(*sharded, "--disaggregation-mode", "prefill"))
+    assert sharded_pd.parallel.kv_sharding  # sharded CP serves P/D too (test_cp_pd.py)
     pd = engine_config_from_args(_args("--cp-size", "2", "--disaggregation-mode", "decode"))
     assert pd.parallel == ParallelConfig(cp_size=2)  # replicated CP serves P/D
     # replicated CP keeps the host tier

@@ -147,7 +147,7 @@ class RadixTree:
         self._splitter = self._split  # bound once: the walks of every request pass it
         self.namespace = namespace
         self.record_events = record_events
-        self.event_log = KVEventLog(namespace is not None and record_events)
+        self.event_log = KVEventLog(namespace is not None and record_events, cp_size)
         self.tiers = TreeTiers(page_size, self.event_log)
         self._next_id = 0
         self._clock = 0
@@ -420,7 +420,7 @@ class RadixTree:
         """`stored` records for everything the tree holds now, per tier."""
         if self.namespace is None:
             return []
-        return kv_events.snapshot(self.iter_nodes())
+        return kv_events.snapshot(self.iter_nodes(), self.cp_size)
 
     def reset(self) -> DroppedPages:
         """Drop every node; returns their device and host pages. Nothing may be pinned."""

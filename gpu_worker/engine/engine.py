@@ -230,7 +230,6 @@ class Engine:
         reuse: bool = True,
     ) -> Req:
         """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`)."""
-        _check_pd(self.config)
         req = self.submit(prompt_ids, sampling, cache_salt)
         req.remote = RemoteKV(reuse=reuse and self.config.cache.enable_radix_cache)
         return req
@@ -239,8 +238,8 @@ class Engine:
         self, prompt_ids: Sequence[int], sampling: SamplingParams, cache_salt: str, export_from: int
     ) -> Req:
         """A P/D prefill request: compute the prompt, sample one token, and pack the KV from
-        `export_from` on (`req.export` when it finishes; every rank's shard on rank 0)."""
-        _check_pd(self.config)
+        `export_from` on (`req.export` when it finishes; every rank's shard on rank 0, a
+        CP-sharded rank's holding the pages it owns)."""
         ps = self.kv_spec.page_size
         ids = self.validate(prompt_ids, sampling)
         if not 0 <= export_from < len(ids) or export_from % ps:
@@ -262,17 +261,21 @@ class Engine:
         first_token: int | None,
         rank: int = 0,
         sender: ParallelConfig | None = None,
+        rotation: int = 0,
     ) -> WriteKV:
         """Queue a received KV chunk for decode request `rid`: world rank `rank`'s shard of
         it from a prefill engine of layout `sender` (this engine's own when None), in the
-        unified order with one KV head per group. Once every sender rank's shard arrived,
-        the chunk is cut into this engine's ranks' heads and layers (nothing to cut when the
-        layouts are the same) and written on every rank at the start of the next step; the
+        unified order with one KV head per group; from a CP-sharded sender, the shard holds
+        the chunk's pages its CP rank owns, page 0 being CP rank `rotation`'s. Once every
+        sender rank's shard arrived, the chunk is cut into this engine's ranks' heads and
+        layers (nothing to cut when the layouts are the same) and written on every rank at
+        the start of the next step (a CP-sharded rank writes the pages it owns); the
         returned command (one per chunk) then holds the bytes written or why it did not fit
-        (`applied`). A payload of the wrong size, a duplicate shard, an unknown rank or a
-        layout that does not split the model raises ValueError now."""
+        (`applied`). A payload of the wrong size, a duplicate shard, an unknown rank, a rank
+        that owns none of the chunk's pages or a layout that does not split the model
+        raises ValueError now."""
         return self.kv_import.receive(
-            rid, token_start, token_end, payload, first_token, rank, sender
+            rid, token_start, token_end, payload, first_token, rank, sender, rotation
         )
 
     def abort(self, rid: int) -> None:
@@ -438,14 +441,6 @@ def _divergence_named(recorder: consensus.ConsensusRecorder | None) -> Iterator[
         if found is not None:
             raise consensus.RankDivergenceError(found.report()) from e
         raise
-
-
-def _check_pd(config: EngineConfig) -> None:
-    if config.parallel.kv_sharding:
-        raise InvalidRequestError(
-            "P/D is not supported with --enable-kv-cache-sharding yet (KV sent and "
-            "received by owner ranks is still to come)"
-        )
 
 
 def _sharding(config: EngineConfig, groups: ParallelGroups) -> KVSharding | None:

@@ -20,6 +20,8 @@ than a later crash.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -139,7 +141,7 @@ class ModelExecutor:
             )
 
     def collect_export(
-        self, staging: torch.Tensor
+        self, staging: torch.Tensor, cp_pages: Sequence[int] = ()
     ) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
         """P/D prefill: this rank's packed KV of a finished request in the unified order,
         (num_pages, its KV heads, its layers, num_kv, page, 1, kv_head_dim). Rank 0 gets
@@ -148,7 +150,8 @@ class ModelExecutor:
         it if it is one of those, and get only their own back. Every rank calls it at the
         same logical point: when the request finishes. Replicated CP: only CP rank 0's
         shards go, and the ranks returned are of `ParallelConfig.kv_layout` (the CP1
-        layout the wire and a decode engine know)."""
+        layout the wire and a decode engine know). Sharded CP: each rank's shard holds only
+        the pages its CP rank owns, `cp_pages[cp_rank]` of them (maybe none)."""
         g = self.groups
         whole = self.model_config_whole
         ranks = g.config.kv_ranks(whole.mla)
@@ -156,13 +159,15 @@ class ModelExecutor:
         if g.world_size == 1:
             return wire, (staging,)
         if g.rank != 0:
-            if g.rank in ranks:
+            if g.rank in ranks and staging.numel():  # a CP rank owning none sends nothing
                 self.sends.send(staging.contiguous(), 0, g.cpu_world, TAG_EXPORT)
             return (g.config.kv_rank(g.rank),), (staging,)
         out = [staging]
         for rank in ranks[1:]:
             shard = ModelShard.of(whole, g.config, rank).local_config(whole)
             pages, page = staging.shape[0], staging.shape[4]
+            if cp_pages:
+                pages = cp_pages[g.config.coords(rank).cp]
             shape = (
                 pages,
                 shard.num_kv_heads,
@@ -173,7 +178,8 @@ class ModelExecutor:
                 shard.kv_head_dim,
             )
             part = torch.empty(shape, dtype=staging.dtype)
-            dist.recv(part, rank, group=g.cpu_world, tag=TAG_EXPORT)
+            if part.numel():
+                dist.recv(part, rank, group=g.cpu_world, tag=TAG_EXPORT)
             out.append(part)
         return wire, tuple(out)
 

@@ -1,10 +1,16 @@
 """P/D decode: KV chunks received from a prefill engine, regrouped for this engine's ranks.
 
 A prefill engine sends each chunk of a request's prompt KV as one shard per sending rank, in
-the unified order with one KV head per group (`KVImport.receive`, rank 0). Once every
-sender's shard of a chunk arrived, rank 0 cuts the whole chunk into this engine's ranks'
-head and layer ranges and queues one `WriteKV` command; at the start of the next step every
-rank writes its own shard into the request's pages (`KVImport.write`).
+the unified order with one KV head per group (`KVImport.receive`, rank 0). A CP-sharded
+prefill engine sends each page from its owner only (page `i` of a chunk on CP rank
+`(rotation + i) % cp_size`), so a chunk's shards are those of the ranks owning one of its
+pages, each holding its pages: how many shards make a chunk is derived from the sender's
+layout, the chunk's size and its rotation, as the sender derives how many it sends. Once
+every expected shard of a chunk arrived, rank 0 assembles the whole chunk and cuts it into
+this engine's ranks' head and layer ranges and queues one `WriteKV` command; at the start
+of the next step every rank writes its own shard into the request's pages
+(`KVImport.write`): a CP-sharded rank the pages it owns, the others none, yet every rank
+takes part, so their states and the chunk's ACK stay agreed.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from bus_schemas.kv_frame import chunk_senders, owned_pages
 from gpu_worker.engine.commands import WriteKV
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.model.config import ModelConfig
@@ -41,7 +48,8 @@ class KVImport:
         self.parallel = parallel
         self.rank = rank
         self._queue = queue
-        self._partial: dict[tuple[int, int, int], WriteKV] = {}  # rank 0: shards so far
+        # rank 0: the shards of each chunk so far, and the rotation its first shard named
+        self._partial: dict[tuple[int, int, int], tuple[WriteKV, int]] = {}
 
     def receive(
         self,
@@ -52,24 +60,41 @@ class KVImport:
         first_token: int | None,
         rank: int = 0,
         sender: ParallelConfig | None = None,
+        rotation: int = 0,
     ) -> WriteKV:
         """Rank 0: take world rank `rank`'s shard of a chunk from a prefill engine of layout
-        `sender` (this engine's own when None); see `Engine.write_kv`. Queues the chunk's
-        command once every sender rank's shard is here; raises ValueError for a payload of
-        the wrong size, a duplicate shard, an unknown rank or a layout that does not split
-        the model, changing nothing."""
+        `sender` (this engine's own when None), whose first page CP rank `rotation` owns
+        (a sharded sender's; 0 otherwise); see `Engine.write_kv`. Queues the chunk's
+        command once every sender rank's shard is here (`_senders`: under sharded CP, the
+        ranks that own a page of it); raises ValueError for a payload of the wrong size, a
+        duplicate shard, an unknown rank, a rank that owns none of the chunk's pages, a
+        rotation other shards disagree with or a layout that does not split the model,
+        changing nothing."""
         sender = sender or self.parallel
         world = sender.world_size
         if not 0 <= rank < world:
             raise ValueError(f"KV shard of rank {rank}: the sending engine has {world} ranks")
-        senders = sender.kv_ranks(self.model_config.mla)
+        if token_end <= token_start:
+            raise ValueError(f"KV chunk [{token_start}, {token_end}) holds no token")
+        cp = sender.cp_size if sender.kv_sharding else 1
+        if not 0 <= rotation < cp:
+            raise ValueError(f"KV chunk rotation {rotation} is not a CP rank of {cp}")
+        num_pages = -(-(token_end - token_start) // self.kv_spec.page_size)
+        senders = self._senders(sender, num_pages, rotation)
         if rank not in senders:
+            if rank in sender.kv_ranks(self.model_config.mla):
+                raise ValueError(
+                    f"KV shard of rank {rank}: its CP rank {sender.coords(rank).cp} owns none "
+                    f"of the {num_pages} pages of [{token_start}, {token_end}) (page 0 is CP "
+                    f"rank {rotation}'s of {cp}), so it sends none"
+                )
             raise ValueError(
                 f"KV shard of rank {rank}: its latent is TP rank 0's of its stage, which "
                 f"sends it once (ranks {list(senders)} send)"
             )
-        expected = self._shard_kv_bytes(sender, rank, token_start, token_end)
-        if token_end <= token_start or len(payload) != expected:
+        pages = len(self._sender_pages(sender, rank, num_pages, rotation))
+        expected = self._shard_bytes(sender, rank, pages)
+        if len(payload) != expected:
             raise ValueError(
                 f"KV chunk [{token_start}, {token_end}) of rank {rank} has {len(payload)} "
                 f"bytes, expected {max(0, expected)}"
@@ -77,63 +102,79 @@ class KVImport:
         if first_token is not None and not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token} is outside the vocabulary")
         key = (rid, token_start, token_end)
-        cmd = self._partial.get(key)
+        cmd, first_rotation = self._partial.get(key, (None, rotation))
         if cmd is None:
-            cmd = self._partial[key] = WriteKV(rid, token_start, token_end, (), first_token)
+            cmd = WriteKV(rid, token_start, token_end, (), first_token)
             cmd.sender = sender
         first = cmd.sender or sender
-        if first != sender:
+        if first != sender or first_rotation != rotation:
             raise ValueError(
-                f"KV chunk [{token_start}, {token_end}) came from TP {sender.tp_size} x PP "
-                f"{sender.pp_size} and TP {first.tp_size} x PP {first.pp_size}"
+                f"KV chunk [{token_start}, {token_end}) came from {sender.describe()} (page 0 "
+                f"on CP rank {rotation}) and {first.describe()} (on {first_rotation})"
             )
         if rank in cmd.parts:
             raise ValueError(f"KV chunk [{token_start}, {token_end}) of rank {rank} came twice")
+        self._partial[key] = cmd, rotation
         cmd.parts[rank] = bytes(payload)
         if first_token is not None:
             cmd.first_token = first_token
         if len(cmd.parts) == len(senders):  # every shard is here: hand it to all ranks
             parts = {r: cmd.parts.pop(r) for r in senders}
-            cmd.payloads = self._regroup_kv(parts, sender, token_end - token_start)
+            cmd.payloads = self._regroup_kv(parts, sender, num_pages, rotation)
             del self._partial[key]
             self._queue(cmd)
         return cmd
 
-    def _unified_shape(
-        self, parallel: ParallelConfig, rank: int, num_tokens: int
-    ) -> tuple[int, ...]:
-        """The shape of rank `rank`'s shard of a KV chunk of `num_tokens` tokens in the
-        unified order with one head per group: (pages, its KV heads, its layers, K/V, token
-        in page, 1, head_dim); MLA: (pages, 1, its layers, 1, token in page, 1, latent)."""
+    def _senders(self, sender: ParallelConfig, num_pages: int, rotation: int) -> tuple[int, ...]:
+        """The world ranks of `sender` whose shards make a chunk of `num_pages` pages whole:
+        `kv_ranks`, and under sharded CP only those whose CP rank owns one of its pages (a
+        chunk of fewer pages than CP ranks has no page on the others). Derived, like the
+        sender's count of frames, from the layout, the chunk's size and its rotation."""
+        ranks = sender.kv_ranks(self.model_config.mla)
+        if not sender.kv_sharding:
+            return ranks
+        owners = set(chunk_senders(num_pages, sender.cp_size, rotation))
+        return tuple(r for r in ranks if sender.coords(r).cp in owners)
+
+    def _sender_pages(
+        self, sender: ParallelConfig, rank: int, num_pages: int, rotation: int
+    ) -> range:
+        """The pages of a chunk that world rank `rank` of `sender` sends, in its shard's
+        order: every page, or under sharded CP those its CP rank owns."""
+        if not sender.kv_sharding:
+            return range(num_pages)
+        return owned_pages(num_pages, sender.cp_size, rotation, sender.coords(rank).cp)
+
+    def _unified_shape(self, parallel: ParallelConfig, rank: int, pages: int) -> tuple[int, ...]:
+        """The shape of rank `rank`'s shard of `pages` pages of KV in the unified order with
+        one head per group: (pages, its KV heads, its layers, K/V, token in page, 1,
+        head_dim); MLA: (pages, 1, its layers, 1, token in page, 1, latent)."""
         local = ModelShard.of(self.model_config, parallel, rank).local_config(self.model_config)
-        ps = self.kv_spec.page_size
-        pages = -(-num_tokens // ps)
         return (
             pages,
             local.num_kv_heads,
             local.num_layers,
             local.num_kv,
-            ps,
+            self.kv_spec.page_size,
             1,
             local.kv_head_dim,
         )
 
-    def _shard_kv_bytes(
-        self, parallel: ParallelConfig, rank: int, token_start: int, token_end: int
-    ) -> int:
-        """Bytes of rank `rank`'s shard (of an engine of layout `parallel`) of the KV of
-        tokens [token_start, token_end)."""
-        shape = self._unified_shape(parallel, rank, token_end - token_start)
+    def _shard_bytes(self, parallel: ParallelConfig, rank: int, pages: int) -> int:
+        """Bytes of rank `rank`'s shard (of an engine of layout `parallel`) of `pages`
+        pages of KV."""
+        shape = self._unified_shape(parallel, rank, pages)
         return math.prod(shape) * torch.empty((), dtype=self.kv_spec.dtype).element_size()
 
     def _regroup_kv(
-        self, parts: dict[int, bytes], sender: ParallelConfig, num_tokens: int
+        self, parts: dict[int, bytes], sender: ParallelConfig, num_pages: int, rotation: int
     ) -> tuple[bytes, ...]:
-        """The sender's shards of a chunk (by world rank: `kv_ranks`), cut into this
+        """The sender's shards of a chunk (by world rank: `_senders`), cut into this
         engine's ranks' shards: the whole chunk's (pages, KV heads, layers, ...) is
-        assembled from the sender's head and layer ranges, then each own rank takes its own
-        ranges. MLA's latent is every TP rank's one head: a stage's one shard fills it, and
-        each own TP rank takes all of it."""
+        assembled from the sender's head and layer ranges (and under sharded CP from each
+        CP rank's pages), then each own rank takes its own ranges of every page (a sharded
+        rank writes the pages it owns of them). MLA's latent is every TP rank's one head: a
+        stage's one shard fills it, and each own TP rank takes all of it."""
         own = self.parallel
         if sender == own and own.cp_size == 1:  # the same cut: r's shard, or its TP rank 0's
             return tuple(
@@ -141,12 +182,15 @@ class KVImport:
                 for r in range(own.world_size)
             )
         dtype = self.kv_spec.dtype
-        whole = torch.empty(self._unified_shape(ParallelConfig(), 0, num_tokens), dtype=dtype)
+        whole = torch.empty(self._unified_shape(ParallelConfig(), 0, num_pages), dtype=dtype)
         for r, part in parts.items():
             shard = ModelShard.of(self.model_config, sender, r)
             heads, layers = _slice(shard.kv_heads(self.model_config)), _slice(shard.layers)
+            pages = self._sender_pages(sender, r, num_pages, rotation)
             piece = torch.frombuffer(bytearray(part), dtype=dtype)
-            whole[:, heads, layers] = piece.view(self._unified_shape(sender, r, num_tokens))
+            whole[_slice(pages), heads, layers] = piece.view(
+                self._unified_shape(sender, r, len(pages))
+            )
         out = []
         for r in range(own.world_size):
             shard = ModelShard.of(self.model_config, own, r)
@@ -163,7 +207,8 @@ class KVImport:
             cmd.error = f"no P/D decode request {cmd.rid} is waiting for KV"
             return
         payload = cmd.payloads[self.rank]
-        shape = self._unified_shape(self.parallel, self.rank, cmd.token_end - cmd.token_start)
+        pages = -(-(cmd.token_end - cmd.token_start) // self.kv_spec.page_size)
+        shape = self._unified_shape(self.parallel, self.rank, pages)
         staging = torch.frombuffer(bytearray(payload), dtype=self.kv_spec.dtype).view(shape)
         try:
             scheduler.write_remote_kv(req, cmd.token_start, cmd.token_end, staging)
@@ -177,4 +222,4 @@ class KVImport:
 
 
 def _slice(r: range) -> slice:
-    return slice(r.start, r.stop)
+    return slice(r.start, r.stop, r.step)

@@ -69,9 +69,10 @@ class StepExecutor(Protocol):
         ...
 
     def collect_export(
-        self, staging: torch.Tensor
+        self, staging: torch.Tensor, cp_pages: Sequence[int] = ()
     ) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
         """P/D prefill: gather a finished request's packed KV shards on rank 0, with their
-        ranks (`ModelExecutor.collect_export` says in which order and shape). Every rank
-        calls it at the same logical point."""
+        ranks (`ModelExecutor.collect_export` says in which order and shape; `cp_pages`: the
+        pages of each CP rank's shard under sharded CP). Every rank calls it at the same
+        logical point."""
         ...

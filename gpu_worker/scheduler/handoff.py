@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from bus_schemas.kv_frame import owned_pages
 from bus_schemas.token_ids import TokenIds
 from gpu_worker.cache.hicache import PrefixCache
+from gpu_worker.cache.tree_node import owner_cycle_break
 from gpu_worker.kernels.moves import move_pages
 from gpu_worker.kernels.relayout import RunView
 from gpu_worker.scheduler.executor import StepExecutor
+from gpu_worker.scheduler.pd_pages import rank_pages
 from gpu_worker.scheduler.request import KVExport, Req, ReqState, RequestError
 
 
@@ -68,26 +71,45 @@ class KVHandOff:
     def _pack_export(self, req: Req) -> KVExport:
         """P/D prefill: pack the prompt's KV from `export_from` into a staging buffer in the
         unified order, one KV head per group, with the relayout kernel (the wire sends it,
-        and a decode engine of any TP x PP layout cuts its ranks' heads and layers from it;
-        this request's pages can go)."""
+        and a decode engine of any TP x CP x PP layout cuts its ranks' heads and layers from
+        it; this request's pages can go). A CP-sharded rank packs only the pages it owns:
+        each page leaves from its owner, and rank 0 learns from the owner cycle how many
+        pages each CP rank's shard holds."""
         assert req.export_from is not None
         ps = self.cache.page_size
         first_page = req.export_from // ps
         last_page = -(-req.prompt_len // ps)
         src = req.page_ids[first_page:last_page]
+        mine = rank_pages(self.cache.pools, src)
         spec = self.cache.spec
         staging = torch.empty(
-            (len(src), spec.num_kv_heads, spec.num_layers, spec.num_kv, ps, 1, spec.head_dim),
+            (len(mine.rows), spec.num_kv_heads, spec.num_layers, spec.num_kv, ps, 1, spec.head_dim),
             dtype=spec.dtype,
             device=self.device,
         )
-        move_pages(
-            self.cache.pools.replicated_device("P/D KV transfer").run_view(1),
-            RunView.unified(staging),
-            torch.tensor(src, dtype=torch.int64, device=self.device),
-            torch.arange(len(src), dtype=torch.int64, device=self.device),
-        )
-        ranks, stagings = self.executor.collect_export(staging.cpu())  # all, on rank 0
+        if mine.rows:
+            move_pages(
+                mine.view,
+                RunView.unified(staging),
+                torch.tensor(mine.rows, dtype=torch.int64, device=self.device),
+                torch.arange(len(mine.rows), dtype=torch.int64, device=self.device),
+            )
+        layout = self.executor.groups.config
+        cp, rotation = 1, 0
+        cp_pages: tuple[int, ...] = ()  # sharded CP: the pages of each CP rank's shard
+        if layout.kv_sharding:  # page i on CP rank (rotation + i) % cp, as the tree keeps them
+            cp, rotation = layout.cp_size, src[0] % layout.cp_size
+            broken = owner_cycle_break(src, rotation, cp)
+            if broken is not None:
+                raise RuntimeError(
+                    f"request {req.rid}: exported page {src[broken]} breaks the owner cycle "
+                    f"of CP{cp} at page {first_page + broken}"
+                )
+            cp_pages = tuple(len(owned_pages(len(src), cp, rotation, c)) for c in range(cp))
+        ranks, stagings = self.executor.collect_export(staging.cpu(), cp_pages)  # on rank 0
         first = req.output_ids[0]
-        world = self.executor.groups.config.kv_layout().world_size  # replicated CP: CP1's
-        return KVExport(stagings, req.export_from, req.prompt_len, first, ranks, world)
+        world = layout.kv_layout().world_size  # replicated CP: CP1's
+        cp_ranks = tuple(layout.coords(r).cp for r in ranks) if cp > 1 else ()
+        return KVExport(
+            stagings, req.export_from, req.prompt_len, first, ranks, world, cp, rotation, cp_ranks
+        )

@@ -16,6 +16,7 @@ from gpu_worker.cache.hicache import PrefixCache
 from gpu_worker.kernels.moves import move_pages
 from gpu_worker.kernels.relayout import RunView
 from gpu_worker.scheduler.handoff import KVHandOff
+from gpu_worker.scheduler.pd_pages import rank_pages
 from gpu_worker.scheduler.request import Req, ReqState
 
 
@@ -35,7 +36,8 @@ class RemoteKVReceiver:
     def write(self, req: Req, token_start: int, token_end: int, staging: torch.Tensor) -> None:
         """Write received KV of tokens [token_start, token_end) into the pages this request
         reserved. `staging` is this rank's heads and layers in the unified order, one head
-        per group (`KVHandOff._pack_export`), its first page at `token_start` (aligned)."""
+        per group (`KVHandOff._pack_export`), its first page at `token_start` (aligned), of
+        every page of the chunk: a CP-sharded rank writes those it owns."""
         remote, ps = req.remote, self.cache.page_size
         if remote is None or req.state not in (ReqState.LOADING, ReqState.RECEIVING):
             raise ValueError(f"request {req.rid} is not waiting for KV")
@@ -48,13 +50,15 @@ class RemoteKVReceiver:
         if token_start % ps or num_pages != -(-(token_end - token_start) // ps):
             raise ValueError("KV chunk pages do not match its token range")
         dst = req.page_ids[token_start // ps : token_start // ps + num_pages]
-        move_pages(
-            RunView.unified(staging.to(self.device)),
-            self.cache.pools.replicated_device("P/D KV transfer").run_view(1),
-            torch.arange(num_pages, dtype=torch.int64, device=self.device),
-            torch.tensor(dst, dtype=torch.int64, device=self.device),
-        )
-        remote.received_end = token_end
+        mine = rank_pages(self.cache.pools, dst)  # sharded CP: the pages this rank owns
+        if mine.rows:
+            move_pages(
+                RunView.unified(staging.to(self.device)),
+                mine.view,
+                torch.tensor(mine.positions, dtype=torch.int64, device=self.device),
+                torch.tensor(mine.rows, dtype=torch.int64, device=self.device),
+            )
+        remote.received_end = token_end  # on every rank, whether it owns a page or not
 
     def finish_received(self, running: list[Req]) -> list[Req]:
         """Requests whose restore and KV reception are both complete start decoding with the

@@ -74,12 +74,14 @@ class KVExport:
     """P/D prefill side: KV of tokens [token_start, token_end) packed for the wire.
 
     `stagings[i]` is world rank `ranks[i]`'s shard in the unified object order with one KV
-    head per group, (num_pages, its num_kv_heads, its num_layers, num_kv, page_size, 1,
+    head per group, (its pages, its num_kv_heads, its num_layers, num_kv, page_size, 1,
     head_dim); rank 0 holds them all. `ranks` is `ParallelConfig.kv_ranks`: every rank, or
     for MLA (num_kv 1, one head, the latent row, the same on every TP rank of a stage) only
     TP rank 0 of each stage, so a replicated latent crosses the wire once; replicated CP
     sends CP rank 0's only. They are ranks of `ParallelConfig.kv_layout` (of `world_size`
-    ranks), the layout a decode engine cuts from.
+    ranks), the layout a decode engine cuts from. Each shard holds every page, except under
+    sharded CP (`cp_size` > 1): page `i` is then on CP rank `(rotation + i) % cp_size` only,
+    and `stagings[i]` holds the pages of CP rank `cp_ranks[i]`, in order (`shard_rows`).
     """
 
     stagings: tuple[torch.Tensor, ...]
@@ -88,10 +90,13 @@ class KVExport:
     first_token: int
     ranks: tuple[int, ...] = (0,)
     world_size: int = 1  # of the exporting engine's kv_layout (its world, but at replicated CP)
+    cp_size: int = 1  # sharded CP: the CP ranks the pages are spread over
+    rotation: int = 0  # sharded CP: the CP rank that owns the first page
+    cp_ranks: tuple[int, ...] = ()  # sharded CP: each staging's CP rank
 
     @property
     def num_pages(self) -> int:
-        return int(self.staging.shape[0])
+        return -(-(self.token_end - self.token_start) // self.page_size)
 
     @property
     def page_size(self) -> int:
@@ -101,6 +106,14 @@ class KVExport:
     def staging(self) -> torch.Tensor:
         """Rank 0's shard (the whole KV in a world of one)."""
         return self.stagings[0]
+
+    def shard_rows(self, i: int, lo: int, hi: int) -> slice:
+        """The rows of `stagings[i]` that hold pages [lo, hi) of the export: all of them,
+        or under sharded CP those of its CP rank (possibly none)."""
+        if self.cp_size == 1:
+            return slice(lo, hi)
+        n, first = self.cp_size, (self.cp_ranks[i] - self.rotation) % self.cp_size
+        return slice(-(-(lo - first) // n), -(-(hi - first) // n))  # rows j: lo <= first+jn < hi
 
 
 @dataclass(slots=True)

@@ -36,12 +36,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--debug-layer-delay-ms must be >= 0")
     if not args.cp_gather_buffer_mb > 0:
         raise ValueError(f"--cp-gather-buffer-mb must be positive, got {args.cp_gather_buffer_mb}")
-    if args.enable_kv_cache_sharding and args.disaggregation_mode != "null":
-        raise ValueError(
-            "--enable-kv-cache-sharding does not support --disaggregation-mode "
-            f"{args.disaggregation_mode} yet (KV sent and received by owner ranks is still "
-            "to come); replicated CP (without it) serves P/D"
-        )
     delay = DelayInjection(args.debug_transfer_delay_ms) if args.debug_transfer_delay_ms else None
     radix = not args.disable_radix_cache and (
         args.disaggregation_mode != "decode" or args.disaggregation_decode_enable_radix_cache

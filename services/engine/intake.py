@@ -82,12 +82,17 @@ class KVEvents:
             self.epoch,
             self._event_seq,
             self.namespace,
-            [KVEvent(e.kind, e.tier, e.page_hashes) for e in events],
+            bus_events(events),
             snapshot,
             self.store_id,
         )
         self._event_seq += 1
         self.bus.enqueue(subj.kv_events(self.engine_id), batch.encode())
+
+
+def bus_events(records: list[KVEventRecord]) -> list[KVEvent]:
+    """The tree's records as bus events, CP owner rotation included (`KVEvent`)."""
+    return [KVEvent(e.kind, e.tier, e.page_hashes, e.owner_rotation, e.cp_size) for e in records]
 
 
 class Intake:

@@ -22,10 +22,9 @@ from bus_schemas import (
 from bus_schemas import subjects as subj
 from bus_schemas.kv_frame import MAGIC, KVFrameHeader, decode_frame, peek_ids
 from gpu_worker.engine.engine import InvalidRequestError
-from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.request import CachedTokens
 from services.engine.pd import FailStream, Publish
-from services.engine.pd_frames import ShardAssembler
+from services.engine.pd_frames import ShardAssembler, sender_layout
 from services.engine.runner import EngineCrashedError, EngineRunner
 from services.engine.sampling import sampling_params
 from services.engine.updates import Admission
@@ -215,7 +214,7 @@ class DecodeSide:
             await self._ack(msg, header.request_id, header.seq, True, "")
             return
         first = header.first_token if header.last else None
-        sender = ParallelConfig(header.tp_size, header.pp_size)  # any layout: cut on write
+        sender = sender_layout(header)  # any layout: cut on write
         written = self.runner.write_kv(
             header.request_id,
             header.token_start,
@@ -224,6 +223,7 @@ class DecodeSide:
             first,
             header.rank,
             sender,
+            header.rotation,
         )
         # ACKed once written, off this callback: NATS delivers a subscription's messages one
         # at a time, and a multi-rank chunk is written only when its other ranks' frames came

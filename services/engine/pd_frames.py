@@ -8,8 +8,12 @@ MiB for the one `hicache-mesh up` starts). So frames are sized in bytes, whateve
 dtype, page size or layout: at most `frame_limit` bytes, header included (`HEADER_SIZE`).
 
 A transfer moves `num_pages` pages; each sending rank holds its shard of every page (its KV
-heads and layers). A chunk is a run of whole pages: as many as the largest rank's shard of
-them fits one frame's payload, at least one. A rank's shard of a chunk goes out in parts of
+heads and layers), or under sharded CP of the pages its CP rank owns (every `cp_size`-th).
+A chunk is a run of whole pages: as many as the largest rank's shard of them fits one
+frame's payload, at least one (under sharded CP, `cp_size` times that: a rank holds one page
+in `cp_size`, so its frames are as full as a CP1 engine's). A rank that owns none of a
+chunk's pages sends no frame for it; the decode side derives which ranks' shards make the
+chunk from the layout and rotation in its frames (`bus_schemas.kv_frame.chunk_senders`). A rank's shard of a chunk goes out in parts of
 at most `payload_limit` bytes: one part, unless a single page's shard is over the limit (a big
 page, many layers, a small server limit); the decode side then holds the parts and writes the
 shard once it is whole.
@@ -27,9 +31,11 @@ big messages: the window keeps well below both).
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 from bus_schemas.kv_frame import HEADER_SIZE, KVFrameHeader, encode_frame
+from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.request import CachedTokens, KVExport
 
 MIN_PAYLOAD = 1024  # a frame carries at least this many KV bytes
@@ -76,9 +82,11 @@ def cut_frames(
     """The frames of `export` with payloads of at most `limit` bytes (`payload_limit`): chunk
     by chunk, one shard per exporting rank (each rank's heads and layers of the chunk, MLA's
     replicated latent once per stage; a decode engine of any layout cuts its ranks' shards
-    from them), a shard over `limit` in parts."""
-    page_bytes = max(s[0].numel() * s.element_size() for s in export.stagings)
-    per = max(1, limit // page_bytes)
+    from them; under sharded CP only the ranks owning a page of the chunk, each with its
+    pages), a shard over `limit` in parts."""
+    page_bytes = max(math.prod(s.shape[1:]) * s.element_size() for s in export.stagings)
+    cp = export.cp_size
+    per = max(1, limit // page_bytes) * cp  # sharded: a rank holds `per // cp` pages of it
     ps, num_pages = export.page_size, export.num_pages
     frames: list[bytes] = []
     units: list[int] = []
@@ -86,8 +94,11 @@ def cut_frames(
         hi = min(lo + per, num_pages)
         last = hi == num_pages
         parts = []  # (rank, shard, offset) per part, by rank
-        for rank, staging in zip(export.ranks, export.stagings, strict=True):
-            shard = memoryview(staging[lo:hi].contiguous().numpy().tobytes())
+        for i, (rank, staging) in enumerate(zip(export.ranks, export.stagings, strict=True)):
+            rows = export.shard_rows(i, lo, hi)
+            if rows.start >= rows.stop:  # a CP rank owning none of the chunk's pages
+                continue
+            shard = memoryview(staging[rows].contiguous().numpy().tobytes())
             parts.append([(rank, shard, off) for off in range(0, len(shard), limit)])
         # every rank's earlier parts one by one, then the last parts of all ranks as one unit
         order = [p for rank_parts in parts for p in rank_parts[:-1]]
@@ -110,9 +121,19 @@ def cut_frames(
                 cached.storage,
                 off,
                 len(shard),
+                cp,
+                (export.rotation + lo) % cp,
             )
             frames.append(encode_frame(header, shard[off : off + limit]))
     return FramePlan(frames, units, len(export.stagings), per)
+
+
+def sender_layout(header: KVFrameHeader) -> ParallelConfig:
+    """The sending engine's KV layout as a frame names it: its TP x CP x PP ranks, its pages
+    sharded over the CP ranks when there are more than one (a replicated CP engine sends as
+    its CP1 layout), so a decode engine of any layout cuts its ranks' shards from them."""
+    cp = header.cp_size
+    return ParallelConfig(header.tp_size, header.pp_size, cp, kv_sharding=cp > 1)
 
 
 @dataclass(slots=True)
