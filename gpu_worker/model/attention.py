@@ -91,12 +91,16 @@ class Attention(nn.Module):
         plan: AttentionPlan,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden); writes this layer's new K/V into `kv_cache` first."""
+        """x (T, hidden) -> (T, hidden); writes this layer's new K/V into `kv_cache` first
+        (under a CP split: x holds this rank's rows, and the K/V written are every rank's)."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, n_heads, head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if plan.split is not None:  # this rank's rows -> every new token's, on every rank
+            kv = plan.all_new(torch.stack([k, v], dim=1))  # (T_all, 2, n_kv_heads, head_dim)
+            k, v = kv[:, 0], kv[:, 1]
         kv_cache.set_kv(self.layer_id, plan.new_slot_ids, k, v)
         out = torch.empty_like(q)  # (T, n_heads, head_dim)
         if plan.decode is not None:

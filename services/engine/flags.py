@@ -18,6 +18,7 @@ STORAGE_BACKENDS = ("file",)
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_WRITE_POLICIES = ("write_through", "write_through_selective")
 KEY_SCHEMES = ("rank-suffix", "unified")
+CP_SPLITS = ("zigzag", "interleave", "none")  # gpu_worker.parallel.config.CP_SPLITS
 # `up`, `generate`, the engine service and compose serve the real model unless told otherwise
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # auto: float64 for the random presets, float32 (CPU) or bfloat16 (GPU) for real checkpoints
@@ -136,6 +137,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="with --cp-size N > 1: shard the device KV cache by page over the CP ranks; each "
         "rank holds only the pages it owns (1/N of --max-total-tokens' rows, plus gather "
         "buffers) and all-gathers a layer's pages before its attention",
+    )
+    p.add_argument(
+        "--cp-split",
+        choices=CP_SPLITS,
+        default="zigzag",
+        help="with --cp-size N > 1: how a prefill's new tokens divide over the CP ranks, each "
+        "computing only its own and all-gathering each layer's new K/V: zigzag (2N chunks "
+        "a request, rank r takes chunks r and 2N-1-r: balanced causal work), interleave "
+        "(token i on rank i %% N) or none (every rank computes every token)",
     )
     p.add_argument(
         "--debug-transfer-delay-ms",
