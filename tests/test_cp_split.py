@@ -11,10 +11,11 @@ CP1's float64 logits bit for bit as zigzag does in `tests/test_cp_engine.py`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
-from multirank import run_world
+from multirank import Run, run_world
 from test_cp_engine import config, make_prompts, reference, workload
 
 from gpu_worker.engine.engine import Engine
@@ -162,10 +163,28 @@ def test_ranks_compute_their_share_only() -> None:
     assert got[1] == none[1]
 
 
-@pytest.mark.parametrize(("cp", "sharded", "split"), [(2, True, "none"), (4, False, "interleave")])
-def test_other_splits_equal_cp1(cp: int, sharded: bool, split: str) -> None:
-    want = reference(1, False, gather=sharded)
-    got = run_world(config(cp, sharded, split=split), workload, make_prompts())[0]
+def cp1_run(model: str, gather: bool) -> Run:
+    if model == "tiny":
+        return reference(1, False, gather=gather)
+    engine = Engine(dataclasses.replace(config(1, False, gather=gather), model=model))
+    try:
+        return workload(engine, make_prompts())[0]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("cp", "sharded", "split", "model"),
+    [
+        (2, True, "none", "tiny"),
+        (4, False, "interleave", "tiny"),
+        (2, True, "zigzag", "tiny-mla"),  # the gathered rows are latents
+    ],
+)
+def test_other_splits_equal_cp1(cp: int, sharded: bool, split: str, model: str) -> None:
+    want = cp1_run(model, gather=sharded)
+    cfg = dataclasses.replace(config(cp, sharded, split=split), model=model)
+    got = run_world(cfg, workload, make_prompts())[0]
     for (phase, w_out, w_dev, w_host, w_logits), (_, out, dev, host, logits) in zip(
         want, got, strict=True
     ):
