@@ -56,6 +56,9 @@ class RowGather:
     width: int  # the most rows one rank contributes (0: no gather at all)
     place: torch.Tensor  # (n,) int64: each wanted row's row in cat(gathered, local)
 
+    def to(self, device: torch.device) -> RowGather:
+        return RowGather(self.send.to(device), self.width, self.place.to(device))
+
     def __call__(
         self, x: torch.Tensor, group: dist.ProcessGroup | None, cp_size: int
     ) -> torch.Tensor:
@@ -116,41 +119,40 @@ class CPSplitConfig:
         cut = [per_rank[0][i] != [range(e)] for i, e in enumerate(extend_lens)]
         if not any(cut):
             return None
-        owner = [-1] * sum(extend_lens)  # the rank that computes each row; -1: every rank
+        # the rank that computes each row, -1 for every rank; built on the host (a batch's
+        # few ranges), moved to `device` once
+        owner = torch.full((sum(extend_lens),), -1, dtype=torch.int64)
         start = 0
         for i, e in enumerate(extend_lens):
             for r in range(n) if cut[i] else ():
                 for rg in per_rank[r][i]:
-                    owner[start + rg.start : start + rg.stop : rg.step] = [r] * len(rg)
+                    owner[start + rg.start : start + rg.stop : rg.step] = r
             start += e
-        rows = [t for t, o in enumerate(owner) if o in (-1, self.cp_rank)]
-        local = {t: j for j, t in enumerate(rows)}
-        ends = [sum(extend_lens[: i + 1]) - 1 for i in range(len(extend_lens))]
+        mine = (owner == -1) | (owner == self.cp_rank)
+        rows = mine.nonzero().flatten()  # batch order
+        local = torch.full_like(owner, -1)  # each row's index among this rank's, or -1
+        local[rows] = torch.arange(len(rows))  # (integer index_put: fast)
+        ends = torch.tensor(extend_lens).cumsum(0) - 1
+        everything = torch.arange(len(owner))
         return CPSplit(
             per_rank[self.cp_rank],
-            torch.tensor(rows, dtype=torch.int64, device=device),
-            self._gather(list(range(len(owner))), owner, local, device),
-            self._gather(ends, owner, local, device),
+            rows.to(device),
+            self._gather(everything, owner, local).to(device),
+            self._gather(ends, owner, local).to(device),
             self.group,
             n,
         )
 
-    def _gather(
-        self, wanted: list[int], owner: list[int], local: dict[int, int], device: torch.device
-    ) -> RowGather:
-        """The `RowGather` of rows `wanted` (batch rows, in the order they are wanted)."""
+    def _gather(self, wanted: torch.Tensor, owner: torch.Tensor, local: torch.Tensor) -> RowGather:
+        """The `RowGather` of batch rows `wanted` (in the order they are wanted)."""
+        by = owner[wanted]  # (n,) the rank that sends each wanted row, -1: every rank has it
+        pos = local[wanted]  # a row every rank has: its local index
         counts = [0] * self.cp_size
-        slot = []  # per wanted row: (its rank, its place in that rank's chunk) or local
-        for t in wanted:
-            r = owner[t]
-            slot.append((r, counts[r] if r >= 0 else local[t]))
-            if r >= 0:
-                counts[r] += 1
+        for r in range(self.cp_size):
+            sent = by == r
+            upto = sent.cumsum(0)  # (a bool mask's index_put is ~100x slower)
+            counts[r] = int(upto[-1]) if len(upto) else 0
+            pos = torch.where(sent, upto - 1, pos)  # its place in rank r's chunk
         width = max(counts)
-        place = [r * width + j if r >= 0 else self.cp_size * width + j for r, j in slot]
-        send = [local[t] for t in wanted if owner[t] == self.cp_rank]
-        return RowGather(
-            torch.tensor(send, dtype=torch.int64, device=device),
-            width,
-            torch.tensor(place, dtype=torch.int64, device=device),
-        )
+        place = torch.where(by >= 0, by * width + pos, self.cp_size * width + pos)
+        return RowGather(local[wanted[by == self.cp_rank]], width, place)
