@@ -115,6 +115,8 @@ class CPSplitConfig:
         """The split of a batch with these `extend_lens`; None when no request is cut (every
         rank computes every row: nothing to gather)."""
         n = self.cp_size
+        if self.mode == "none" or max(extend_lens, default=0) < 2 * n:
+            return None  # decode steps above all: nothing to cut, no per-request work
         per_rank = [[split_ranges(e, n, r, self.mode) for e in extend_lens] for r in range(n)]
         cut = [per_rank[0][i] != [range(e)] for i, e in enumerate(extend_lens)]
         if not any(cut):
