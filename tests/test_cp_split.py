@@ -155,10 +155,10 @@ def prefill_rows(engine: Engine, prompt: list[int]) -> tuple[int, list[int]]:
 
 def test_ranks_compute_their_share_only() -> None:
     """CP4 zigzag: rank 0 runs 2 of 8 chunks of a 24-token prompt (one prefill chunk);
-    `none`: all of it."""
+    `none` (CP2, a smaller world): all of it."""
     prompt = [(7 * i) % 256 for i in range(24)]
     got = run_world(config(4, True), prefill_rows, prompt)
-    none = run_world(config(4, True, split="none"), prefill_rows, prompt)
+    none = run_world(config(2, True, split="none"), prefill_rows, prompt)
     assert got[0] == 6 and none[0] == 24
     assert got[1] == none[1]
 
