@@ -28,12 +28,13 @@ IN_PLACE_MAX_THREADS = 1  # several rows attend in place only at up to this many
 
 @dataclass(frozen=True, slots=True)
 class RequestSpan:
-    """Where one request's new tokens sit in the batch, and what its attention reads."""
+    """Where one request's new tokens sit in the batch, and what its attention reads. Under
+    a CP split, one range of a rank's share of them: S ends at the range's last query."""
 
     start: int  # first row of its new tokens in the (T, ...) batch tensors (T_local: split)
     end: int  # one past its last row
-    slot_ids: torch.Tensor  # (seq_len,) int64: slots of its positions 0..seq_len-1
-    mask: torch.Tensor  # (extend_len, seq_len) bool: True where a query may see a key
+    slot_ids: torch.Tensor  # (S,) int64: slots of positions 0..S-1, S the seq_len (or less)
+    mask: torch.Tensor  # (n, S) bool: True where one of its n queries may see a key
 
 
 @dataclass(frozen=True, slots=True)
