@@ -19,7 +19,10 @@ from multirank import Run, run_world
 from test_cp_engine import config, make_prompts, reference, workload
 
 from gpu_worker.engine.engine import Engine
+from gpu_worker.model.attention import causal_attention, lower_right_attention
+from gpu_worker.model.attention_plan import AttentionPlan
 from gpu_worker.model.cp_split import CPSplit, CPSplitConfig, RowGather, split_ranges
+from gpu_worker.model.forward_batch import ForwardBatch
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.parallel.config import CP_SPLITS, ParallelConfig
 from services.engine import flags
@@ -123,6 +126,42 @@ def test_gather_plans_restore_batch_order(mode: str) -> None:
         assert torch.equal(got, x[ends])
     assert CPSplitConfig(mode, 0, cp, None).build([1, 1, 7], CPU) is None  # nothing cut
     assert CPSplitConfig("none", 0, cp, None).build(extend_lens, CPU) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_lower_right_attention_equals_the_masked_call(dtype: torch.dtype) -> None:
+    """A split chunk's attention without the (n, S) mask: the prefix part and the diagonal
+    block joined by their log-sum-exps give the masked SDPA call's result (to rounding)."""
+    gen = torch.Generator().manual_seed(3)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for n, seq_len in [(2, 3), (5, 40), (64, 64 * 7), (33, 34)]:
+        q = torch.randn((n, 4, 16), generator=gen).to(dtype)
+        k, v = (torch.randn((seq_len, 2, 16), generator=gen).to(dtype) for _ in range(2))
+        key_pos, query_pos = torch.arange(seq_len), torch.arange(seq_len - n, seq_len)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        want = causal_attention(q, k, v, mask)
+        got = causal_attention(q, k, v, mask, lower_right=True)
+        assert got.dtype == dtype and got.shape == want.shape == (n, 4, 16)
+        assert torch.allclose(got.double(), want.double(), atol=tol, rtol=tol), (n, seq_len)
+        # the same computation as the masked call, not its bits (float64 differs in the last)
+        assert torch.equal(got, lower_right_attention(q, k, v))
+
+
+def test_split_spans_of_contiguous_rows_attend_without_a_mask() -> None:
+    """Zigzag's ranges are contiguous (lower_right spans, keys up to their last query);
+    interleave's are strided (masked); without a split nothing changes."""
+    slots = torch.arange(40)
+    batch = ForwardBatch.build([(list(range(30)), 10, slots)], CPU)
+
+    def spans(mode: str) -> list[tuple[int, int, int, bool]]:
+        split = CPSplitConfig(mode, 1, 2, None).build(batch.extend_lens, CPU)
+        plan = AttentionPlan.build(batch, 64, split=split)
+        return [(s.start, s.end, len(s.slot_ids), s.lower_right) for s in plan.spans]
+
+    # 30 new tokens after 10 cached: zigzag chunks 1 and 2 of 4 are tokens 7..14 and 15..21
+    assert spans("zigzag") == [(0, 8, 25, True), (8, 15, 32, True)]
+    assert spans("interleave") == [(0, 15, 40, False)]  # tokens 1, 3, .., 29
+    assert spans("none") == [(0, 30, 40, False)]
 
 
 def test_cp_split_flag() -> None:

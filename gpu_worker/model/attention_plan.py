@@ -35,6 +35,7 @@ class RequestSpan:
     end: int  # one past its last row
     slot_ids: torch.Tensor  # (S,) int64: slots of positions 0..S-1, S the seq_len (or less)
     mask: torch.Tensor  # (n, S) bool: True where one of its n queries may see a key
+    lower_right: bool = False  # a split's contiguous range: its queries are the last n of S
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,8 @@ class AttentionPlan:
                 key_pos = torch.arange(num_keys, device=device)  # (num_keys,)
                 mask = key_pos[None, :] <= query_pos[:, None]  # (n, num_keys)
                 keys = slot_ids if num_keys == seq_len else slot_ids[:num_keys]
-                spans.append(RequestSpan(local, local + len(rows), keys, mask))
+                contiguous = split is not None and rows.step == 1
+                spans.append(RequestSpan(local, local + len(rows), keys, mask, contiguous))
                 local += len(rows)
             new_slots.append(slot_ids[prefix_len:])
             start += extend_len
