@@ -3,9 +3,11 @@
 The assignment (`gpu_worker/model/cp_split.py`) as pure functions: every new token on
 exactly one rank (or on every rank for a request too short to cut), zigzag's causal work
 balanced, and the gather plans that bring the rows back in batch order, simulated here
-without a process group. Then real CP worlds: the engine's ranks compute their share only,
-and the other two modes (`interleave`, and `none`: every rank computes every token) give
-CP1's float64 logits bit for bit as zigzag does in `tests/test_cp_engine.py`.
+without a process group; a chunk's attention without its mask (`lower_right_attention`,
+the CPU path of a split's contiguous spans) against the masked call. Then real CP worlds:
+the engine's ranks compute their share only, and the other two modes (`interleave`, and
+`none`: every rank computes every token), and zigzag on an MLA model, give CP1's float64
+logits bit for bit as zigzag does in `tests/test_cp_engine.py`.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ def cp1_run(model: str, gather: bool) -> Run:
         (2, True, "zigzag", "tiny-mla"),  # the gathered rows are latents
     ],
 )
-def test_other_splits_equal_cp1(cp: int, sharded: bool, split: str, model: str) -> None:
+def test_none_interleave_and_mla_equal_cp1(cp: int, sharded: bool, split: str, model: str) -> None:
     want = cp1_run(model, gather=sharded)
     cfg = dataclasses.replace(config(cp, sharded, split=split), model=model)
     got = run_world(cfg, workload, make_prompts())[0]
