@@ -7,9 +7,9 @@ pages before attending), and runs one scripted workload on it: a cold batch over
 prefixes under device-pool pressure, the same batch again (device hits), a second turn that
 extends the first's outputs (a shared prefix of another length), the device cache evicted
 (recompute into reused pages of other owners), and a flush. The same workload runs on a
-CP1 engine of the same model and TP layout. Every CP rank still computes every token (no
-split prefill yet), so tokens, cached-token counts and float64 logits must be equal, bit
-for bit. A sharded engine reads KV by slot gathers (its pool has no in-place runs), so its
+CP1 engine of the same model and TP layout. Each CP rank computes its zigzag share of a
+prefill's tokens (`--cp-split`, the default), yet tokens, cached-token counts and float64
+logits must be equal, bit for bit. A sharded engine reads KV by slot gathers (its pool has no in-place runs), so its
 reference is a CP1 engine that reads by gathers too (`DebugHooks.gather_reads`); a
 replicated one is compared with the plain CP1 engine. Sharded pools are poisoned: rows no
 rank wrote and fresh gather buffers are NaN, so a read of a row that was not gathered shows
@@ -72,7 +72,13 @@ def workload(engine: Engine, prompts: list[list[int]]) -> tuple[Run, int, set[in
 
 
 def config(
-    cp: int, sharded: bool, tp: int = 1, pp: int = 1, host: bool = False, gather: bool = False
+    cp: int,
+    sharded: bool,
+    tp: int = 1,
+    pp: int = 1,
+    host: bool = False,
+    gather: bool = False,
+    split: str = "zigzag",  # --cp-split; `none` and `interleave`: tests/test_cp_split.py
 ) -> EngineConfig:
     cache = CacheConfig(
         page_size=PAGE,
@@ -86,7 +92,7 @@ def config(
         model="tiny-tp" if tp > 1 else "tiny",
         cache=cache,
         scheduler=SchedulerConfig(chunked_prefill_size=24),
-        parallel=ParallelConfig(tp, pp, cp, sharded),
+        parallel=ParallelConfig(tp, pp, cp, sharded, split),
         batch_invariant=True,
         debug=DebugHooks(gather_reads=gather, poison_kv=sharded),
     )

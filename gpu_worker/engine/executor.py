@@ -9,6 +9,12 @@ stage computes logits and samples, and sends the outcomes to the other stages, w
 for them (the next step's schedule depends on them). Every stage then applies the same
 outcomes at the same logical point.
 
+Context parallel: every CP rank of a stage runs the same batch; under a prefill split
+(`--cp-split`, set on the model here) each runs its share of the rows and sends its own
+rows' hidden states to the rank with its TP and CP index in the next stage (the split
+depends only on the batch, so that rank runs the same rows); the last stage's CP ranks
+gather the last rows inside the model and sample the same logits.
+
 Guards: before the hidden states, a stage sends the batch's shape (tokens, requests), and
 the next stage refuses a batch it did not plan itself (`StageMismatchError`) instead of
 receiving a tensor of another size; with the rank consensus checker on, the TP (and CP)
@@ -26,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_worker.model.config import ModelConfig
+from gpu_worker.model.cp_split import CPSplitConfig
 from gpu_worker.model.forward_batch import ForwardBatch, KVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.sampling import sample_with_logprobs, step_generator
@@ -65,6 +72,9 @@ class ModelExecutor:
         self.device = device
         self.guard_tp = guard_tp and groups.stage_cpu is not None
         self.sends = Sends()
+        cfg = groups.config
+        if cfg.cp_size > 1 and cfg.cp_split != "none":
+            model.set_cp_split(CPSplitConfig(cfg.cp_split, groups.cp_rank, cfg.cp_size, groups.cp))
 
     def run(
         self, batch: ForwardBatch, pool: KVCache, specs: list[SampleSpec | None]
@@ -78,8 +88,8 @@ class ModelExecutor:
         hidden = None
         if not g.first_stage:
             self._check_stage_shape(shape)
-            hidden = torch.empty(
-                (len(batch.input_ids), self.model.config.hidden_size),
+            hidden = torch.empty(  # this rank's rows: all, or its share under a CP split
+                (self.model.num_rows(batch), self.model.config.hidden_size),
                 dtype=self.model.rotary.cos.dtype,
                 device=self.device,
             )
@@ -126,7 +136,7 @@ class ModelExecutor:
             )
 
     def _check_sampled(self, outcomes: list[SampleOutcome | None]) -> None:
-        """Every CP rank computes and samples every row itself, and only rank 0's tokens
+        """Every CP rank samples every row itself, and only rank 0's tokens
         reach a client: a CP rank whose KV went wrong would sample other tokens and drift
         unseen. Its stage compares a checksum of the sampled tokens (checker on only)."""
         g = self.groups

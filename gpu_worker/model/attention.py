@@ -29,12 +29,35 @@ def batch_invariant_attention(
     return torch.cat(rows)  # (n, H, D)
 
 
+def lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q (n, n_heads, D), the queries of the last n of S positions, each over the keys up to
+    its own of k/v (S, n_kv_heads, D) -> (n, n_heads, D): causal attention aligned at the
+    bottom right (a CP split's chunk of a request, `AttentionPlan`). SDPA's `is_causal`
+    aligns at the top left, and an explicit (n, S) mask makes torch's CPU kernel twice as
+    slow per score (5 -> 10 ns on one thread here) as a call without. So the keys before the
+    queries (all visible: no mask) and the square diagonal block (`is_causal`) run apart;
+    their softmaxes are joined by their log-sum-exps (the CPU flash kernel's second output,
+    which takes the KV heads unrepeated as SDPA's `enable_gqa` does). CPU only."""
+    n, seq_len = q.shape[0], k.shape[0]
+    first = seq_len - n  # the queries' first position
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    qh = q.transpose(0, 1)[None]  # (1, n_heads, n, D)
+    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, n_kv_heads, S, D)
+    before, lse_before = flash(qh, kh[:, :, :first], vh[:, :, :first], 0.0, False)
+    diag, lse_diag = flash(qh, kh[:, :, first:], vh[:, :, first:], 0.0, True)
+    top = torch.maximum(lse_before, lse_diag)  # (1, n_heads, n), float32 or float64
+    w_before, w_diag = (lse_before - top).exp()[..., None], (lse_diag - top).exp()[..., None]
+    out = (before * w_before + diag * w_diag) / (w_before + w_diag)  # (1, n_heads, n, D)
+    return out[0].transpose(0, 1).to(q.dtype)  # (n, n_heads, D)
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor,
     batch_invariant: bool = False,
+    lower_right: bool = False,
 ) -> torch.Tensor:
     """One request: q (n, n_heads, D), k/v (S, n_kv_heads, D), mask (n, S) -> (n, n_heads, D).
 
@@ -45,13 +68,17 @@ def causal_attention(
     blocks) for a prompt with no cached prefix; on the CPU both gave the masked call's
     results bit for bit in every shape checked (float32 and float64). On SmolLM2-135M's
     shapes on one CPU thread: a decode row over 576 keys 960 -> 98 us, a 512-token prefill
-    32 -> 6 ms (BENCHMARKS.md, issue 11 acceptance 6)."""
+    32 -> 6 ms (BENCHMARKS.md, issue 11 acceptance 6). `lower_right`: the queries are the
+    last n of S positions, in order (the mask is the causal one aligned at the bottom
+    right): on the CPU they run without the mask (`lower_right_attention`)."""
     if batch_invariant:
         group_size = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group_size, dim=1)  # (S, n_heads, D)
         v = v.repeat_interleave(group_size, dim=1)  # (S, n_heads, D)
         return batch_invariant_attention(q, k, v, mask)
     n, seq_len = q.shape[0], k.shape[0]
+    if lower_right and 1 < n < seq_len and q.device.type == "cpu":
+        return lower_right_attention(q, k, v)
     causal = 1 < n == seq_len
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],  # (1, n_heads, n, D)
@@ -91,12 +118,16 @@ class Attention(nn.Module):
         plan: AttentionPlan,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden); writes this layer's new K/V into `kv_cache` first."""
+        """x (T, hidden) -> (T, hidden); writes this layer's new K/V into `kv_cache` first
+        (under a CP split: x holds this rank's rows, and the K/V written are every rank's)."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # (T, n_heads, head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if plan.split is not None:  # this rank's rows -> every new token's, on every rank
+            kv = plan.all_new(torch.stack([k, v], dim=1))  # (T_all, 2, n_kv_heads, head_dim)
+            k, v = kv[:, 0], kv[:, 1]
         kv_cache.set_kv(self.layer_id, plan.new_slot_ids, k, v)
         out = torch.empty_like(q)  # (T, n_heads, head_dim)
         if plan.decode is not None:
@@ -104,7 +135,12 @@ class Attention(nn.Module):
         for span in plan.spans:
             k_seq, v_seq = kv_cache.get_kv(self.layer_id, span.slot_ids)  # (S, n_kv_heads, D)
             out[span.start : span.end] = causal_attention(
-                q[span.start : span.end], k_seq, v_seq, span.mask, self.batch_invariant
+                q[span.start : span.end],
+                k_seq,
+                v_seq,
+                span.mask,
+                self.batch_invariant,
+                span.lower_right,
             )
         out = self.o_proj(out.view(T, self.num_heads * self.head_dim))  # (T, hidden)
         return out if self.tp_reduce is None else self.tp_reduce(out)

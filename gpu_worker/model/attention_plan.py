@@ -1,6 +1,15 @@
 """What attention reads, planned once per forward pass and reused by every layer: each
 request's span of new rows and its slots, and the group of decode rows attended together
-(with their runs of consecutive slots, for the in-place decode path)."""
+(with their runs of consecutive slots, for the in-place decode path).
+
+Under a CP split (`cp_split.py`) a rank attends only its own rows: a request it computes in
+part has one span per range of its rows, whose keys end at the range's last query (the
+masked keys past it are not read: that is what makes zigzag's early chunk cheap), and its
+rows are numbered in the rank's own (T_local, ...) tensors. Each query row is computed the
+same way whatever rows share its span: the batch-invariant attention reduces every row on
+its own, and keys beyond a row's position are masked to exact zeros, so how far the span's
+keys reach does not change the row's bits (the float64 oracle of `tests/test_cp_engine.py`
+checks it)."""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker.model.cp_split import CPSplit
 from gpu_worker.model.forward_batch import ForwardBatch
 
 # Decode rows whose slots form at most this many runs of consecutive slots attend over the
@@ -18,12 +28,14 @@ IN_PLACE_MAX_THREADS = 1  # several rows attend in place only at up to this many
 
 @dataclass(frozen=True, slots=True)
 class RequestSpan:
-    """Where one request's new tokens sit in the batch, and what its attention reads."""
+    """Where one request's new tokens sit in the batch, and what its attention reads. Under
+    a CP split, one range of a rank's share of them: S ends at the range's last query."""
 
-    start: int  # first row of its new tokens in the (T, ...) batch tensors
+    start: int  # first row of its new tokens in the (T, ...) batch tensors (T_local: split)
     end: int  # one past its last row
-    slot_ids: torch.Tensor  # (seq_len,) int64: slots of its positions 0..seq_len-1
-    mask: torch.Tensor  # (extend_len, seq_len) bool: True where a query may see a key
+    slot_ids: torch.Tensor  # (S,) int64: slots of positions 0..S-1, S the seq_len (or less)
+    mask: torch.Tensor  # (n, S) bool: True where one of its n queries may see a key
+    lower_right: bool = False  # a split's contiguous range: its queries are the last n of S
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,22 +93,33 @@ def _slot_runs(slot_ids: torch.Tensor) -> list[tuple[int, int]]:
 class AttentionPlan:
     """Built once per forward pass, reused by every layer. Requests with several new tokens
     (prefill chunks) attend one by one (`spans`); with `group_decode`, two or more requests
-    with one new token each attend together (`decode`)."""
+    with one new token each attend together (`decode`). `split`: this rank's share of a
+    CP-split batch (the spans are its own rows'; `new_slot_ids` stay every new token's)."""
 
     spans: list[RequestSpan]
     new_slot_ids: torch.Tensor  # (T,) int64: the slots the new tokens' K/V go to
     last_rows: torch.Tensor  # (batch_size,) int64: row of each request's last new token
     decode: DecodeGroup | None = None
+    split: CPSplit | None = None
+
+    def all_new(self, x: torch.Tensor) -> torch.Tensor:
+        """A layer's new K/V (or latents) of this rank's rows -> every new token's (T, ...):
+        the split's all-gather, or `x` itself without a split."""
+        return x if self.split is None else self.split.all_new(x)
 
     @classmethod
     def build(
-        cls, batch: ForwardBatch, context_len: int, group_decode: bool = False
+        cls,
+        batch: ForwardBatch,
+        context_len: int,
+        group_decode: bool = False,
+        split: CPSplit | None = None,
     ) -> AttentionPlan:
         spans: list[RequestSpan] = []
         new_slots: list[torch.Tensor] = []
-        start, device = 0, batch.input_ids.device
-        for seq_len, extend_len, slot_ids in zip(
-            batch.seq_lens, batch.extend_lens, batch.slot_ids, strict=True
+        start, local, device = 0, 0, batch.input_ids.device
+        for i, (seq_len, extend_len, slot_ids) in enumerate(
+            zip(batch.seq_lens, batch.extend_lens, batch.slot_ids, strict=True)
         ):
             if not 0 < extend_len <= seq_len <= context_len:
                 raise ValueError(
@@ -106,19 +129,28 @@ class AttentionPlan:
             if slot_ids.shape != (seq_len,):
                 raise ValueError(f"slot_ids shape {tuple(slot_ids.shape)} != ({seq_len},)")
             prefix_len = seq_len - extend_len
-            query_pos = torch.arange(prefix_len, seq_len, device=device)  # (extend_len,)
-            key_pos = torch.arange(seq_len, device=device)  # (seq_len,)
-            mask = key_pos[None, :] <= query_pos[:, None]  # (extend_len, seq_len)
-            spans.append(RequestSpan(start, start + extend_len, slot_ids, mask))
+            for rows in [range(extend_len)] if split is None else split.ranges[i]:
+                num_keys = prefix_len + rows[-1] + 1  # seq_len unless split
+                query_pos = torch.arange(  # (n,)
+                    prefix_len + rows.start, prefix_len + rows.stop, rows.step, device=device
+                )
+                key_pos = torch.arange(num_keys, device=device)  # (num_keys,)
+                mask = key_pos[None, :] <= query_pos[:, None]  # (n, num_keys)
+                keys = slot_ids if num_keys == seq_len else slot_ids[:num_keys]
+                contiguous = split is not None and rows.step == 1
+                spans.append(RequestSpan(local, local + len(rows), keys, mask, contiguous))
+                local += len(rows)
             new_slots.append(slot_ids[prefix_len:])
             start += extend_len
         if not spans:
             raise ValueError("empty batch")
         if start != batch.input_ids.shape[0]:
             raise ValueError(f"sum(extend_lens) = {start} != {batch.input_ids.shape[0]} tokens")
-        last_rows = torch.tensor([s.end - 1 for s in spans], device=device)
+        ends = torch.tensor(batch.extend_lens, device=device).cumsum(0)
+        last_rows = ends - 1  # in the batch: under a split, `CPSplit.last_hidden` reads them
         single = [s for s in spans if s.end - s.start == 1]
         if not group_decode or not single:
-            return cls(spans, torch.cat(new_slots), last_rows)
+            return cls(spans, torch.cat(new_slots), last_rows, split=split)
         others = [s for s in spans if s.end - s.start > 1]
-        return cls(others, torch.cat(new_slots), last_rows, DecodeGroup.build(single, device))
+        decode = DecodeGroup.build(single, device)
+        return cls(others, torch.cat(new_slots), last_rows, decode, split)

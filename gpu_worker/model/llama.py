@@ -17,6 +17,12 @@ its `ModelConfig` has the rank's own head counts and MLP width, `layers` are its
 the last one normalises and computes logits; the row-parallel outputs (`o_proj`,
 `down_proj`) are partial sums that `tp_reduce` (an all_reduce over the TP group) completes.
 
+A context-parallel rank under a prefill split (`cp_split.py`, `--cp-split`) runs only its
+rows of a batch: the embedding, projections, norms and MLP see those rows; each attention
+layer all-gathers the new K/V over the CP group before writing them, so every rank writes
+and attends the whole chunk's K/V; the last requests' hidden states are gathered before the
+LM head, so every rank samples from the same logits.
+
 A config with `kv_lora_rank > 0` swaps GQA for `MLAttention`, a simplified multi-head latent
 attention (DeepSeek-V2 style, without query compression or weight absorption).
 
@@ -35,6 +41,7 @@ from torch import nn
 from gpu_worker.model.attention import Attention
 from gpu_worker.model.attention_plan import AttentionPlan
 from gpu_worker.model.config import ModelConfig
+from gpu_worker.model.cp_split import CPSplit, CPSplitConfig
 from gpu_worker.model.forward_batch import ForwardBatch, KVCache
 from gpu_worker.model.layers import (
     MLP,
@@ -109,6 +116,8 @@ class LlamaModel(nn.Module):
                 self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope_dim, config.context_len, config.rope_theta)
         self.batch_invariant = False  # set_batch_invariant()
+        self.cp_split: CPSplitConfig | None = None  # set_cp_split()
+        self._split_of: tuple[ForwardBatch, CPSplit | None] | None = None  # the last batch's
         # prepack_weights(): a packed copy of the tied embedding for the logits (the lookup
         # needs the plain one); not a parameter, so checkpoints and shards never see it.
         self.packed_logits: torch.Tensor | None = None
@@ -173,16 +182,20 @@ class LlamaModel(nn.Module):
         The first stage embeds `batch.input_ids`; a later one starts from `hidden` (T,
         hidden_size), the previous stage's output. Returns hidden states (T, hidden_size) on
         a stage that is not the last, else logits (batch_size, vocab_size) of each request's
-        last new token, in the model dtype."""
-        plan = AttentionPlan.build(
-            batch, self.config.context_len, group_decode=not self.batch_invariant
-        )
-        rope = self.rotary(batch.positions)  # cos, sin: (T, 1, rope_dim)
+        last new token, in the model dtype. Under a CP split (`set_cp_split`) this rank runs
+        its rows of the batch only (`hidden` and the hidden states returned are those rows),
+        and the logits are every request's, the same on every rank of the CP group."""
+        split = self.split_of(batch)
+        plan = AttentionPlan.build(batch, self.config.context_len, not self.batch_invariant, split)
+        ids, positions = batch.input_ids, batch.positions
+        if split is not None:  # this rank's rows only (T_local of them)
+            ids, positions = ids.index_select(0, split.rows), positions.index_select(0, split.rows)
+        rope = self.rotary(positions)  # cos, sin: (T, 1, rope_dim)
         if self.first_stage:
             assert self.embed_tokens is not None
-            h = self.embed_tokens(batch.input_ids)  # (T, hidden)
+            h = self.embed_tokens(ids)  # (T, hidden)
         else:
-            if hidden is None or hidden.shape != (len(batch.input_ids), self.config.hidden_size):
+            if hidden is None or hidden.shape != (len(ids), self.config.hidden_size):
                 raise ValueError("a later pipeline stage needs the previous stage's hidden states")
             h = hidden
         for layer_id, layer in enumerate(self.layers):
@@ -192,8 +205,27 @@ class LlamaModel(nn.Module):
         if not self.last_stage:
             return h  # (T, hidden)
         assert self.norm is not None
-        h = self.norm(h[plan.last_rows])  # (batch_size, hidden)
-        return self.compute_logits(h)
+        last = h[plan.last_rows] if split is None else split.last_hidden(h)
+        return self.compute_logits(self.norm(last))  # (batch_size, hidden) -> logits
+
+    def set_cp_split(self, split: CPSplitConfig | None) -> None:
+        """Split prefill tokens over the CP group as `split` says (None: every token here)."""
+        self.cp_split = split
+        self._split_of = None
+
+    def split_of(self, batch: ForwardBatch) -> CPSplit | None:
+        """This rank's share of `batch` under the CP split (None: it computes every row),
+        built once per batch object (the executor sizes a stage's hidden states with it)."""
+        if self.cp_split is None:
+            return None
+        if self._split_of is None or self._split_of[0] is not batch:
+            self._split_of = (batch, self.cp_split.build(batch.extend_lens, batch.input_ids.device))
+        return self._split_of[1]
+
+    def num_rows(self, batch: ForwardBatch) -> int:
+        """Rows of `batch` this rank runs: its hidden states' length at a stage boundary."""
+        split = self.split_of(batch)
+        return len(batch.input_ids) if split is None else split.num_rows
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normed hidden states (n, hidden) -> logits (n, vocab_size)."""

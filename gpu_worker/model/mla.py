@@ -59,7 +59,7 @@ class MLAttention(nn.Module):
         latent = torch.cat(
             [self.kv_a_layernorm(c)[:, None], apply_rope(k_rope[:, None], *rope)], dim=-1
         )  # (T, 1, kv_lora_rank + rope)
-        kv_cache.set_latent(self.layer_id, plan.new_slot_ids, latent)
+        kv_cache.set_latent(self.layer_id, plan.new_slot_ids, plan.all_new(latent))
         out = q.new_empty(T, h, d)  # (T, n_heads, head_dim)
         if plan.decode is not None:
             out[plan.decode.rows] = self._decode_attention(q, plan.decode, kv_cache)

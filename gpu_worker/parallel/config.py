@@ -10,13 +10,27 @@ Context parallelism (CP): `cp_size` ranks of a stage (each a whole TP group) run
 scheduler over the same logical pages. Their KV is either replicated (every CP rank holds
 every page) or, with `kv_sharding` (`--enable-kv-cache-sharding`), sharded by page: each
 rank holds the pages of its owner class (`parallel/cp_layout.py`) and gathers a layer's
-pages before attending (`memory/sharded_pool.py`). Every CP rank computes every token of a
-batch yet (no split prefill), so a CP engine's outputs are CP1's.
+pages before attending (`memory/sharded_pool.py`).
+
+Compute is split apart from placement (`cp_split`, `--cp-split`): a prefill's new tokens are
+divided over the CP ranks (`model/cp_split.py`), each rank runs the layers for its own
+tokens only and all-gathers each layer's new K/V, so every rank writes (its rows of) the
+whole chunk and attends its own queries over all of it; the rank that computes a token's
+K/V need not own its page. `zigzag` (the default) cuts each request's new tokens into
+`2 * cp_size` chunks and gives rank r chunks r and `2 * cp_size - 1 - r`: an early chunk
+(few keys) and a late one (many), so every rank does about the same causal work.
+`interleave` gives rank r tokens r, r + N, ...: balanced too, but each rank's queries reach
+the end of the sequence, so each attends over all the keys (about twice zigzag's work).
+`none` computes every token on every rank (the reference). Decode rows (one new token) and
+requests too short to cut stay on every rank. With batch-invariant float64 every token's
+math is the same whichever rank computes it, so a CP engine's outputs are CP1's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+CP_SPLITS = ("zigzag", "interleave", "none")  # --cp-split: how a prefill's tokens divide
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +48,7 @@ class ParallelConfig:
     pp_size: int = 1  # --pp-size: layers split across pipeline stages
     cp_size: int = 1  # --cp-size: ranks of a stage that share a sequence's KV pages
     kv_sharding: bool = False  # --enable-kv-cache-sharding: each CP rank keeps its pages only
+    cp_split: str = "zigzag"  # --cp-split: which CP rank computes which prefill tokens
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size", "cp_size"):
@@ -44,6 +59,10 @@ class ParallelConfig:
             raise ValueError(
                 "--enable-kv-cache-sharding shards pages over the CP ranks: it needs "
                 "--cp-size 2 or more"
+            )
+        if self.cp_split not in CP_SPLITS:
+            raise ValueError(
+                f"--cp-split must be one of {', '.join(CP_SPLITS)}, not {self.cp_split!r}"
             )
 
     @property

@@ -99,7 +99,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=cache,
         scheduler=sched,
         parallel=ParallelConfig(
-            args.tp_size, args.pp_size, args.cp_size, args.enable_kv_cache_sharding
+            args.tp_size, args.pp_size, args.cp_size, args.enable_kv_cache_sharding, args.cp_split
         ),
         batch_invariant=args.enable_deterministic_inference,
         debug=debug,

@@ -18,6 +18,7 @@ STORAGE_BACKENDS = ("file",)
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_WRITE_POLICIES = ("write_through", "write_through_selective")
 KEY_SCHEMES = ("rank-suffix", "unified")
+CP_SPLITS = ("zigzag", "interleave", "none")  # gpu_worker.parallel.config.CP_SPLITS
 # `up`, `generate`, the engine service and compose serve the real model unless told otherwise
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # auto: float64 for the random presets, float32 (CPU) or bfloat16 (GPU) for real checkpoints
@@ -144,6 +145,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="with --enable-kv-cache-sharding: MiB per rank for the two gather scratch "
         "buffers together; a request waits until the running batch's gathers leave room for "
         "its pages, and one that could never fit fails with an error",
+    )
+    p.add_argument(
+        "--cp-split",
+        choices=CP_SPLITS,
+        default="zigzag",
+        help="with --cp-size N > 1: how a prefill's new tokens divide over the CP ranks, each "
+        "computing only its own and all-gathering each layer's new K/V: zigzag (2N chunks "
+        "a request, rank r takes chunks r and 2N-1-r: balanced causal work), interleave "
+        "(token i on rank i %% N) or none (every rank computes every token)",
     )
     p.add_argument(
         "--debug-transfer-delay-ms",
