@@ -188,8 +188,8 @@ def test_cp_flags_and_refusals() -> None:
     host = engine_config_from_args(_args(*sharded, "--enable-hierarchical-cache"))
     assert host.cache.enable_hierarchical_cache and host.parallel.kv_sharding
     storage = ("--enable-hierarchical-cache", "--hicache-storage-backend", "file")
-    with pytest.raises(ValueError, match="does not support --hicache-storage-backend yet"):
-        engine_config_from_args(_args(*sharded, *storage))
+    with_l3 = engine_config_from_args(_args(*sharded, *storage))  # tests/test_cp_storage.py
+    assert with_l3.cache.hicache_storage_backend == "file" and with_l3.parallel.kv_sharding
     assert engine_config_from_args(_args("--cp-size", "2", *storage)).parallel.cp_size == 2
     with pytest.raises(ValueError, match="does not support --disaggregation-mode prefill"):
         engine_config_from_args(_args(*sharded, "--disaggregation-mode", "prefill"))

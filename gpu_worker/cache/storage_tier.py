@@ -181,7 +181,7 @@ class StorageTier:
             len(hashes),
         )
         tree.tiers.ref_host(node)
-        self.io.query(p.keys, p)
+        self.io.query(p.keys, p, start // ps)
         self.prefetches[rid] = p
         self.host.stats.num_prefetches += 1
         return p
