@@ -314,3 +314,33 @@ def test_host_rows_are_owned_and_loads_land_before_gathers_cp2() -> None:
 
 def test_host_rows_are_owned_and_loads_land_before_gathers_cp4() -> None:
     run_ranks(host_world, 4)
+
+
+# ---------------------------------------------------------------- host memory per rank
+
+
+def host_sizes(engine: Any) -> tuple[int, int]:
+    pool = engine.cache.host_pool
+    return pool.num_pages, pool.num_local_pages
+
+
+def test_hicache_size_is_per_rank_under_sharding() -> None:
+    """`--hicache-size` is each rank's host memory: a sharded CP2 rank holds that many
+    pages of its own, so the logical host pool is twice as large (`--hicache-ratio` is of
+    the logical device pool, sharded or not)."""
+    from multirank import run_world
+
+    from gpu_worker.engine.engine import EngineConfig
+    from gpu_worker.parallel.config import ParallelConfig
+
+    page_bytes = 4 * 2 * PS * 2 * 16 * 8  # tiny: layers x K/V x tokens x KV heads x dim x f64
+    cache = CacheConfig(
+        page_size=PS,
+        num_device_pages=NUM_PAGES,
+        enable_hierarchical_cache=True,
+        hicache_size_gb=40 * page_bytes / 1e9,
+    )
+    cfg = EngineConfig(model="tiny", cache=cache, parallel=ParallelConfig(cp_size=2))
+    assert run_world(cfg, host_sizes) == (40, 40)  # replicated: every rank every page
+    sharded = dataclasses.replace(cfg, parallel=ParallelConfig(cp_size=2, kv_sharding=True))
+    assert run_world(sharded, host_sizes) == (80, 40)
