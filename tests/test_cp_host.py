@@ -340,7 +340,7 @@ def test_hicache_size_is_per_rank_under_sharding() -> None:
         enable_hierarchical_cache=True,
         hicache_size_gb=40 * page_bytes / 1e9,
     )
-    cfg = EngineConfig(model="tiny", cache=cache, parallel=ParallelConfig(cp_size=2))
-    assert run_world(cfg, host_sizes) == (40, 40)  # replicated: every rank every page
-    sharded = dataclasses.replace(cfg, parallel=ParallelConfig(cp_size=2, kv_sharding=True))
-    assert run_world(sharded, host_sizes) == (80, 40)
+    cfg = EngineConfig(
+        model="tiny", cache=cache, parallel=ParallelConfig(cp_size=2, kv_sharding=True)
+    )
+    assert run_world(cfg, host_sizes) == (80, 40)  # replicated CP2 holds (40, 40)
