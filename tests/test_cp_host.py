@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from gpu_worker.cache.hicache import CacheConfig, PrefixCache
 from gpu_worker.cache.radix import TreeNode
-from gpu_worker.cache.transfer import DelayInjection
+from gpu_worker.cache.transfer import DelayInjection, TransferKind
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.memory.pool_group import KVSharding, PoolGroup
 from gpu_worker.memory.sharded_pool import ShardedDeviceKVPool
@@ -314,6 +314,68 @@ def test_host_rows_are_owned_and_loads_land_before_gathers_cp2() -> None:
 
 def test_host_rows_are_owned_and_loads_land_before_gathers_cp4() -> None:
     run_ranks(host_world, 4)
+
+
+# ---------------------------------------------------------------- restore -> gather
+
+
+def test_a_gather_waits_for_the_loads_of_its_own_pages_only() -> None:
+    """One sharded rank (no collective): while a slow load of A's pages runs, a gather of
+    other pages goes ahead without waiting for it, and a gather of A's pages waits and
+    packs the loaded rows. The seed makes the load the slow one (the third copy: 229 ms
+    after two backups); the test checks that it is still running when it should be."""
+    cfg = CacheConfig(
+        page_size=PS,
+        num_device_pages=NUM_PAGES,
+        enable_hierarchical_cache=True,
+        transfer_delay=DelayInjection(max_ms=300.0, seed=1),
+    )
+    sharding = KVSharding(0, 1, None, poison=True)
+    cache = PrefixCache(
+        cfg, SPEC, CPU, pools=PoolGroup.target_only(SPEC, NUM_PAGES, CPU, sharding=sharding)
+    )
+    pool = cache.device_pool
+    assert isinstance(pool, ShardedDeviceKVPool) and cache.transfers is not None
+    a, b = list(range(1, 9)), list(range(11, 19))
+
+    def write(ids: list[int], pages: list[int]) -> torch.Tensor:
+        slots = pool.slot_ids(pages, len(ids))
+        for layer in range(SPEC.num_layers):
+            kv = token_kv(ids, layer)
+            pool.set_kv(layer, slots, kv[:, 0], kv[:, 1])
+        return slots
+
+    for ids in (a, b):  # two backups (write_through)
+        pages = cache.alloc(len(ids) // PS)
+        assert pages is not None
+        write(ids, pages)
+        cache.insert(ids, pages, 0)
+    cache.drain()
+    cache.evict_device(NUM_PAGES)
+    pool.kv.fill_(float("nan"))  # what a load has not written reads as NaN
+    match = cache.match([*a, 0])
+    cache.lock(match.last_device_node)
+    ticket = cache.start_load(match)
+    assert ticket is not None
+    (load,) = cache.transfers.in_flight(TransferKind.LOAD)
+
+    other = cache.alloc(2)  # pages no load writes
+    assert other is not None
+    slots = write(b[:4], other)
+    pool.before_attention(0, Batch([4], [0], [slots]))
+    assert not load.completion.done(), "the gather of other pages waited for the load"
+
+    slots = pool.slot_ids(ticket.page_ids, len(a))
+    pool.before_attention(0, Batch([len(a)], [0], [slots]))
+    assert load.completion.done()
+    k, v = pool.get_kv(0, slots)
+    want = token_kv(a, 0)
+    assert torch.equal(bits(k), bits(want[:, 0])) and torch.equal(bits(v), bits(want[:, 1]))
+    cache.drain()
+    cache.unlock(match.last_device_node)
+    cache.free(other)
+    cache.check_integrity()
+    cache.close()
 
 
 # ---------------------------------------------------------------- host memory per rank

@@ -16,9 +16,11 @@ So a backup's device page and its host page have one owner, as do a load's host 
 the device page `PrefixCache.alloc` gives it; with a sharded pool each rank copies only the
 pairs it owns, local rows to local rows (`PoolGroup.local_pairs`), but every rank submits
 every copy (maybe of no page) and consumes its ACK, so ACK counts stay agreed. A sharded
-pool's gather of a layer first waits for this rank's loads in flight (restore -> gather ->
-attend, `PoolGroup.wait_for_restores`): a batch's own loads were consumed before it was
-admitted, so this only orders what the scheduler already does, and the check stays cheap.
+pool's gather of a layer first waits for this rank's loads in flight into the pages it
+packs (restore -> gather -> attend, `PoolGroup.wait_for_restores`). Today a batch's own
+loads are consumed before it is admitted, so this orders what the scheduler already does
+(and costs a look at the queue); a scheduler that admitted a batch with its restore still
+running would get the order from it as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from gpu_worker.cache.load_cost import LoadCostEstimate, LoadCostModel
 from gpu_worker.cache.radix import MatchResult, RadixTree, TreeNode
@@ -84,7 +88,7 @@ class HostTier:
         self.cost = cost
         self._estimate = estimate
         self._loads_to_fail = fail_loads
-        pools.wait_for_restores(lambda _layer: transfers.wait_copies(TransferKind.LOAD))
+        pools.wait_for_restores(self._restore_before_gather)
         # told of every backup its ACK committed (the path to the node is on the host now):
         # the storage tier's write policy, once there is one
         self.after_backup: Callable[[TreeNode], None] | None = None
@@ -175,6 +179,20 @@ class HostTier:
         self.stats.num_loads += 1
         self.stats.loaded_pages += len(pages)
         return ticket
+
+    def _restore_before_gather(self, layer: int, page_ids: torch.Tensor) -> None:
+        """A sharded pool is about to pack `layer`'s rows of logical pages `page_ids`
+        ((n,) int64): wait for this rank's loads in flight into any of them. Loads of other
+        pages (requests still waiting for theirs) go on while the batch runs."""
+        loads = self.transfers.in_flight(TransferKind.LOAD)
+        if not loads:
+            return
+        pages = set(page_ids.tolist())
+        for ack in loads:
+            ticket = ack.op
+            assert isinstance(ticket, LoadTicket)
+            if not pages.isdisjoint(ticket.page_ids):
+                self.transfers.wait_copy(ack)
 
     # ----------------------------------------------------------------- ACKs
 

@@ -233,10 +233,11 @@ class PoolGroup:
         if isinstance(self.device, DeviceKVPool):
             self.device.mark_pending(page_ids, loading)
 
-    def wait_for_restores(self, wait: Callable[[int], None]) -> None:
-        """A sharded pool calls `wait(layer)` before it packs a layer's owned rows for the
-        gather (restore local pages -> gather -> attend): the host tier waits there for
-        its loads in flight. Nothing to do for a replicated pool, which is read in place
-        only after the loads of a batch's pages were consumed."""
+    def wait_for_restores(self, wait: Callable[[int, torch.Tensor], None]) -> None:
+        """A sharded pool calls `wait(layer, page_ids)` before it packs a layer's owned rows
+        of logical pages `page_ids` for the gather (restore local pages -> gather ->
+        attend): the host tier waits there for its loads in flight into those pages.
+        Nothing to do for a replicated pool, which is read in place only after the loads
+        of a batch's pages were consumed (`check_reads` enforces it)."""
         if isinstance(self.device, ShardedDeviceKVPool):
             self.device.wait_layer = wait
