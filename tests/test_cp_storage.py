@@ -14,6 +14,8 @@ MIN over the world of each rank's first missing page). Checked here with real en
   a CP1 engine reads those back with its cold logits, and a TP2 engine with the logits it
   gets from CP1's objects.
 
+The sharded worlds run with the rank consensus checker on (every rank's cache decisions,
+the storage hits and read lengths agreed over the world among them, must be equal).
 Logits are compared with CP1 engines that read KV by gathers as the sharded pool does
 (`DebugHooks.gather_reads`); sharded pools are poisoned (NaN rows), so a page that was not
 read into its owner's rows shows in the logits.
@@ -27,10 +29,12 @@ from pathlib import Path
 import pytest
 import torch
 from multirank import run_world, shared_prefix_prompts
+from test_multirank_consensus import checker_env
 
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.cache.storage_codec import PageShare, StorageLayout
 from gpu_worker.cache.storage_io import ReadOp, StorageIO
+from gpu_worker.consensus.records import load_logs
 from gpu_worker.engine.engine import DebugHooks, Engine, EngineConfig
 from gpu_worker.memory.host_pool import HostKVPool
 from gpu_worker.memory.kv_spec import KVSpec
@@ -155,7 +159,7 @@ def test_sharded_cp2_writes_cp1s_objects(tmp_path: Path, model: str, scheme: str
         cp1.close()
     copy_key(tmp_path / "cp1", tmp_path / "cp2")
     cfg = config(tmp_path / "cp2", model, scheme, cp=2, sharded=True)
-    got = run_world(cfg, write_then_read, batch)
+    got = run_world(cfg, write_then_read, batch, env=checker_env(tmp_path / "checker"))
     assert_same(got, want, {"cold": "cold", "store": "cold"})
     assert storage_hits(got, "store") == storage_hits(want, "store") > 0
     stored, cp1_stored = objects(tmp_path / "cp2"), objects(tmp_path / "cp1")
@@ -180,8 +184,10 @@ def test_sharded_cp4_shares_unified_objects_with_cp1_and_tp2(tmp_path: Path) -> 
     theirs_objects = objects(store)
 
     cfg = config(store, model, "unified", cp=4, sharded=True)
-    got = run_world(cfg, read_write_read, theirs, mine)
+    got = run_world(cfg, read_write_read, theirs, mine, env=checker_env(tmp_path / "checker"))
     assert storage_hits(got, "theirs") > 0 and storage_hits(got, "store") > 0
+    logs = load_logs(tmp_path / "checker")  # every rank recorded its decisions
+    assert len(logs) == 4 and all(len(records) > 10 for records in logs.values())
     assert_same(got, runs["theirs"], {"theirs": "cold"})  # CP1 wrote, CP4 sharded read
     assert_same(got, runs["mine"], {"cold": "cold", "store": "cold"})
     written = {k: v for k, v in objects(store).items() if k not in theirs_objects}
