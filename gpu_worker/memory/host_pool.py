@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -64,11 +63,9 @@ class HostKVPool:
         self.num_pages = num_pages  # logical: what the allocator hands out
         self.allocator = PageAllocator(num_pages, "host", num_owners)
         self.owned_by = owned_by
-        self.cp_layout = CPLayout(spec.page_size, num_owners)
         # pages the tensors hold: every logical page, or this rank's share of them
-        self.num_local_pages = (
-            num_pages if owned_by is None else self.cp_layout.num_local_pages(num_pages)
-        )
+        shares = CPLayout(spec.page_size, num_owners)
+        self.num_local_pages = num_pages if owned_by is None else shares.num_local_pages(num_pages)
         num_rows = self.num_local_pages
         h, d, ps, nl, kv = (
             spec.num_kv_heads,
@@ -94,15 +91,6 @@ class HostKVPool:
     def sharded(self) -> bool:
         """Whether the pool holds only its CP rank's pages."""
         return self.owned_by is not None
-
-    def local_pages(self, page_ids: Sequence[int]) -> tuple[list[int], list[int]]:
-        """The positions in `page_ids` of the pages this pool holds, and their local pages
-        (every page as it is when the pool holds every page)."""
-        if self.owned_by is None:
-            return list(range(len(page_ids))), list(page_ids)
-        n, rank = self.allocator.num_owners, self.owned_by
-        where = [i for i, h in enumerate(page_ids) if h % n == rank]
-        return where, [page_ids[i] // n for i in where]
 
     def page_view(self) -> PageView | RunView:
         """The pool's local pages for page copies: a `RunView` for `page_unified` (pair it
