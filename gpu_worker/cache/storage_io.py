@@ -31,11 +31,13 @@ all its objects are. Under CP page sharding (`codec.share`) a rank looks up, rea
 writes only the pages it owns, and counts the others as whole: its count is the first of
 its own pages that is missing (`first_missing`), and the MIN over the ranks is then the
 first page missing anywhere. A rank that owns none of a batch's pages still joins its
-agreement, so every rank's collectives stay in step. A read batch or a write moves the rows of a set of pages of the pool
-group's host pools (`memory/pool_group.py`) in one piece of work with one ACK: today the
-target's host pool; a `packed` draft's layers would sit in the same host rows, hence the
-same objects, and a `sidecar` pool's objects would join the same batch (the group refuses
-both until the code that moves them exists).
+agreement, so every rank's collectives stay in step.
+
+A read batch or a write moves the rows of a set of pages of the pool group's host pools
+(`memory/pool_group.py`) in one piece of work with one ACK: today the target's host pool;
+a `packed` draft's layers would sit in the same host rows, hence the same objects, and a
+`sidecar` pool's objects would join the same batch (the group refuses both until the code
+that moves them exists).
 """
 
 from __future__ import annotations
