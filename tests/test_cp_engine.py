@@ -6,10 +6,12 @@ Each case launches a real world of rank processes (`tests/multirank.py`, gloo on
 pages before attending), and runs one scripted workload on it: a cold batch over shared
 prefixes under device-pool pressure, the same batch again (device hits), a second turn that
 extends the first's outputs (a shared prefix of another length), the device cache evicted
-(recompute into reused pages of other owners), and a flush. The same workload runs on a
-CP1 engine of the same model and TP layout. Each CP rank computes its zigzag share of a
-prefill's tokens (`--cp-split`, the default), yet tokens, cached-token counts and float64
-logits must be equal, bit for bit. A sharded engine reads KV by slot gathers (its pool has no in-place runs), so its
+(recompute into reused pages of other owners; with a host tier, host hits loaded back: a
+sharded rank backs up and loads only its own pages, under each write policy), and a flush.
+The same workload runs on a CP1 engine of the same model and TP layout. Each CP rank
+computes its zigzag share of a prefill's tokens (`--cp-split`, the default), yet tokens,
+cached-token counts and float64 logits must be equal, bit for bit. A sharded engine reads
+KV by slot gathers (its pool has no in-place runs), so its
 reference is a CP1 engine that reads by gathers too (`DebugHooks.gather_reads`); a
 replicated one is compared with the plain CP1 engine. Sharded pools are poisoned: rows no
 rank wrote and fresh gather buffers are NaN, so a read of a row that was not gathered shows
@@ -30,7 +32,7 @@ import torch
 from multirank import Run, WorldFailed, run_world, shared_prefix_prompts, traced_batch
 from test_multirank_consensus import checker_env, stress
 
-from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.cache.hicache import CacheConfig, WritePolicy
 from gpu_worker.consensus.records import load_logs
 from gpu_worker.engine.engine import DebugHooks, Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
@@ -76,16 +78,17 @@ def config(
     sharded: bool,
     tp: int = 1,
     pp: int = 1,
-    host: bool = False,
+    host: WritePolicy | None = None,
     gather: bool = False,
     split: str = "zigzag",  # --cp-split; `none` and `interleave`: tests/test_cp_split.py
 ) -> EngineConfig:
+    """`host`: the host tier's write policy, None for no host tier."""
     cache = CacheConfig(
         page_size=PAGE,
         num_device_pages=NUM_PAGES,
-        enable_hierarchical_cache=host,
+        enable_hierarchical_cache=host is not None,
         hicache_ratio=4.0,
-        hicache_write_policy="write_through",
+        hicache_write_policy=host or "write_through",
         write_through_threshold=1,
     )
     return EngineConfig(
@@ -99,7 +102,7 @@ def config(
 
 
 @functools.cache
-def reference(tp: int, host: bool, gather: bool) -> Run:
+def reference(tp: int, host: WritePolicy | None, gather: bool) -> Run:
     """The CP1 run (TP1: in this process; TP2: a TP2 world, whose logits differ from TP1's
     in the last bits)."""
     cfg = config(1, False, tp=tp, host=host, gather=gather)
@@ -112,20 +115,24 @@ def reference(tp: int, host: bool, gather: bool) -> Run:
     return run_world(cfg, workload, make_prompts())[0]
 
 
-CASES = [  # (cp, sharded, tp, pp, host)
-    (2, True, 1, 1, False),
-    (2, False, 1, 1, False),
-    (4, True, 1, 1, False),
-    (4, False, 1, 1, False),
-    (2, True, 2, 1, False),
-    (2, True, 1, 2, False),
-    (2, False, 1, 1, True),  # replicated CP keeps the host tier: each rank holds every page
+CASES: list[tuple[int, bool, int, int, WritePolicy | None]] = [  # (cp, sharded, tp, pp, host)
+    (2, True, 1, 1, None),
+    (2, False, 1, 1, None),
+    (4, True, 1, 1, None),
+    (4, False, 1, 1, None),
+    (2, True, 2, 1, None),
+    (2, True, 1, 2, None),
+    (2, False, 1, 1, "write_through"),  # replicated CP: each rank holds every page
+    # sharded CP: each rank backs up and loads its own pages, in its own host rows
+    (2, True, 1, 1, "write_through_selective"),
+    (4, True, 1, 1, "write_back"),
+    (4, True, 1, 1, "write_through"),
 ]
 
 
 @pytest.mark.parametrize(("cp", "sharded", "tp", "pp", "host"), CASES)
 def test_cp_engine_equals_cp1(
-    tmp_path: Path, cp: int, sharded: bool, tp: int, pp: int, host: bool
+    tmp_path: Path, cp: int, sharded: bool, tp: int, pp: int, host: WritePolicy | None
 ) -> None:
     """With the checker on, the stage also compares the tokens its ranks sampled: a
     replicated CP rank's own KV shows in no output of rank 0's."""
@@ -134,6 +141,7 @@ def test_cp_engine_equals_cp1(
     got, rows, owners = run_world(cfg, workload, make_prompts(), env=checker_env(tmp_path))
 
     hits = {phase: 0 for phase, *_ in want}
+    host_hits = 0
     for (phase, w_out, w_dev, w_host, w_logits), (g_phase, out, dev, host_hit, logits) in zip(
         want, got, strict=True
     ):
@@ -144,9 +152,11 @@ def test_cp_engine_equals_cp1(
         assert not logits.isnan().any(), f"{phase}: a row no rank wrote was read"
         assert torch.equal(logits, w_logits), f"{phase}: logits are not bit-identical to CP1"
         hits[phase] += dev + host_hit
+        host_hits += host_hit
     assert hits["cold"] == 0 and hits["flushed"] == 0
     assert hits["device"] > 0 and hits["turn2"] > 0
-    assert hits.get("host", 1) > 0 and hits.get("evicted", 0) == 0
+    assert hits.get("evicted", 0) == 0
+    assert host is None or host_hits > 0  # served from the host tier after the eviction
     assert len({tuple(out) for _, out, *_ in want}) > 4  # varied outputs
     # rank 0's pool: 1/N of the logical pages plus a trash page when sharded, else all
     assert rows == ((-(-NUM_PAGES // cp) + 1) * PAGE if sharded else NUM_PAGES * PAGE)
@@ -177,11 +187,11 @@ def test_cp_flags_and_refusals() -> None:
     with pytest.raises(ValueError, match="needs --cp-size 2 or more"):
         engine_config_from_args(_args("--enable-kv-cache-sharding"))
     sharded = ("--cp-size", "2", "--enable-kv-cache-sharding")
-    with pytest.raises(ValueError, match="does not support --enable-hierarchical-cache yet"):
-        engine_config_from_args(_args(*sharded, "--enable-hierarchical-cache"))
+    host = engine_config_from_args(_args(*sharded, "--enable-hierarchical-cache"))
+    assert host.cache.enable_hierarchical_cache and host.parallel.kv_sharding
     storage = ("--enable-hierarchical-cache", "--hicache-storage-backend", "file")
-    with pytest.raises(ValueError, match="sharding does not support --enable-hierarchical"):
-        engine_config_from_args(_args(*sharded, *storage))  # L3 needs the host tier
+    with_l3 = engine_config_from_args(_args(*sharded, *storage))  # tests/test_cp_storage.py
+    assert with_l3.cache.hicache_storage_backend == "file" and with_l3.parallel.kv_sharding
     assert engine_config_from_args(_args("--cp-size", "2", *storage)).parallel.cp_size == 2
     sharded_pd = engine_config_from_args(_args(*sharded, "--disaggregation-mode", "prefill"))
     assert sharded_pd.parallel.kv_sharding  # sharded CP serves P/D too (test_cp_pd.py)

@@ -125,10 +125,15 @@ class Sim:
         cache.check_integrity(held)  # the tree's rotation invariant included (tree_check)
         for node in cache.tree.iter_nodes():
             pages = node.device_page_ids
+            start = node.path_len() - len(node.key)
             if pages is not None:
                 assert node.owner_rotation == pages[0] % n, node
-                start = node.path_len() - len(node.key)
                 assert node.owner_rotation == (start // PS) % n, node
+            # host pages keep the cycle too: a page's backup and load stay on its owner
+            host = node.host_page_ids
+            if host is not None:
+                cycle = [(start // PS + i) % n for i in range(len(host))]
+                assert [h % n for h in host] == cycle, node
         loads = any(r.state is ReqState.LOADING for r in self.running)
         if not cache.num_queued_acks and not loads:  # no page between a request and the tree
             allocator = cache.device_pool.allocator
@@ -136,6 +141,13 @@ class Sim:
             for o in range(n):
                 used = sum(1 for p in in_use if p % n == o)
                 assert allocator.num_free_of(o) + used == len(range(o, NUM_PAGES, n)), o
+        if cache.host_pool is not None and not cache.num_queued_acks and not cache.storage:
+            host_allocator, num_host = cache.host_pool.allocator, cache.host_pool.num_pages
+            assert host_allocator.num_owners == n  # host pages are owner-classed as well
+            in_host = cache.tree.host_page_set()
+            for o in range(n):
+                used = sum(1 for h in in_host if h % n == o)
+                assert host_allocator.num_free_of(o) + used == len(range(o, num_host, n)), o
 
 
 def shape(cache: PrefixCache) -> tuple[Any, ...]:

@@ -75,17 +75,18 @@ def test_only_a_sidecar_names_its_source_pool() -> None:
     assert PoolMember("draft", DRAFT, HostRows.SIDECAR, TARGET).source == TARGET
 
 
-def test_a_sharded_group_holds_a_sharded_device_pool_and_no_host_pool_yet() -> None:
+def test_a_sharded_group_holds_a_sharded_device_pool_and_its_own_host_rows() -> None:
     """`--enable-kv-cache-sharding`: the target's device pool is this CP rank's share (one
-    rank here: the gathers of CP worlds are tests/test_cp_engine.py's); the host tier and
-    P/D, which need every page's rows, refuse it by name."""
+    rank here: the gathers and host rows of CP worlds are tests/test_cp_engine.py's and
+    tests/test_cp_host.py's), its host pool the rank's host pages; P/D, which needs every
+    page's rows, refuses it by name."""
     group = PoolGroup.target_only(SPEC, 8, CPU, sharding=KVSharding(0, 1, None, poison=True))
     assert isinstance(group.device, ShardedDeviceKVPool) and group.device.num_pages == 8
     assert not group.device.contiguous_slices and group.device.kv.isnan().all()
     assert group.device.allocator.num_owners == 1
-    with pytest.raises(UnsupportedMember, match="the host tier does not support a CP-sharded"):
-        group.attach_host(5, "page_first")
-    assert group.host is None
+    host = group.attach_host(5, "page_first")
+    assert host.sharded and host.owned_by == 0 and host.num_local_pages == 5
+    assert group.local_pairs([3, 1], [0, 4]) == ([3, 1], [0, 4])  # one rank owns every pair
     with pytest.raises(UnsupportedMember, match="P/D KV transfer does not support"):
         group.replicated_device("P/D KV transfer")
     plain = PoolGroup.target_only(SPEC, 8, CPU)

@@ -36,10 +36,11 @@ class HostPages(Protocol):
         they pin."""
         ...
 
-    def alloc_host_upto(self, num_pages: int) -> list[HostPageId]:
-        """Up to `num_pages` free host pages, evicting unpinned host cache for them: fewer
-        (maybe none) when the pool cannot free that many. The caller owns them until it
-        gives them to the tree or back (`free_host`)."""
+    def alloc_host_upto(self, num_pages: int, start_page: int = 0) -> list[HostPageId]:
+        """Up to `num_pages` free host pages for a path's pages `start_page, ...` (they
+        continue its CP owner cycle), evicting unpinned host cache for them: fewer (maybe
+        none) when the pool cannot free that many. The caller owns them until it gives them
+        to the tree or back (`free_host`)."""
         ...
 
     def free_host(self, page_ids: Sequence[int]) -> None:

@@ -8,6 +8,19 @@ Which nodes to back up and when (the write policies) is the `PrefixCache`'s deci
 
 It is the storage tier's `HostPages` (`host_pages.py`): prefetches take their host pages
 here. Driven from the scheduler thread only.
+
+Context parallelism: host page ids have owner classes like device page ids, and the host
+pages of a path continue its owner cycle (`_alloc_host` and `alloc_host_upto` take the path
+position of the first page): page k of a path, on either tier, belongs to CP rank k % N.
+So a backup's device page and its host page have one owner, as do a load's host page and
+the device page `PrefixCache.alloc` gives it; with a sharded pool each rank copies only the
+pairs it owns, local rows to local rows (`PoolGroup.local_pairs`), but every rank submits
+every copy (maybe of no page) and consumes its ACK, so ACK counts stay agreed. A sharded
+pool's gather of a layer first waits for this rank's loads in flight into the pages it
+packs (restore -> gather -> attend, `PoolGroup.wait_for_restores`). Today a batch's own
+loads are consumed before it is admitted, so this orders what the scheduler already does
+(and costs a look at the queue); a scheduler that admitted a batch with its restore still
+running would get the order from it as it is.
 """
 
 from __future__ import annotations
@@ -15,6 +28,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from gpu_worker.cache.load_cost import LoadCostEstimate, LoadCostModel
 from gpu_worker.cache.radix import MatchResult, RadixTree, TreeNode
@@ -73,6 +88,7 @@ class HostTier:
         self.cost = cost
         self._estimate = estimate
         self._loads_to_fail = fail_loads
+        pools.wait_for_restores(self._restore_before_gather)
         # told of every backup its ACK committed (the path to the node is on the host now):
         # the storage tier's write policy, once there is one
         self.after_backup: Callable[[TreeNode], None] | None = None
@@ -90,30 +106,38 @@ class HostTier:
 
     # ----------------------------------------------------------------- host pages
 
-    def alloc_host_upto(self, num_pages: int) -> list[HostPageId]:
-        """Up to `num_pages` host pages, evicting unpinned host cache for them: fewer (maybe
-        none) when the pool cannot free that many."""
-        allocator = self._make_room(num_pages)
-        pages = allocator.alloc(min(num_pages, allocator.num_free)) or []
+    def alloc_host_upto(self, num_pages: int, start_page: int = 0) -> list[HostPageId]:
+        """Up to `num_pages` host pages for a path's pages `start_page, ...` (on its owner
+        cycle), evicting unpinned host cache for them: fewer (maybe none) when the pool
+        cannot free that many."""
+        allocator, first = self._make_room(num_pages, start_page)
+        pages = allocator.alloc_run(allocator.run_fit(num_pages, first), first) or []
         return [HostPageId(p) for p in pages]
 
     def free_host(self, page_ids: Sequence[int]) -> None:
         if page_ids:
             self.pool.allocator.free(list(page_ids))
 
-    def _alloc_host(self, num_pages: int) -> list[HostPageId] | None:
-        pages = self._make_room(num_pages).alloc(num_pages)
+    def _alloc_host(self, num_pages: int, start_page: int) -> list[HostPageId] | None:
+        allocator, first = self._make_room(num_pages, start_page)
+        pages = allocator.alloc_run(num_pages, first)
         return None if pages is None else [HostPageId(p) for p in pages]
 
-    def _make_room(self, num_pages: int) -> PageAllocator:
-        """The host allocator, after evicting unpinned host cache for up to `num_pages`."""
+    def _make_room(self, num_pages: int, start_page: int) -> tuple[PageAllocator, int]:
+        """The host allocator and the owner class of path page `start_page`, after evicting
+        unpinned host cache until a run of `num_pages` from there fits (or nothing more can
+        be evicted: eviction frees least recently used pages of any class)."""
         allocator = self.pool.allocator
-        short = num_pages - allocator.num_free
-        if short > 0:
+        first = start_page % allocator.num_owners
+        short = allocator.shortfall(num_pages, first)
+        while short > 0:
             evicted = self.tree.tiers.evict_host(short)
             allocator.free(list(evicted))
             self.stats.evicted_host_pages += len(evicted)
-        return allocator
+            if not evicted or allocator.num_owners == 1:
+                break
+            short = allocator.shortfall(num_pages, first)
+        return allocator, first
 
     # ----------------------------------------------------------------- copies
 
@@ -128,7 +152,7 @@ class HostTier:
         # Pin the covered prefix while making room: evicting it would leave a gap above the
         # pages about to be backed up (the host set must stay prefix-closed).
         self.tree.tiers.ref_host(node)
-        host_ids = self._alloc_host(len(device_ids))
+        host_ids = self._alloc_host(len(device_ids), start // self.tree.page_size)
         self.tree.tiers.unref_host(node)
         if host_ids is None:
             return False
@@ -136,7 +160,8 @@ class HostTier:
         self.tree.tiers.lock(node)  # the device copy must outlive the copy
         op = _BackupOp(node, start, host_ids)
         views = [pair.backup() for pair in self.pools.tier_views()]
-        self.transfers.submit(TransferKind.BACKUP, views, list(device_ids), list(host_ids), op)
+        src, dst = self.pools.local_pairs(device_ids, host_ids)
+        self.transfers.submit(TransferKind.BACKUP, views, src, dst, op)
         self.stats.num_backups += 1
         self.stats.backed_up_pages += len(device_ids)
         return True
@@ -145,21 +170,29 @@ class HostTier:
         """Start loading `match`'s host part into device `pages` (the caller took them and
         pinned the host range with `ref_host`; the ACK unpins it)."""
         ticket = LoadTicket(match.last_node, match.device_len, pages)
-        self.pools.replicated_device("the host tier").mark_pending(pages, True)
+        self.pools.mark_loading(pages, True)
         fail = self._loads_to_fail > 0
         self._loads_to_fail -= int(fail)
         views = [pair.load() for pair in self.pools.tier_views()]
-        self.transfers.submit(
-            TransferKind.LOAD,
-            views,
-            list(match.host_page_ids),
-            list(pages),
-            ticket,
-            inject_failure=fail,
-        )
+        dst, src = self.pools.local_pairs(pages, match.host_page_ids)
+        self.transfers.submit(TransferKind.LOAD, views, src, dst, ticket, inject_failure=fail)
         self.stats.num_loads += 1
         self.stats.loaded_pages += len(pages)
         return ticket
+
+    def _restore_before_gather(self, layer: int, page_ids: torch.Tensor) -> None:
+        """A sharded pool is about to pack `layer`'s rows of logical pages `page_ids`
+        ((n,) int64): wait for this rank's loads in flight into any of them. Loads of other
+        pages (requests still waiting for theirs) go on while the batch runs."""
+        loads = self.transfers.in_flight(TransferKind.LOAD)
+        if not loads:
+            return
+        pages = set(page_ids.tolist())
+        for ack in loads:
+            ticket = ack.op
+            assert isinstance(ticket, LoadTicket)
+            if not pages.isdisjoint(ticket.page_ids):
+                self.transfers.wait_copy(ack)
 
     # ----------------------------------------------------------------- ACKs
 
@@ -191,13 +224,14 @@ class HostTier:
             return
         ticket = ack.op
         assert isinstance(ticket, LoadTicket)
-        self.pools.replicated_device("the host tier").mark_pending(ticket.page_ids, False)
+        self.pools.mark_loading(ticket.page_ids, False)
         if error is None:
             freed = self.tree.tiers.commit_load(ticket.last_node, ticket.start_len, ticket.page_ids)
             self.pools.device.allocator.free(list(freed))
             seconds = ack.completion.seconds()
-            if seconds is not None:
-                self.cost.observe_load(ack.num_pages * self.pools.bytes_per_page, seconds)
+            if seconds is not None:  # every rank copies its share at once: the whole load's
+                num_bytes = len(ticket.page_ids) * self.pools.bytes_per_page
+                self.cost.observe_load(num_bytes, seconds)
         else:
             ticket.failed = True  # the requester keeps the pages and computes instead
         self.tree.tiers.unref_host(ticket.last_node)

@@ -12,6 +12,10 @@ and how the objects move between the store and the rank's host pages.
 Both are called from the storage I/O threads (`StorageIO`) on host pages that the scheduler
 reserved or pinned for them; they touch no other state. A write is two steps: `stage` copies
 the pages out of the host pool (the pin can go once it returns), `put` stores the copy.
+
+CP page sharding (`PageShare`): a page is whole on its owner rank, so its objects are the
+ones a CP1 engine of the same TP x PP layout names (no rank suffix for CP) and only the
+owner reads, writes or looks them up; the codecs then see the rank's local host pages.
 """
 
 from __future__ import annotations
@@ -30,6 +34,34 @@ from gpu_worker.storage.layout import ShardCells, StorageNamespace
 
 
 @dataclass(frozen=True, slots=True)
+class PageShare:
+    """The pages a CP rank of a sharded engine holds: page `h` (a host page id, or a path
+    page when no host page is chosen yet) is rank `h % cp_size`'s, at its local host page
+    `h // cp_size` (`HostKVPool.owned_by`). Host pages continue their path's owner cycle,
+    so a host page and its path page have one owner."""
+
+    cp_rank: int
+    cp_size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(f"no CP rank {self.cp_rank} of {self.cp_size}")
+
+    def select(self, page_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The positions in `page_ids` of this rank's pages, and their local pages."""
+        n, rank = self.cp_size, self.cp_rank
+        where = [i for i, h in enumerate(page_ids) if h % n == rank]
+        return where, [page_ids[i] // n for i in where]
+
+
+def first_missing(where: Sequence[int], num_done: int, num_pages: int) -> int:
+    """The rank's view of how many leading pages of `num_pages` are whole: it checked the
+    pages at positions `where` (in order) and the first `num_done` of them were whole; the
+    others are other ranks' to check. The MIN of this over the ranks is the agreed count."""
+    return where[num_done] if num_done < len(where) else num_pages
+
+
+@dataclass(frozen=True, slots=True)
 class StorageLayout:
     """How this rank names and lays out its objects: the rank-suffix scheme (`cells` None)
     or the unified one (the namespace and the cells of the rank's shard)."""
@@ -39,6 +71,7 @@ class StorageLayout:
     cells: ShardCells | None = None
     layout: str = ""  # the rank-suffix scheme's engine layout, e.g. "tp2pp2"
     writes: bool = True  # rank-suffix: False where another rank writes the object (MLA)
+    share: PageShare | None = None  # CP sharding: the pages this rank holds (None: all)
 
     @property
     def scope(self) -> str:
@@ -66,15 +99,25 @@ class StorageLayout:
                 raise ValueError(
                     "the rank-suffix key scheme needs a layer_first or page_first host pool"
                 )
-            return RankSuffixCodec(view, shape, spec.dtype, self.shard, self.writes)
-        if host.layout != "page_unified":
+            codec: ObjectCodec = RankSuffixCodec(view, shape, spec.dtype, self.shard, self.writes)
+        elif host.layout != "page_unified":
             raise ValueError("the unified key scheme needs the page_unified host layout")
-        return UnifiedCodec(host.kv, self.cells, self.namespace.digest)
+        else:
+            codec = UnifiedCodec(host.kv, self.cells, self.namespace.digest)
+        if (self.share is None) != (host.owned_by is None) or (
+            self.share is not None and self.share.cp_rank != host.owned_by
+        ):
+            raise ValueError(f"storage share {self.share} for a host pool of {host.owned_by}")
+        codec.share = self.share
+        return codec
 
 
 class ObjectCodec(abc.ABC):
     per_page: int  # objects per page of this rank
     writes: bool  # False: this rank's objects are written by another (replicated KV)
+    # CP sharding: the pages whose objects this rank moves; host ids given to `read`,
+    # `stage` and `write` are then local pages (`PageShare.select`). None: every page.
+    share: PageShare | None = None
 
     @abc.abstractmethod
     def keys(self, page_hashes: Sequence[bytes]) -> list[str]:

@@ -27,11 +27,17 @@ consuming waits where a rank's own work is still running.
 
 Which objects hold a rank's part of a page, and how they reach its host pages, is the
 codec's business (`storage_codec.py`): counts here are in pages; a page is whole only when
-all its objects are. A read batch or a write moves the rows of a set of pages of the pool
-group's host pools (`memory/pool_group.py`) in one piece of work with one ACK: today the
-target's host pool; a `packed` draft's layers would sit in the same host rows, hence the
-same objects, and a `sidecar` pool's objects would join the same batch (the group refuses
-both until the code that moves them exists).
+all its objects are. Under CP page sharding (`codec.share`) a rank looks up, reads and
+writes only the pages it owns, and counts the others as whole: its count is the first of
+its own pages that is missing (`first_missing`), and the MIN over the ranks is then the
+first page missing anywhere. A rank that owns none of a batch's pages still joins its
+agreement, so every rank's collectives stay in step.
+
+A read batch or a write moves the rows of a set of pages of the pool group's host pools
+(`memory/pool_group.py`) in one piece of work with one ACK: today the target's host pool;
+a `packed` draft's layers would sit in the same host rows, hence the same objects, and a
+`sidecar` pool's objects would join the same batch (the group refuses both until the code
+that moves them exists).
 """
 
 from __future__ import annotations
@@ -42,14 +48,14 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from gpu_worker.cache.storage_codec import ObjectCodec
+from gpu_worker.cache.storage_codec import ObjectCodec, first_missing
 from gpu_worker.storage import StorageBackend
 
 log = logging.getLogger(__name__)
@@ -185,8 +191,10 @@ class StorageIO:
 
     # ----------------------------------------------------------------- submit
 
-    def query(self, keys: list[str], op: object) -> StorageAck:
-        future = self._query_pool.submit(self._query, keys)
+    def query(self, keys: list[str], op: object, first_page: int = 0) -> StorageAck:
+        """How many leading pages of `keys` (`per_page` each; the path's pages from
+        `first_page` on, which say the pages' CP owners) the store holds, agreed."""
+        future = self._query_pool.submit(self._query, keys, first_page)
         return self._enqueue(self.hits, StorageAckKind.HIT, op, future)
 
     def read(self, read: ReadOp, op: object) -> list[StorageAck]:
@@ -227,15 +235,26 @@ class StorageIO:
 
     # ----------------------------------------------------------------- workers
 
-    def _query(self, keys: list[str]) -> int:
+    def _query(self, keys: list[str], first_page: int) -> int:
         if self.faults.query_delay_ms:
             time.sleep(self._rng.uniform(0, self.faults.query_delay_ms) / 1e3)
+        k = self.codec.per_page
+        num_pages = len(keys) // k
+        where, _ = self._select(range(first_page, first_page + num_pages))
         try:
-            local = self.backend.exists(keys) // self.codec.per_page  # whole pages
+            found = self.backend.exists(_keys_at(keys, where, k)) // k  # whole pages
+            local = first_missing(where, found, num_pages)
         except Exception as e:  # a broken store is a miss, never a crash
             log.warning("storage exists() failed: %r", e)
             local = 0
         return self._agree(local, self.hit_group)
+
+    def _select(self, page_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The positions of this rank's pages among `page_ids`, and their local ids."""
+        share = self.codec.share
+        if share is None:
+            return list(range(len(page_ids))), list(page_ids)
+        return share.select(page_ids)
 
     def _read(self, read: ReadOp, batches: list[Future[int]]) -> None:
         done = 0  # leading pages read on this rank
@@ -268,7 +287,10 @@ class StorageIO:
         start = time.perf_counter()  # an injected delay is part of the read: a slow store
         if f.read_delay_ms:
             time.sleep(self._rng.uniform(0, f.read_delay_ms) / 1e3)
-        n = self.codec.read(self.backend, keys, host_ids) // self.codec.per_page
+        k = self.codec.per_page
+        where, local = self._select(host_ids)
+        n = self.codec.read(self.backend, _keys_at(keys, where, k), local) // k if local else 0
+        n = first_missing(where, n, len(host_ids))
         if f.fail_rank == self.rank:
             n = min(n, max(f.fail_at_page - first, 0))
         with self._lock:
@@ -279,7 +301,8 @@ class StorageIO:
     def _stage(self, keys: list[str], host_ids: list[int], op: object, staged: Future[int]) -> None:
         """Copy the pages out (waiting while the copies not yet put exceed the bound), let
         the scheduler unpin them, and queue the put."""
-        nbytes = len(host_ids) * self.codec.page_nbytes if self.codec.writes else 0
+        where, local = self._select(host_ids)
+        nbytes = len(local) * self.codec.page_nbytes if self.codec.writes else 0
         with self._staging:
             self._staging.wait_for(
                 lambda: not self._staged_bytes or self._staged_bytes + nbytes <= STAGING_BYTES
@@ -288,19 +311,30 @@ class StorageIO:
         data: list[memoryview] | None = []
         try:
             if self.codec.writes and self.faults.fail_write_rank != self.rank:
-                data = self.codec.stage(host_ids)
+                data = self.codec.stage(local)
         except Exception as e:  # the put stores nothing, and still joins the agreement
             log.warning("storage staging failed: %r", e)
             data = None
         staged.set_result(len(host_ids))
-        self._write_pool.submit(self._put, keys, data, nbytes, op)
+        owned = _keys_at(keys, where, self.codec.per_page)
+        self._write_pool.submit(self._put, owned, where, len(host_ids), data, nbytes, op)
 
-    def _put(self, keys: list[str], data: list[memoryview] | None, nbytes: int, op: object) -> None:
-        """Store a staged copy; agree with every rank how many leading pages all stored."""
+    def _put(
+        self,
+        keys: list[str],
+        where: list[int],
+        num_pages: int,
+        data: list[memoryview] | None,
+        nbytes: int,
+        op: object,
+    ) -> None:
+        """Store a staged copy of this rank's pages (`keys`, at positions `where` of the
+        write's `num_pages`); agree with every rank how many leading pages all stored."""
         local = 0
         try:
             if data is not None and self.faults.fail_write_rank != self.rank:
-                local = self.codec.put(self.backend, keys, data) // self.codec.per_page
+                stored = self.codec.put(self.backend, keys, data) // self.codec.per_page
+                local = first_missing(where, stored, num_pages)
         except Exception as e:  # the backend reports full/read-only itself; anything else
             log.warning("storage put() failed: %r", e)
         finally:
@@ -340,3 +374,10 @@ class StorageIO:
     def close(self) -> None:
         for pool in (self._query_pool, self._read_pool, self._stage_pool, self._write_pool):
             pool.shutdown(wait=True)
+
+
+def _keys_at(keys: list[str], where: list[int], per_page: int) -> list[str]:
+    """The keys of the pages at positions `where` (`per_page` keys a page)."""
+    if len(where) * per_page == len(keys):
+        return keys  # every page (`where` is every position, in order)
+    return [keys[i * per_page + j] for i in where for j in range(per_page)]

@@ -181,7 +181,7 @@ class StorageTier:
             len(hashes),
         )
         tree.tiers.ref_host(node)
-        self.io.query(p.keys, p)
+        self.io.query(p.keys, p, start // ps)
         self.prefetches[rid] = p
         self.host.stats.num_prefetches += 1
         return p
@@ -236,7 +236,8 @@ class StorageTier:
             need = want - len(p.host_page_ids)
             if need > self.budget_pages - self.held_pages:
                 return  # wait until requests ahead are admitted and release theirs
-            got = self.host.alloc_host_upto(need)
+            first = p.start_len // self.page_size + len(p.host_page_ids)  # path page
+            got = self.host.alloc_host_upto(need, first)
             p.host_page_ids += got
             self.held_pages += len(got)
             p.stalled_grants = 0 if got else p.stalled_grants + 1

@@ -224,6 +224,20 @@ class TransferEngine:
             n += 1
         return n
 
+    def in_flight(self, kind: TransferKind) -> list[TransferAck]:
+        """Queued ACKs of `kind` whose copy has not finished yet."""
+        return [ack for ack in self._queue if ack.kind is kind and not ack.completion.done()]
+
+    def wait_copy(self, ack: TransferAck) -> None:
+        """Block until `ack`'s copy has finished; the ACK stays queued, to be consumed in
+        order. What a CP-sharded pool's gather does for a load of the pages it is about to
+        pack (`HostTier`): a copy moves every layer in one go, so a layer's
+        restore-complete event is its copy's completion."""
+        if not ack.completion.done():
+            start = time.perf_counter()
+            ack.completion.wait()
+            self.wait_seconds += time.perf_counter() - start
+
     def pop(self, n: int) -> list[TransferAck]:
         """Take exactly the first `n` ACKs, waiting for any whose copy is still running."""
         if n > len(self._queue):

@@ -67,16 +67,3 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.model, self.device))
-        par, cache = self.parallel, self.cache
-        if par.kv_sharding and cache.enable_hierarchical_cache:
-            raise ValueError(
-                "--enable-kv-cache-sharding does not support --enable-hierarchical-cache yet "
-                "(host backup and reload of owned pages are still to come); use replicated CP "
-                "(leave out --enable-kv-cache-sharding) for a host tier"
-            )
-        if par.kv_sharding and cache.hicache_storage_backend is not None:
-            raise ValueError(
-                "--enable-kv-cache-sharding does not support --hicache-storage-backend yet "
-                "(L3 objects written by their owner ranks are still to come); replicated CP "
-                "(without --enable-kv-cache-sharding) reads and writes the store"
-            )

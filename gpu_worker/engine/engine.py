@@ -109,7 +109,8 @@ class Engine:
         self.namespace = make_namespace(config.model, config.dtype, config.cache.page_size, weights)
         host_pages = None
         if config.cache.enable_hierarchical_cache:  # bytes per page differ between stages
-            host_pages = agree_min(groups, config.cache.num_host_pages(self.kv_spec))
+            shards = config.parallel.cp_size if config.parallel.kv_sharding else 1
+            host_pages = agree_min(groups, config.cache.num_host_pages(self.kv_spec, shards))
         # the engine's KV pools over one slot mapping: a draft model's would join the group.
         # Sharded CP: --max-total-tokens is the logical pool; this rank holds 1/N of its rows,
         # and the tree and allocator keep every path's pages on the owner cycle

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from gpu_worker.cache.hicache import CacheConfig
-from gpu_worker.cache.storage_codec import StorageLayout
+from gpu_worker.cache.storage_codec import PageShare, StorageLayout
 from gpu_worker.engine.config import EngineConfig
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.shard import ModelShard
@@ -25,17 +25,22 @@ def storage_layout(config: EngineConfig, mc: ModelConfig, rank: int) -> StorageL
 
     Replicated CP is replication too: every CP rank holds what the rank of its stage and TP
     index holds at CP 1, so under either scheme it names that rank's objects (a CP1 engine
-    of the same TP x PP layout shares them) and only CP rank 0 writes them."""
+    of the same TP x PP layout shares them) and only CP rank 0 writes them.
+
+    Sharded CP (`--enable-kv-cache-sharding`): a page is whole on its owner CP rank, so the
+    objects are again those of the CP1 rank of its stage and TP index, byte for byte; each
+    CP rank reads, writes and looks up only the pages it owns (`PageShare`), so every page
+    object is written once, by its owner, and any topology reads it (unified scheme)."""
     cc, whole = config.cache, config.parallel
-    if whole.kv_sharding:
-        raise ValueError("a sharded CP engine has no storage layout yet")
     where = whole.coords(rank)
-    par = dataclasses.replace(whole, cp_size=1)
-    rank, tp_rank, writer = par.rank_of(where.pp, where.tp), where.tp, where.cp == 0
+    par = dataclasses.replace(whole, cp_size=1, kv_sharding=False)  # the CP1 layout
+    rank, tp_rank = par.rank_of(where.pp, where.tp), where.tp
+    writer = where.cp == 0 or whole.kv_sharding
+    share = PageShare(where.cp, whole.cp_size) if whole.kv_sharding else None
     names = shard_names(par, rank, replicated=mc.mla)
     if cc.hicache_storage_key_scheme != "unified":
         writes = (tp_rank == 0 or not mc.mla) and writer
-        return StorageLayout(names.shard, layout=names.layout, writes=writes)
+        return StorageLayout(names.shard, layout=names.layout, writes=writes, share=share)
     namespace = StorageNamespace(
         model=config.model,
         kv_dtype=config.dtype,
@@ -57,7 +62,7 @@ def storage_layout(config: EngineConfig, mc: ModelConfig, rank: int) -> StorageL
     )
     if not writer:
         cells = dataclasses.replace(cells, writes=False)
-    return StorageLayout(names.shard, namespace, cells, names.layout)
+    return StorageLayout(names.shard, namespace, cells, names.layout, share=share)
 
 
 def storage_backend(cc: CacheConfig) -> StorageBackend | None:

@@ -76,6 +76,19 @@ class PageAllocator:
         counts = self.run_counts(n, first_owner)
         return sum(max(0, c - len(free)) for c, free in zip(counts, self._free, strict=True))
 
+    def run_fit(self, n: int, first_owner: int = 0) -> int:
+        """The longest run of at most `n` pages starting at class `first_owner` that
+        `alloc_run` can take now (a prefix of the run: its first short class ends it)."""
+        if self.num_owners == 1:
+            return min(n, len(self._free[0]))
+        left = [len(f) for f in self._free]
+        for j in range(n):
+            owner = (first_owner + j) % self.num_owners
+            if not left[owner]:
+                return j
+            left[owner] -= 1
+        return n
+
     def alloc_run(self, n: int, first_owner: int = 0) -> list[int] | None:
         """`n` pages continuing an owner cycle: page j is of class `(first_owner + j) %
         num_owners`, lowest free id of its class first. None (and nothing taken) when any

@@ -19,13 +19,16 @@ brings the code that moves it (`UnsupportedMember`).
 
 Context parallelism with `--enable-kv-cache-sharding` (`KVSharding`): the target's device
 pool is this CP rank's `ShardedDeviceKVPool` (its owned rows of the same logical pages and
-page ids). It has no host pool yet: backup and reload of owned pages is still to come.
+page ids), and its host pool holds this rank's host pages only (`HostKVPool.owned_by`).
+Host page ids are owner-classed like device page ids and a path's host pages continue its
+owner cycle, so a device page and the host page it is backed up to or loaded from have one
+owner: each rank copies the pairs it owns, local rows to local rows (`local_pairs`).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +36,7 @@ import torch.distributed as dist
 
 from gpu_worker.kernels.moves import PoolView
 from gpu_worker.kernels.relayout import RunView
+from gpu_worker.memory.allocator import PageId
 from gpu_worker.memory.device_pool import DeviceKVPool
 from gpu_worker.memory.host_pool import HostKVPool, HostLayout
 from gpu_worker.memory.kv_spec import KVSpec
@@ -52,7 +56,7 @@ class HostRows(enum.Enum):
 
 class UnsupportedMember(ValueError):
     """A member the group cannot move yet (a draft or indexer pool), or a move a CP-sharded
-    device pool does not support yet (the host tier, P/D)."""
+    device pool does not support yet (P/D)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,17 +180,64 @@ class PoolGroup:
         target's. `group_heads`: KV heads per group of a `page_unified` layout."""
         if self.host is not None:
             raise RuntimeError("the group has its host pools already")
-        self.replicated_device("the host tier")
-        self.host = HostKVPool(self.spec, num_pages, layout, self.device.device, group_heads)
+        device = self.device
+        owners = device.allocator.num_owners
+        owned_by = device.cp_rank if isinstance(device, ShardedDeviceKVPool) else None
+        self.host = HostKVPool(
+            self.spec, num_pages, layout, device.device, group_heads, owners, owned_by
+        )
         return self.host
 
     def tier_views(self) -> list[TierViews]:
-        """Every member's (device, host) views, target first: a copy between the tiers
-        moves the same page ids through each pair, in one operation."""
+        """Every member's (device, host) views of their local pages, target first: a copy
+        between the tiers moves the same local page ids (`local_pairs`) through each pair,
+        in one operation."""
         if self.host is None:
             raise RuntimeError("the group has no host pools")
-        device = self.replicated_device("the host tier")
-        host = self.host.page_view()
+        device, host = self.device, self.host.page_view()
+        if isinstance(device, ShardedDeviceKVPool):
+            ps = self.spec.page_size
+            if isinstance(host, RunView):  # the local pages as runs of head groups
+                return [TierViews(RunView.pool(device.kv, ps, self.host.group_heads), host)]
+            return [TierViews(device.local_page_view(), host)]
         if isinstance(host, RunView):
             return [TierViews(device.run_view(self.host.group_heads), host)]
         return [TierViews(device.page_view(), host)]
+
+    def local_pairs(
+        self, device_page_ids: Sequence[int], host_page_ids: Sequence[int]
+    ) -> tuple[list[int], list[int]]:
+        """The (device page, host page) pairs of a copy between the tiers that this rank
+        moves, as the local pages of `tier_views`: every pair as it is, or with a sharded
+        pool the pairs this CP rank owns. A pair whose two pages have different owners is a
+        bug upstream (the host allocation broke the owner cycle): ValueError."""
+        if len(device_page_ids) != len(host_page_ids):
+            raise ValueError("device and host page lists differ in length")
+        device = self.device
+        if not isinstance(device, ShardedDeviceKVPool):
+            return list(device_page_ids), list(host_page_ids)
+        n, rank = device.cp_size, device.cp_rank
+        local_device, local_host = [], []
+        for q, h in zip(device_page_ids, host_page_ids, strict=True):
+            if q % n != h % n:
+                raise ValueError(f"device page {q} and host page {h} have different CP owners")
+            if q % n == rank:
+                local_device.append(q // n)
+                local_host.append(h // n)
+        return local_device, local_host
+
+    def mark_loading(self, page_ids: list[PageId], loading: bool) -> None:
+        """Device pages a load writes, until its ACK is consumed (`check_reads` fails a
+        read of them). A sharded pool has no such marks: its gather of a layer waits for
+        the rank's loads in flight instead (`wait_for_restores`)."""
+        if isinstance(self.device, DeviceKVPool):
+            self.device.mark_pending(page_ids, loading)
+
+    def wait_for_restores(self, wait: Callable[[int, torch.Tensor], None]) -> None:
+        """A sharded pool calls `wait(layer, page_ids)` before it packs a layer's owned rows
+        of logical pages `page_ids` for the gather (restore local pages -> gather ->
+        attend): the host tier waits there for its loads in flight into those pages.
+        Nothing to do for a replicated pool, which is read in place only after the loads
+        of a batch's pages were consumed (`check_reads` enforces it)."""
+        if isinstance(self.device, ShardedDeviceKVPool):
+            self.device.wait_layer = wait

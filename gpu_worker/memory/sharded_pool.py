@@ -117,8 +117,9 @@ class ShardedDeviceKVPool:
     `kv` is (num_layers, num_kv, (ceil(num_pages / N) + 1) * page_size, num_kv_heads,
     head_dim): the owned rows at `CPLayout.local_rows`, then one trash page. `group` is the
     CP group (None only at cp_size 1); `allocator` hands out logical pages by owner class.
-    `wait_layer(layer)`, if given, runs before a layer's pages are packed: where a host load
-    of that layer must complete first (restore -> gather -> attend). `poison` (tests): the
+    `wait_layer(layer, page_ids)`, if given, runs before a layer's pages are packed, with
+    the plan's (n,) int64 logical pages: where a host load of them must land first
+    (restore -> gather -> attend). `poison` (tests): the
     rows start as NaN and each gather's buffer is NaN before it fills, so a read of a row
     no rank wrote, or of a stale gather, shows in the logits.
     """
@@ -137,7 +138,7 @@ class ShardedDeviceKVPool:
         *,
         backend: str = "auto",
         check_reads: bool = False,
-        wait_layer: Callable[[int], None] | None = None,
+        wait_layer: Callable[[int, torch.Tensor], None] | None = None,
         poison: bool = False,
     ) -> None:
         if not 0 <= cp_rank < cp_size or (group is None and cp_size > 1) or num_buffers < 1:
@@ -275,7 +276,7 @@ class ShardedDeviceKVPool:
         m, rank = plan.chunk_pages, self.cp_rank
         send = pages[rank * m : (rank + 1) * m]  # (M, num_kv, p, H, D): this rank's chunk
         if self.wait_layer is not None:
-            self.wait_layer(layer)
+            self.wait_layer(layer, plan.gather_page_ids)
         pack_owned(
             self.kv,
             layer,
