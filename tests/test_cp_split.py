@@ -206,7 +206,7 @@ def test_ranks_compute_their_share_only() -> None:
 
 def cp1_run(model: str, gather: bool) -> Run:
     if model == "tiny":
-        return reference(1, False, gather=gather)
+        return reference(1, None, gather=gather)
     engine = Engine(dataclasses.replace(config(1, False, gather=gather), model=model))
     try:
         return workload(engine, make_prompts())[0]
