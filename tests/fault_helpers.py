@@ -145,7 +145,7 @@ class MeshSpec:
     heartbeat_s: float = 0.5
     max_total_tokens: int = 4096
     extra: tuple[str, ...] = ()  # more `up` flags (e.g. --tp-size 2 --pp-size 2)
-    host_tier: bool = True  # --enable-hierarchical-cache (a sharded CP engine refuses it)
+    host_tier: bool = True  # --enable-hierarchical-cache
 
     @property
     def engine_ids(self) -> tuple[str, ...]:

@@ -213,18 +213,22 @@ def test_cp_flags_and_refusals() -> None:
 NUM_STRESS = 200
 
 
-def stress_config(disable: str = "none") -> EngineConfig:
-    """Replicated CP2 with a host tier and per-rank transfer delays: the ranks see
-    different ACKs ready at the same logical point, and only the agreement over the stage's
-    TP x CP ranks (TP is 1 here: no TP group at all) keeps their trees alike."""
+def stress_config(disable: str = "none", sharded: bool = False) -> EngineConfig:
+    """CP2 with a host tier and per-rank transfer delays: the ranks see different ACKs
+    ready at the same logical point, and only the agreement over the stage's TP x CP ranks
+    (TP is 1 here: no TP group at all) keeps their trees alike. Sharded, each rank's copies
+    move only its own pages (a rank may own none of a backup's), under the same ACKs."""
     base = test_multirank_consensus.stress_config(disable)
     cache = dataclasses.replace(base.cache, num_device_pages=96)
-    return dataclasses.replace(base, model="tiny", cache=cache, parallel=ParallelConfig(cp_size=2))
+    debug = dataclasses.replace(base.debug, gather_reads=sharded, poison_kv=sharded)
+    parallel = ParallelConfig(cp_size=2, kv_sharding=sharded)
+    return dataclasses.replace(base, model="tiny", cache=cache, parallel=parallel, debug=debug)
 
 
-def test_cp_ranks_agree_on_acks_under_delays(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded"])
+def test_cp_ranks_agree_on_acks_under_delays(tmp_path: Path, sharded: bool) -> None:
     reqs = test_multirank_consensus.make_requests(num_requests=NUM_STRESS)
-    config = stress_config()
+    config = stress_config(sharded=sharded)
     got = run_world(config, stress, reqs, env=checker_env(tmp_path))
     assert got["divergence"] is None
     assert isinstance(got["checked"], int) and got["checked"] > 4 * NUM_STRESS
@@ -249,14 +253,14 @@ def test_checker_reports_cp_ranks_that_consume_their_own_counts(tmp_path: Path) 
 
 
 def test_compose_engines_take_cp_size_from_the_environment() -> None:
-    """CP_SIZE sets the colocated compose engines' --cp-size (1 when unset: replicated CP
-    keeps their host tier); the P/D and buckets files have none (P/D and L3 refuse CP)."""
+    """CP_SIZE sets the colocated and P/D compose engines' --cp-size (1 when unset); the
+    buckets file's engines have their own layouts and none."""
     for path in test_compose.COMPOSE_FILES:
         for name, svc in test_compose.services(path).items():
             cmd = svc.get("command", [])
             if cmd[:3] != ["python", "-m", "services.engine"]:
                 continue
-            if path.name == "docker-compose.yml":
+            if path.name in ("docker-compose.yml", "docker-compose.pd.yml"):
                 assert cmd[cmd.index("--cp-size") + 1] == "${CP_SIZE:-1}", name
             else:
                 assert "--cp-size" not in cmd, (path.name, name)

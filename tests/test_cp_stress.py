@@ -7,9 +7,8 @@ poisoned (rows no rank wrote read as NaN). Every rank sleeps a random time befor
 decoder layer, drawn per rank (`DebugHooks.rank_layer_delay_max_s`), so the ranks reach
 each layer's gather, and start the next layer's, at different and changing times. No
 divergence may be reported, and every output must equal a CP1 engine's (one that reads KV
-by gathers, as the sharded pool does). Transfer delays per rank need the host tier, which a
-sharded engine refuses yet: the ranks' ACK agreement under those is `test_cp_engine.py`'s,
-on replicated CP.
+by gathers, as the sharded pool does). The ranks' ACK agreement under per-rank transfer
+delays, with the sharded host tier, is `test_cp_engine.py::test_cp_ranks_agree_on_acks_under_delays`.
 
 Then one rank rotates owners differently (`DebugHooks.perturb_owner_rotation_rank`: its
 requests' new pages start one owner class off their prefix's cycle): the checker must

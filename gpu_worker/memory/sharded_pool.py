@@ -36,7 +36,7 @@ drops; `scratch_bytes()` is every buffer's current size (buffers grow to the lar
 and stay), `scratch_bytes_for(plan)` what a plan needs: the scheduler counts both buffers
 before it admits a batch. The engine uses it with `--enable-kv-cache-sharding` (each CP
 rank of each TP rank and stage holds its share of its own heads and layers); the host tier
-and P/D are unaware of it yet.
+(`PoolGroup.local_pairs`) and P/D (`scheduler/pd_pages.py`) move its local pages.
 """
 
 from __future__ import annotations
