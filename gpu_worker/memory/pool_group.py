@@ -39,6 +39,7 @@ from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.memory.sharded_pool import ShardedDeviceKVPool
 
 TARGET = "target"  # the name of the target model's member
+DRAFT = "draft"  # a speculative draft model's member (same slots, device only for now)
 
 
 class HostRows(enum.Enum):
@@ -119,10 +120,16 @@ class PoolGroup:
         owner classes (CP ranks) of the page ids the device allocator hands out; `sharding`:
         the target's pool holds only this CP rank's pages (its owner classes are the CP
         ranks)."""
-        if [m.name for m in members] != [TARGET] or members[0].host_rows is not HostRows.SAME_SLOTS:
+        names = [m.name for m in members]
+        if (
+            names not in ([TARGET], [TARGET, DRAFT])
+            or any(m.host_rows is not HostRows.SAME_SLOTS for m in members)
+            or (len(members) > 1 and sharding is not None)
+        ):
             raise UnsupportedMember(
-                f"a pool group holds exactly the target pool ({TARGET!r}, same slots) for now; "
-                f"draft and indexer pools are not supported yet (a CP-sharded target is "
+                f"a pool group holds the target pool ({TARGET!r}, same slots) and maybe a "
+                f"draft's ({DRAFT!r}, same slots, unsharded) for now; packed, sidecar and "
+                f"indexer pools are not supported yet (a CP-sharded target is "
                 f"`sharding`): {list(members)}"
             )
         self.members = tuple(members)
@@ -138,6 +145,11 @@ class PoolGroup:
                 spec, num_pages, device, s.cp_rank, s.cp_size, s.group, poison=s.poison
             )
         self.host: HostKVPool | None = None
+        # the draft's device pool, read and written by the group's page ids (its allocator
+        # is unused): a device prefix hit of the target is one of the draft too
+        self.draft: DeviceKVPool | None = None
+        if len(members) > 1:
+            self.draft = DeviceKVPool(members[1].spec, num_pages, device)
 
     @classmethod
     def target_only(
@@ -176,6 +188,10 @@ class PoolGroup:
         target's. `group_heads`: KV heads per group of a `page_unified` layout."""
         if self.host is not None:
             raise RuntimeError("the group has its host pools already")
+        if self.draft is not None:
+            raise UnsupportedMember(
+                "the draft's host rows (packed or sidecar) are not supported yet"
+            )
         self.replicated_device("the host tier")
         self.host = HostKVPool(self.spec, num_pages, layout, self.device.device, group_heads)
         return self.host
