@@ -396,6 +396,14 @@ class Engine:
             "storage_reads_skipped": c.stats.storage_reads_skipped,
             "storage_reads_short": c.stats.storage_reads_short,
         }
+        if self.spec is not None:  # speculative decoding's counters (rates: `SpecStats`)
+            sp = self.spec.stats
+            stats |= {
+                "spec_verify_rounds": sp.rounds,
+                "spec_proposed_tokens": sp.proposed,
+                "spec_accepted_tokens": sp.accepted,
+                "spec_emitted_tokens": sp.emitted,
+            }
         if c.storage is not None:
             backend = c.storage.io.backend.stats()
             stats |= {
