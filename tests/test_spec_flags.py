@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import pytest
+from test_hf_loader import save_hf_model
 
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
@@ -100,3 +102,23 @@ def test_generate_reports_the_accepted_proposals(capsys: pytest.CaptureFixture[s
     assert "speculative: 8/8 proposals accepted in 2 verify rounds" in capsys.readouterr().out
     assert main(["generate", "--model", "tiny", *SPEC, "self", "--tp-size", "2"]) == 2
     assert "TP/PP/CP > 1" in capsys.readouterr().err
+
+
+def test_a_checkpoint_draft_must_share_the_targets_vocabulary(tmp_path: Path) -> None:
+    """A Hugging Face checkpoint directory drafts for tiny when its vocabulary is tiny's
+    (greedy output still tiny's own), and is refused, naming both sizes, when it is not."""
+    same, other = tmp_path / "same", tmp_path / "other"
+    save_hf_model("llama", same, vocab_size=260)
+    save_hf_model("llama", other)  # 128 tokens
+    cache = CacheConfig(page_size=4, enable_radix_cache=False)
+    plain = Engine(EngineConfig(cache=cache, batch_invariant=True))
+    want = plain.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    plain.close()
+    eng = Engine(
+        EngineConfig(cache=cache, batch_invariant=True, spec=SpecConfig("standalone", str(same)))
+    )
+    got = eng.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    eng.close()
+    assert got.output_ids == want.output_ids and got.spec_proposed > 0
+    with pytest.raises(ValueError, match="vocabulary of 128 tokens, the target 'tiny' 260"):
+        Engine(EngineConfig(spec=SpecConfig("standalone", str(other))))
