@@ -6,16 +6,18 @@ event (`PoolGroup.tier_views` gives the view pairs a copy walks). The device pag
 the group's: one allocator (the target pool's) hands them out, and every member reads a
 page id as the same tokens.
 
-Today the group has one member, the target model's pool. DESIGN section 4 declares how the
-draft model's KV (and any indexer or recurrent state) will join it, as `HostRows` says:
+The group has the target model's pool, and with speculative decoding a draft's. DESIGN
+section 4 declares how the draft model's KV (and any indexer or recurrent state) will join it, as `HostRows` says:
 - `SAME_SLOTS`: the member has its own device and host pools, indexed by the group's page
   ids as they are (the target itself);
 - `PACKED`: the member's layers are appended to the target's host rows (one host pool, the
   shared slot mapping): a host page holds both, and storage objects carry both;
 - `SIDECAR`: the member has its own host pool and layout; its host indices are derived
   from those of a named source pool (`PoolMember.source`).
-Only the target exists today; the group refuses any other member until a draft model
-brings the code that moves it (`UnsupportedMember`).
+Today a draft (`DRAFT`) joins as `SAME_SLOTS` with a device pool only (`PoolGroup.draft`):
+a device prefix hit holds its KV too, and a host tier is refused while it is there; the
+group refuses packed, sidecar and indexer members until code moves them
+(`UnsupportedMember`).
 
 Context parallelism with `--enable-kv-cache-sharding` (`KVSharding`): the target's device
 pool is this CP rank's `ShardedDeviceKVPool` (its owned rows of the same logical pages and
