@@ -7,7 +7,8 @@ the group's: one allocator (the target pool's) hands them out, and every member 
 page id as the same tokens.
 
 The group has the target model's pool, and with speculative decoding a draft's. DESIGN
-section 4 declares how the draft model's KV (and any indexer or recurrent state) will join it, as `HostRows` says:
+section 4 declares how the draft model's KV (and any indexer or recurrent state) joins it,
+as `HostRows` says:
 - `SAME_SLOTS`: the member has its own device and host pools, indexed by the group's page
   ids as they are (the target itself);
 - `PACKED`: the member's layers are appended to the target's host rows (one host pool, the
