@@ -60,8 +60,9 @@ class TokenChunk(Message):
     """
 
     TYPE: ClassVar[str] = "token_chunk"
-    # 2: P/D fields; 3: engine_crashed; 4: logprobs; 5: storage; 6: prefill's storage hits
-    VERSION: ClassVar[int] = 6
+    # 2: P/D fields; 3: engine_crashed; 4: logprobs; 5: storage; 6: prefill's storage hits;
+    # 7: speculative decoding's counts
+    VERSION: ClassVar[int] = 7
 
     request_id: str
     seq: int
@@ -91,6 +92,11 @@ class TokenChunk(Message):
     top_logprobs: list[list[float]] = field(default_factory=list)
     cached_storage: int = 0  # prompt tokens read from external storage (L3) for it
     prefill_cached_storage: int = 0  # P/D: ... by the prefill engine (first chunk)
+    # speculative decoding, so far (every chunk): verify rounds, draft tokens proposed and
+    # accepted (SGLang's meta info spec_verify_ct, spec_draft_token_num, spec_accept_token_num)
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +188,7 @@ class Heartbeat(Message):
     TYPE: ClassVar[str] = "heartbeat"
     # 2: cache usage and counters; 3: eviction counters; 4: card; 5: external storage;
     # 6: bus_reconnects; 7: generation_tokens, gen_throughput
-    VERSION: ClassVar[int] = 7
+    VERSION: ClassVar[int] = 8  # 8: speculative decoding's counters
 
     engine_id: str
     bucket: str
@@ -215,6 +221,12 @@ class Heartbeat(Message):
     storage_pages_written: int = 0
     storage_write_failures: int = 0  # puts that stopped early (a full or read-only store)
     storage_quarantined: int = 0  # objects that failed verification: set aside, not read
+    # speculative decoding: verify rounds, draft tokens proposed, accepted, and tokens the
+    # rounds emitted (the router exports sglang:spec_accept_length and _rate from them)
+    spec_verify_rounds: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
     # how often the engine's NATS connection came back: messages to it, or from it to a
     # router not yet resubscribed, may have been lost then (routers check their streams)
     bus_reconnects: int = 0

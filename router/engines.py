@@ -376,3 +376,22 @@ class EngineCollector(Collector):
         for hb, hit_rate in live:
             rate.add_metric([hb.model, hb.engine_id, hb.bucket], hit_rate)
         yield rate
+        yield from _spec_gauges(live, labels)
+
+
+def _spec_gauges(live: list[tuple[Heartbeat, float]], labels: list[str]) -> Iterator[Metric]:
+    """Speculative decoding per engine since it started (0 without speculation), from its
+    heartbeat's counters: tokens per verify round (accepted + 1) and accepted / proposed."""
+    length = GaugeMetricFamily(
+        "sglang:spec_accept_length", "tokens emitted per speculative verify round", labels=labels
+    )
+    rate = GaugeMetricFamily(
+        "sglang:spec_accept_rate", "draft tokens accepted / draft tokens proposed", labels=labels
+    )
+    for hb, _ in live:
+        key = [hb.model, hb.engine_id, hb.bucket]
+        rounds, proposed = hb.spec_verify_rounds, hb.spec_proposed_tokens
+        length.add_metric(key, hb.spec_emitted_tokens / rounds if rounds else 0.0)
+        rate.add_metric(key, hb.spec_accepted_tokens / proposed if proposed else 0.0)
+    yield length
+    yield rate

@@ -343,6 +343,9 @@ class Generation:
             self._first(chunk)
         if out.ttft_s is None and chunk.token_ids:
             out.ttft_s = time.perf_counter() - self.timings.arrived
+        out.spec_verify_ct = chunk.spec_verify_ct  # speculative decoding, so far
+        out.spec_draft_tokens = chunk.spec_draft_tokens
+        out.spec_accepted_tokens = chunk.spec_accepted_tokens
         taken = []
         for t in chunk.token_ids:
             taken.append(t)

@@ -50,6 +50,10 @@ class Outcome:
     predicted_cached_tokens: int | None = None
     disaggregation: PDInfo | None = None  # set by a P/D request's first chunk
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked, one per output id
+    # speculative decoding on the engine: verify rounds, draft tokens proposed and accepted
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def cached_tokens(self) -> int:

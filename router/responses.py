@@ -203,6 +203,16 @@ def generate_body(
             "cached_tokens_storage": out.cached_storage,
             "engine_id": out.engine_id,
         }
+    if out.spec_verify_ct:  # speculative decoding (SGLang's meta info names)
+        meta |= {
+            "spec_verify_ct": out.spec_verify_ct,
+            "spec_draft_token_num": out.spec_draft_tokens,
+            "spec_accept_token_num": out.spec_accepted_tokens,
+            "spec_accept_rate": out.spec_accepted_tokens / max(1, out.spec_draft_tokens),
+            # tokens per verify round (accepted + 1), as SGLang's spec_accept_length
+            "spec_accept_length": (out.spec_accepted_tokens + out.spec_verify_ct)
+            / out.spec_verify_ct,
+        }
     if out.disaggregation is not None and not hide_cache:
         meta["disaggregation"] = out.disaggregation.as_dict()
     if logprobs:

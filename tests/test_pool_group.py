@@ -54,7 +54,6 @@ def test_unified_host_pool_pairs_with_runs_of_the_device_pool() -> None:
     [
         [PoolMember(TARGET, SPEC), PoolMember("draft", DRAFT, HostRows.PACKED)],
         [PoolMember(TARGET, SPEC), PoolMember("draft", DRAFT, HostRows.SIDECAR, TARGET)],
-        [PoolMember(TARGET, SPEC), PoolMember("draft", DRAFT)],
         [PoolMember("draft", DRAFT)],
         [PoolMember(TARGET, SPEC, HostRows.PACKED)],
         [],

@@ -10,6 +10,7 @@ from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.model.config import resolve_dtype
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.scheduler import SchedulerConfig
+from gpu_worker.scheduler.spec_config import SpecConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,12 @@ class DebugHooks:
     # this world rank starts each request's new pages one owner class off its prefix's
     # cycle (`scheduler/admission.py`): the consensus checker must name that entry
     perturb_owner_rotation_rank: int | None = None
+    # speculative decoding: a request's device prefix hit finds the draft's rows of the hit
+    # zeroed (a lost draft restore: the restored-state test must fail)
+    spec_zero_draft_hits: bool = False
+    # speculative decoding: when every proposal is accepted, the last one is not fed through
+    # the draft (its KV stays missing: acceptance must fall below 100% with the self draft)
+    spec_skip_final_draft_feed: bool = False
 
     def __post_init__(self) -> None:
         if not self.layer_delay_s >= 0:
@@ -63,7 +70,31 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # every row's result independent of its batch (SGLang's --enable-deterministic-inference)
     batch_invariant: bool = False
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding, off by default
     debug: DebugHooks = field(default_factory=DebugHooks)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.model, self.device))
+        if self.spec.enabled:
+            _refuse_spec_with(self)
+
+
+def _refuse_spec_with(config: EngineConfig) -> None:
+    """What this first slice of speculative decoding does not support yet (issue 23): the
+    draft's KV has no host rows (packed or sidecar) and no L3 objects, and the verify
+    decision is not broadcast over ranks."""
+    missing = []
+    if config.cache.enable_hierarchical_cache:
+        missing.append("--enable-hierarchical-cache (the draft's host rows, packed or sidecar)")
+    if config.cache.hicache_storage_backend is not None:
+        missing.append("--hicache-storage-backend (the draft's L3 objects)")
+    if config.parallel.world_size > 1:
+        missing.append(
+            f"{config.parallel.describe()} (TP/PP/CP > 1: the verify decision made once and "
+            "broadcast over the ranks)"
+        )
+    if missing:
+        raise ValueError(
+            "--speculative-algorithm does not support yet: " + "; ".join(missing) + ". Leave "
+            "speculation off, or run a single-rank engine without a host tier or storage"
+        )

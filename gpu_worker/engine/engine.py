@@ -37,13 +37,14 @@ from gpu_worker.engine.apply import CommandApplier
 from gpu_worker.engine.commands import Abort, AddRequest, Drain, EvictDevice, Flush, Stop, WriteKV
 from gpu_worker.engine.config import DebugHooks as DebugHooks
 from gpu_worker.engine.config import EngineConfig
+from gpu_worker.engine.draft import pool_group, spec_decoder
 from gpu_worker.engine.driver import KEEPALIVE_S, Outlook, StepLoop, StepResult, Wake
 from gpu_worker.engine.executor import ModelExecutor
 from gpu_worker.engine.kv_import import KVImport
 from gpu_worker.engine.pending import PendingCommands
 from gpu_worker.engine.storage_setup import storage_backend, storage_layout
 from gpu_worker.memory.kv_spec import KVSpec
-from gpu_worker.memory.pool_group import KVSharding, PoolGroup
+from gpu_worker.memory.pool_group import KVSharding
 from gpu_worker.model.config import PRESETS, parse_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.tokenizer import load_tokenizer
@@ -116,14 +117,10 @@ class Engine:
         # and the tree and allocator keep every path's pages on the owner cycle
         sharding = _sharding(config, groups)
         owners = 1 if sharding is None else sharding.cp_size
-        pools = PoolGroup.target_only(
-            self.kv_spec,
-            config.cache.num_device_pages,
-            self.device,
-            config.cache.check_reads,
-            num_owners=owners,
-            sharding=sharding,
+        pools, self.draft_model, draft_len = pool_group(
+            config, mc, self.kv_spec, self.device, owners, sharding
         )
+        self.context_len = min(self.context_len, draft_len)
         if config.debug.gather_reads:
             pools.device.contiguous_slices = False
         self.cache = PrefixCache(
@@ -159,6 +156,7 @@ class Engine:
         self.executor = ModelExecutor(
             self.model, groups, self.device, mc, guard_tp=self.consensus is not None
         )
+        self.spec = spec_decoder(config, self.draft_model, pools, self.executor, groups)
         self.scheduler = Scheduler(
             config.scheduler,
             self.executor,
@@ -167,6 +165,7 @@ class Engine:
             self.device,
             perturb_sampler=config.debug.perturb_sampler,
             perturb_rotation=config.debug.perturb_owner_rotation_rank == self.rank,
+            spec=self.spec,
         )
         delay = config.debug.layer_delay(self.rank)
         if delay is not None:
@@ -231,6 +230,7 @@ class Engine:
         reuse: bool = True,
     ) -> Req:
         """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`)."""
+        _refuse_pd_spec(self.config)
         req = self.submit(prompt_ids, sampling, cache_salt)
         req.remote = RemoteKV(reuse=reuse and self.config.cache.enable_radix_cache)
         return req
@@ -241,6 +241,7 @@ class Engine:
         """A P/D prefill request: compute the prompt, sample one token, and pack the KV from
         `export_from` on (`req.export` when it finishes; every rank's shard on rank 0, a
         CP-sharded rank's holding the pages it owns)."""
+        _refuse_pd_spec(self.config)
         ps = self.kv_spec.page_size
         ids = self.validate(prompt_ids, sampling)
         if not 0 <= export_from < len(ids) or export_from % ps:
@@ -396,6 +397,14 @@ class Engine:
             "storage_reads_skipped": c.stats.storage_reads_skipped,
             "storage_reads_short": c.stats.storage_reads_short,
         }
+        if self.spec is not None:  # speculative decoding's counters (rates: `SpecStats`)
+            sp = self.spec.stats
+            stats |= {
+                "spec_verify_rounds": sp.rounds,
+                "spec_proposed_tokens": sp.proposed,
+                "spec_accepted_tokens": sp.accepted,
+                "spec_emitted_tokens": sp.emitted,
+            }
         if c.storage is not None:
             backend = c.storage.io.backend.stats()
             stats |= {
@@ -442,6 +451,11 @@ def _divergence_named(recorder: consensus.ConsensusRecorder | None) -> Iterator[
         if found is not None:
             raise consensus.RankDivergenceError(found.report()) from e
         raise
+
+
+def _refuse_pd_spec(config: EngineConfig) -> None:
+    if config.spec.enabled:  # the draft's KV frames, decode-side draft state: still to come
+        raise InvalidRequestError("P/D does not support --speculative-algorithm yet")
 
 
 def _sharding(config: EngineConfig, groups: ParallelGroups) -> KVSharding | None:

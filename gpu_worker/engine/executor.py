@@ -115,6 +115,15 @@ class ModelExecutor:
             self._send_outcomes(outcomes)
         return outcomes
 
+    def logits(self, batch: ForwardBatch, pool: KVCache) -> torch.Tensor:
+        """Forward `batch` on a world of one and return the logits of `batch.logit_rows`
+        (every request's last row when None), unsampled: speculative decoding samples its
+        draft's proposals and verifies them from these."""
+        if self.groups.world_size > 1:
+            raise RuntimeError("speculative decoding runs on a single-rank engine for now")
+        with torch.inference_mode():
+            return self.model(batch, pool)
+
     def _check_stage_shape(self, shape: tuple[int, int]) -> None:
         g = self.groups
         sent = torch.empty(2, dtype=torch.int64)

@@ -6,16 +6,19 @@ event (`PoolGroup.tier_views` gives the view pairs a copy walks). The device pag
 the group's: one allocator (the target pool's) hands them out, and every member reads a
 page id as the same tokens.
 
-Today the group has one member, the target model's pool. DESIGN section 4 declares how the
-draft model's KV (and any indexer or recurrent state) will join it, as `HostRows` says:
+The group has the target model's pool, and with speculative decoding a draft's. DESIGN
+section 4 declares how the draft model's KV (and any indexer or recurrent state) joins it,
+as `HostRows` says:
 - `SAME_SLOTS`: the member has its own device and host pools, indexed by the group's page
   ids as they are (the target itself);
 - `PACKED`: the member's layers are appended to the target's host rows (one host pool, the
   shared slot mapping): a host page holds both, and storage objects carry both;
 - `SIDECAR`: the member has its own host pool and layout; its host indices are derived
   from those of a named source pool (`PoolMember.source`).
-Only the target exists today; the group refuses any other member until a draft model
-brings the code that moves it (`UnsupportedMember`).
+Today a draft (`DRAFT`) joins as `SAME_SLOTS` with a device pool only (`PoolGroup.draft`):
+a device prefix hit holds its KV too, and a host tier is refused while it is there; the
+group refuses packed, sidecar and indexer members until code moves them
+(`UnsupportedMember`).
 
 Context parallelism with `--enable-kv-cache-sharding` (`KVSharding`): the target's device
 pool is this CP rank's `ShardedDeviceKVPool` (its owned rows of the same logical pages and
@@ -43,6 +46,7 @@ from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.memory.sharded_pool import ShardedDeviceKVPool
 
 TARGET = "target"  # the name of the target model's member
+DRAFT = "draft"  # a speculative draft model's member (same slots, device only for now)
 
 
 class HostRows(enum.Enum):
@@ -123,10 +127,16 @@ class PoolGroup:
         owner classes (CP ranks) of the page ids the device allocator hands out; `sharding`:
         the target's pool holds only this CP rank's pages (its owner classes are the CP
         ranks)."""
-        if [m.name for m in members] != [TARGET] or members[0].host_rows is not HostRows.SAME_SLOTS:
+        names = [m.name for m in members]
+        if (
+            names not in ([TARGET], [TARGET, DRAFT])
+            or any(m.host_rows is not HostRows.SAME_SLOTS for m in members)
+            or (len(members) > 1 and sharding is not None)
+        ):
             raise UnsupportedMember(
-                f"a pool group holds exactly the target pool ({TARGET!r}, same slots) for now; "
-                f"draft and indexer pools are not supported yet (a CP-sharded target is "
+                f"a pool group holds the target pool ({TARGET!r}, same slots) and maybe a "
+                f"draft's ({DRAFT!r}, same slots, unsharded) for now; packed, sidecar and "
+                f"indexer pools are not supported yet (a CP-sharded target is "
                 f"`sharding`): {list(members)}"
             )
         self.members = tuple(members)
@@ -142,6 +152,11 @@ class PoolGroup:
                 spec, num_pages, device, s.cp_rank, s.cp_size, s.group, poison=s.poison
             )
         self.host: HostKVPool | None = None
+        # the draft's device pool, read and written by the group's page ids (its allocator
+        # is unused): a device prefix hit of the target is one of the draft too
+        self.draft: DeviceKVPool | None = None
+        if len(members) > 1:
+            self.draft = DeviceKVPool(members[1].spec, num_pages, device)
 
     @classmethod
     def target_only(
@@ -180,6 +195,10 @@ class PoolGroup:
         target's. `group_heads`: KV heads per group of a `page_unified` layout."""
         if self.host is not None:
             raise RuntimeError("the group has its host pools already")
+        if self.draft is not None:
+            raise UnsupportedMember(
+                "the draft's host rows (packed or sidecar) are not supported yet"
+            )
         device = self.device
         owners = device.allocator.num_owners
         owned_by = device.cp_rank if isinstance(device, ShardedDeviceKVPool) else None

@@ -167,6 +167,22 @@ PRESETS: dict[str, ModelConfig] = {
         kv_lora_rank=16,
         qk_rope_head_dim=4,
     ),
+    # A speculative draft for tiny (same byte vocabulary) of another shape: 2 layers and one
+    # KV head of 32 dims, so its KV pool differs from the target's in every dimension but
+    # the page; float64-exact like tiny.
+    "tiny-draft": ModelConfig(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        context_len=8192,
+        eos_token_ids=(BYTE_EOS_ID,),
+        bos_token_id=BYTE_BOS_ID,
+        name="tiny-draft",
+    ),
     # SmolLM2-135M's KV bytes per token on a small random model, for P/D and KV-size tests:
     # 15 layers x 3 KV heads x head_dim 64 x K,V x 8 bytes (float64) = 46,080 bytes, what
     # SmolLM2's 30 layers hold in float32; float64-exact like tiny, and cheap to compute.

@@ -75,6 +75,9 @@ class ForwardBatch:
     seq_lens: list[int]  # per request: prefix + new tokens after this pass
     extend_lens: list[int]  # per request: new tokens in this pass; sum == T
     slot_ids: list[torch.Tensor]  # per request: (seq_lens[i],) int64 slots of positions 0..
+    # rows of the batch whose logits the model returns, in this order (speculative decoding's
+    # verify reads every new position); None: each request's last new token
+    logit_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

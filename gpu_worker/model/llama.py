@@ -205,6 +205,9 @@ class LlamaModel(nn.Module):
         if not self.last_stage:
             return h  # (T, hidden)
         assert self.norm is not None
+        if batch.logit_rows is not None:  # speculative verify: never under a CP split
+            assert split is None, "logit rows under a CP split"
+            return self.compute_logits(self.norm(h[batch.logit_rows]))
         last = h[plan.last_rows] if split is None else split.last_hidden(h)
         return self.compute_logits(self.norm(last))  # (batch_size, hidden) -> logits
 

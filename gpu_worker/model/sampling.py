@@ -148,15 +148,45 @@ def sample(
     return int(order[choice].item())
 
 
-def sample_with_logprobs(
+def spec_generator(seed: int, step: int, draw: str) -> torch.Generator:
+    """Speculative decoding's generator for draw `draw` ("draft", "accept", "residual") of
+    output token `step`: a stream apart from `step_generator`'s, so a proposal, its accept
+    test and a residual draw never reuse one another's random numbers."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{draw}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def distribution(
     logits: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator | None,
     prompt_ids: Sequence[int] = (),
     output_ids: Sequence[int] = (),
-) -> Sampled:
-    """`sample`, plus the model's log-probabilities when `params.logprobs` asks for them."""
-    token = sample(logits, params, generator, prompt_ids, output_ids)
+) -> torch.Tensor:
+    """The probabilities (vocab,) float64, summing to 1, that `sample` draws from for a
+    non-greedy `params` (bias, penalties, temperature, then the top-k/top-p/min-p cut,
+    renormalised). Speculative decoding's rejection rule compares the target's and the
+    draft's. Raises SamplingError when no logit is usable."""
+    scores = _usable_scores(_processed(logits, params, prompt_ids, output_ids))
+    probs = torch.softmax(scores / params.temperature, dim=-1)
+    if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+        if params.top_k:
+            keep[params.top_k :] = False
+        if params.top_p < 1.0:
+            keep &= torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+        if params.min_p > 0.0:
+            keep &= sorted_probs >= params.min_p * sorted_probs[0]
+        keep[0] = True
+        mask = torch.zeros_like(keep)
+        mask[order] = keep
+        probs = torch.where(mask, probs, torch.zeros_like(probs))
+    return probs / probs.sum()
+
+
+def with_logprobs(logits: torch.Tensor, params: SamplingParams, token: int) -> Sampled:
+    """`token`, chosen from `logits` (vocab,), with the model's log-probabilities when
+    `params.logprobs` asks for them."""
     if params.logprobs is None:
         return Sampled(token)
     logp = torch.log_softmax(_usable_scores(logits.to(torch.float64)), dim=-1)  # (vocab,)
@@ -165,6 +195,17 @@ def sample_with_logprobs(
         values, ids = torch.topk(logp, min(params.logprobs, logp.numel()))
         top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
     return Sampled(token, float(logp[token]), top)
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    prompt_ids: Sequence[int] = (),
+    output_ids: Sequence[int] = (),
+) -> Sampled:
+    """`sample`, plus the model's log-probabilities when `params.logprobs` asks for them."""
+    return with_logprobs(logits, params, sample(logits, params, generator, prompt_ids, output_ids))
 
 
 def _processed(

@@ -35,8 +35,8 @@ class SampleSpec:
 
 @dataclass(frozen=True, slots=True)
 class SampleOutcome:
-    """What a step appended to one request: n >= 0 sampled tokens, in order (decode today:
-    one), each with its logprobs when the request asked for them; or why sampling failed."""
+    """What a step appended to one request: n >= 0 sampled tokens, in order (a decode step
+    one, a speculative one up to the proposals + 1), each with its logprobs when the request asked for them; or why sampling failed."""
 
     tokens: tuple[Sampled, ...] = ()
     error: str | None = None  # set when sampling failed (then `tokens` is empty)
@@ -66,6 +66,11 @@ class StepExecutor(Protocol):
     ) -> list[SampleOutcome | None]:
         """Forward `batch`; an outcome for every row whose spec is not None, the same on
         every rank."""
+        ...
+
+    def logits(self, batch: ForwardBatch, pool: KVCache) -> torch.Tensor:
+        """Forward `batch` (a world of one) and return the logits (rows, vocab) of
+        `batch.logit_rows`, unsampled (speculative decoding's draft and verify)."""
         ...
 
     def collect_export(

@@ -47,7 +47,7 @@ class KVHandOff:
         """Insert the KV the request computed into the tree and release the rest."""
         if req.export_from is not None and req.output_ids and req.error is None:
             req.export = self._pack_export(req)
-        kv_len = req.lens.kv_len
+        kv_len = req.insert_len  # with a draft: only what both models' KV covers
         req.state = ReqState.FINISHED
         if self.cache.config.enable_radix_cache:
             self._insert(req, req.token_ids(kv_len))

@@ -56,6 +56,16 @@ class GenerateOutput:
     output_ids: list[int]
     cached: CachedTokens
     finish_reason: str  # "stop" (a stop/eos token), "length" (max_new_tokens) or "abort"
+    # speculative decoding: per verify round (proposed, accepted); empty without a draft
+    spec_rounds: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def spec_accepted(self) -> int:
+        return sum(a for _, a in self.spec_rounds)
+
+    @property
+    def spec_proposed(self) -> int:
+        return sum(p for p, _ in self.spec_rounds)
 
 
 @dataclass(slots=True)
@@ -136,7 +146,10 @@ class ReqLens:
     Invariant, checked by `check`, from admission until the request finishes:
     cached_len <= computed_len <= kv_len <= seq_len, computed_len <= prompt_len, and
     kv_len <= max_kv_len. A step appends n >= 0 output tokens (`Req.append_outputs`; a
-    decode step today appends exactly one, a prefill chunk before the last none).
+    decode step appends one, a speculative one up to its proposals + 1, a prefill chunk
+    before the last none). A speculative verify also writes KV past `kv_len` (of proposals
+    it may reject), but never past `max_kv_len`: a round proposes at most the outputs left
+    but one (`scheduler/spec_step.py`), so no extra slot is reserved.
     """
 
     prompt_len: int
@@ -189,10 +202,31 @@ class Req:
     # test/debug hook: set to [] to collect the logits (vocab,) each sampled token came from,
     # a copy per step, before sampling (the cache oracle compares them to a cold run)
     logits_trace: list[torch.Tensor] | None = None
+    # speculative decoding: tokens of prompt + output whose draft KV is written (None without
+    # a draft; at most `lens.kv_len`, one less after a round that accepted every proposal
+    # until the next round feeds that one), and per verify round (proposed, accepted)
+    draft_len: int | None = None
+    spec_rounds: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_ids = as_token_ids(self.prompt_ids)
         self.lens = ReqLens(len(self.prompt_ids), self.sampling.max_new_tokens)
+
+    @property
+    def spec_accepted(self) -> int:
+        """Draft proposals the target accepted, over every verify round."""
+        return sum(a for _, a in self.spec_rounds)
+
+    @property
+    def spec_proposed(self) -> int:
+        return sum(p for p, _ in self.spec_rounds)
+
+    @property
+    def insert_len(self) -> int:
+        """Tokens whose KV this request may insert into the tree: `lens.kv_len`, but with a
+        draft only those whose draft KV is written too (a hit must cover both)."""
+        kv = self.lens.kv_len
+        return kv if self.draft_len is None else min(kv, self.draft_len)
 
     def token_ids(self, n: int) -> TokenIds:
         """The first `n` tokens of prompt + output, compact (what the tree inserts)."""
@@ -224,5 +258,10 @@ class Req:
     def output(self) -> GenerateOutput:
         assert self.finish_reason is not None
         return GenerateOutput(
-            self.rid, self.prompt_len, list(self.output_ids), self.cached, self.finish_reason
+            self.rid,
+            self.prompt_len,
+            list(self.output_ids),
+            self.cached,
+            self.finish_reason,
+            tuple(self.spec_rounds),
         )

@@ -38,6 +38,7 @@ from gpu_worker.scheduler.executor import SampleOutcome, SampleSpec, StepExecuto
 from gpu_worker.scheduler.handoff import KVHandOff
 from gpu_worker.scheduler.remote_kv import RemoteKVReceiver
 from gpu_worker.scheduler.request import Req, ReqState
+from gpu_worker.scheduler.spec_step import SpecDecoder
 
 __all__ = ["PlannedRow", "Scheduler", "SchedulerConfig"]
 
@@ -66,10 +67,13 @@ class Scheduler:
         device: torch.device,
         perturb_sampler: bool = False,
         perturb_rotation: bool = False,
+        spec: SpecDecoder | None = None,
     ) -> None:
         """`perturb_sampler`: test hook (`DebugHooks.perturb_sampler`): change each request's
         third output token, so ranks or runs that should agree do not. `perturb_rotation`:
-        test hook (`DebugHooks.perturb_owner_rotation_rank`, see `Admission`)."""
+        test hook (`DebugHooks.perturb_owner_rotation_rank`, see `Admission`). `spec`:
+        speculative decoding (`spec_step.py`): decoding requests take its rounds, and its
+        draft computes every prefill chunk too."""
         self.config = config
         self.executor = executor
         self.cache = cache
@@ -79,6 +83,7 @@ class Scheduler:
         self.last_step_worked = False  # whether the last step ran a forward
         self.running: list[Req] = []  # admitted, in admission order
         self.perturb_sampler = perturb_sampler
+        self.spec = spec
         # transfer ACKs `consume_acks` took before their copy had finished (measured only):
         # 0 on the first stage, whose counts every TP rank holds finished; a later stage
         # may wait for its own copy of what PP0 counted
@@ -191,6 +196,36 @@ class Scheduler:
         self.last_step_worked = bool(plan)
         if not plan:
             return []
+        if self.spec is not None:
+            return self._forward_spec(plan)
+        outcomes = self._run(plan)
+        finished = [
+            row.req
+            for row, outcome in zip(plan, outcomes, strict=True)
+            if self._apply(row, outcome)
+        ]
+        return self._drop_finished(finished)
+
+    def _forward_spec(self, plan: list[PlannedRow]) -> list[Req]:
+        """A step with speculative decoding: the draft's forwards (proposals, and its copy
+        of the prefill chunks), the target's verify of the decoding requests, then its
+        forward of the prefill chunks alone."""
+        assert self.spec is not None
+        decode = [row for row in plan if row.req.state is ReqState.DECODE]
+        prefill = [row for row in plan if row.req.state is not ReqState.DECODE]
+        pool = self.cache.device_pool
+        chunks = [(row.req, row.new_ids, row.kv_len) for row in prefill]
+        verified = self.spec.step(chunks, [row.req for row in decode], pool)
+        outcomes: list[SampleOutcome | None] = [*verified, *(self._run(prefill) if prefill else [])]
+        finished = [
+            row.req
+            for row, outcome in zip([*decode, *prefill], outcomes, strict=True)
+            if self._apply(row, outcome)
+        ]
+        return self._drop_finished(finished)
+
+    def _run(self, plan: list[PlannedRow]) -> list[SampleOutcome | None]:
+        """The target's forward over `plan`'s rows, sampling one token where they sample."""
         pool = self.cache.device_pool
         seqs = []
         for row in plan:
@@ -204,12 +239,7 @@ class Scheduler:
         num_prefill = sum(len(row.new_ids) for row in plan if row.req.state is ReqState.PREFILL)
         if num_prefill:  # rank 0's measurement for the load-or-recompute estimate only
             self.cache.cost.observe_prefill(len(batch.input_ids), time.perf_counter() - start)
-        finished = [
-            row.req
-            for row, outcome in zip(plan, outcomes, strict=True)
-            if self._apply(row, outcome)
-        ]
-        return self._drop_finished(finished)
+        return outcomes
 
     def _apply(self, row: PlannedRow, outcome: SampleOutcome | None) -> bool:
         """Advance `row`'s request by what the step did: the prompt tokens it computed, then
@@ -222,9 +252,9 @@ class Scheduler:
             req.state = ReqState.DECODE
             self.handoff.cache_prompt(req)
         assert outcome is not None
-        if req.logits_trace is not None:
-            req.logits_trace.extend(outcome.logits)
         if outcome.error is not None:
+            if req.logits_trace is not None:
+                req.logits_trace.extend(outcome.logits)
             log.warning("request %d failed: %s", req.rid, outcome.error)
             self.handoff.fail(req, outcome.error)
             return True
@@ -235,6 +265,8 @@ class Scheduler:
                 (t + 1) % vocab if len(req.output_ids) + i == 2 else t for i, t in enumerate(tokens)
             ]
         n = req.append_outputs(tokens, self.eos_token_ids)
+        if req.logits_trace is not None:  # the emitted tokens' only (a stop cuts a run)
+            req.logits_trace.extend(outcome.logits[:n])
         for s in outcome.tokens[:n]:
             if s.logprob is not None:
                 req.logprobs.append((s.logprob, s.top_logprobs))

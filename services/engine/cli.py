@@ -58,6 +58,11 @@ def run_generate(args: argparse.Namespace) -> int:
                 f"host={out.cached.host}) finish={out.finish_reason}"
             )
             print(f"  output_ids={out.output_ids}")
+            if out.spec_rounds:
+                print(
+                    f"  speculative: {out.spec_accepted}/{out.spec_proposed} proposals accepted "
+                    f"in {len(out.spec_rounds)} verify rounds"
+                )
             print(f"  text={text!r}")
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ from gpu_worker.cache.transfer import DelayInjection
 from gpu_worker.engine.engine import DebugHooks, EngineConfig
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.scheduler import SchedulerConfig
+from gpu_worker.scheduler.spec_config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         silent_flush=args.debug_silent_flush,
         layer_delay_s=args.debug_layer_delay_ms / 1000,
     )
+    spec = SpecConfig(
+        args.speculative_algorithm,
+        args.speculative_draft_model_path,
+        args.speculative_num_steps,
+        args.speculative_draft_quantization,
+    )
+    if spec.enabled and args.disaggregation_mode != "null":
+        raise ValueError(
+            "--speculative-algorithm does not support --disaggregation-mode yet (the draft's "
+            "KV frames and decode-side draft state are still to come)"
+        )
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -102,5 +114,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             args.tp_size, args.pp_size, args.cp_size, args.enable_kv_cache_sharding, args.cp_split
         ),
         batch_invariant=args.enable_deterministic_inference,
+        spec=spec,
         debug=debug,
     )

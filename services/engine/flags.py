@@ -19,6 +19,8 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_WRITE_POLICIES = ("write_through", "write_through_selective")
 KEY_SCHEMES = ("rank-suffix", "unified")
 CP_SPLITS = ("zigzag", "interleave", "none")  # gpu_worker.parallel.config.CP_SPLITS
+SPEC_ALGORITHMS = ("standalone",)  # gpu_worker.scheduler.spec_config.SPEC_ALGORITHMS
+DRAFT_QUANTIZATIONS = ("none", "int4", "int5", "int6", "int8")  # ... .DRAFT_QUANTIZATIONS
 # `up`, `generate`, the engine service and compose serve the real model unless told otherwise
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # auto: float64 for the random presets, float32 (CPU) or bfloat16 (GPU) for real checkpoints
@@ -103,6 +105,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="test hook: every decoder layer of every forward first sleeps N ms, on every "
         "rank (a prefill slower than the router's --request-timeout)",
+    )
+    sd = parser.add_argument_group("speculative decoding")
+    sd.add_argument(
+        "--speculative-algorithm",
+        choices=SPEC_ALGORITHMS,
+        default=None,
+        help="standalone: a separate draft model proposes --speculative-num-steps tokens per "
+        "request and step, the target verifies them in one forward (greedy: the same tokens; "
+        "sampled: the target's distribution). Single-rank engines without a host tier, L3 or "
+        "P/D for now",
+    )
+    sd.add_argument(
+        "--speculative-draft-model-path",
+        "--speculative-draft-model",
+        dest="speculative_draft_model_path",
+        default=None,
+        help="the draft: a preset (tiny-draft for tiny), a *.gguf file or a checkpoint "
+        "directory of the target's vocabulary, or self (a copy of the target's weights)",
+    )
+    sd.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=4,
+        help="draft tokens proposed per request and step (K; the verify runs K+1 positions)",
+    )
+    sd.add_argument(
+        "--speculative-draft-quantization",
+        choices=DRAFT_QUANTIZATIONS,
+        default="none",
+        help="re-quantize the draft's weights (group 32): with self, a cheaper draft of the "
+        "target's own vocabulary",
     )
     p = parser.add_argument_group("parallelism")
     p.add_argument(

@@ -100,6 +100,10 @@ class Liveness:
             "num_backups": s["backups"],
             "evicted_device_pages": s["evicted_device_pages"],
             "evicted_host_pages": s["evicted_host_pages"],
+            "spec_verify_rounds": s.get("spec_verify_rounds", 0),
+            "spec_proposed_tokens": s.get("spec_proposed_tokens", 0),
+            "spec_accepted_tokens": s.get("spec_accepted_tokens", 0),
+            "spec_emitted_tokens": s.get("spec_emitted_tokens", 0),
         }
 
     async def _heartbeats(self) -> None:

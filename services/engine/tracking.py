@@ -145,6 +145,9 @@ class RequestTracker:
                     received=_received(req),
                     logprobs=logprobs,
                     cached_storage=req.cached.storage,
+                    spec_verify_ct=len(req.spec_rounds),
+                    spec_draft_tokens=req.spec_proposed,
+                    spec_accepted_tokens=req.spec_accepted,
                 )
             )
             if finished:

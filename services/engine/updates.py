@@ -35,6 +35,10 @@ class TokenUpdate:
     # when asked for: per new token (its logprob or None, the top (id, logprob) pairs)
     logprobs: tuple[tuple[float | None, tuple[tuple[int, float], ...]], ...] = ()
     cached_storage: int = 0  # prompt tokens read from external storage for it
+    # speculative decoding so far: verify rounds, draft tokens proposed and accepted
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,124 @@
+"""Speculative decoding's flags (SGLang's names) and what this first slice refuses.
+
+The flags reach an `EngineConfig` (`services/engine/config.py`) and go on from `up` to its
+engines unchanged (`engine_argv`); the choice lists agree with `gpu_worker`'s. Bad
+combinations, and the topologies and tiers whose draft state is still to come (host tier,
+L3, P/D, TP/PP/CP > 1), fail at start with an error that names what is missing. Without
+the re-quantizer module the quantized draft says that its scheme is unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+from test_hf_loader import save_hf_model
+
+from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
+from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.parallel.config import ParallelConfig
+from gpu_worker.scheduler import spec_config
+from gpu_worker.scheduler.spec_config import SpecConfig
+from services.cli import main
+from services.engine import flags
+from services.engine.config import engine_config_from_args
+
+SPEC = ("--speculative-algorithm", "standalone", "--speculative-draft-model-path")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    flags.add_engine_args(parser)
+    return parser.parse_args(["--model", "tiny", *argv])
+
+
+def test_flags_reach_the_engine_config_and_up_passes_them_on() -> None:
+    args = parse(*SPEC, "tiny-draft", "--speculative-num-steps", "3")
+    spec = engine_config_from_args(args).spec
+    assert spec == SpecConfig("standalone", "tiny-draft", 3, "none") and spec.enabled
+    assert flags.engine_argv(args)[2:] == [*SPEC, "tiny-draft", "--speculative-num-steps", "3"]
+    assert not engine_config_from_args(parse()).spec.enabled
+    assert flags.SPEC_ALGORITHMS == spec_config.SPEC_ALGORITHMS
+    assert flags.DRAFT_QUANTIZATIONS == spec_config.DRAFT_QUANTIZATIONS
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (("--speculative-draft-model-path", "self"), "need --speculative-algorithm standalone"),
+        (("--speculative-algorithm", "standalone"), "needs --speculative-draft-model-path"),
+        ((*SPEC, "self", "--speculative-num-steps", "0"), r"must be in \[1, 16\]"),
+        ((*SPEC, "self", "--enable-hierarchical-cache"), "--enable-hierarchical-cache"),
+        (
+            (*SPEC, "self", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"),
+            r"--hicache-storage-backend \(the draft's L3 objects\)",
+        ),
+        ((*SPEC, "self", "--tp-size", "2"), "TP/PP/CP > 1"),
+        ((*SPEC, "self", "--cp-size", "2"), "TP/PP/CP > 1"),
+        ((*SPEC, "self", "--disaggregation-mode", "prefill"), "--disaggregation-mode"),
+    ],
+)
+def test_bad_combinations_are_refused_clearly(argv: tuple[str, ...], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        engine_config_from_args(parse(*argv))
+
+
+def test_the_engine_refuses_what_the_draft_cannot_do() -> None:
+    with pytest.raises(ValueError, match="PP2"):
+        EngineConfig(parallel=ParallelConfig(pp_size=2), spec=SpecConfig("standalone", "self"))
+    with pytest.raises(ValueError, match="is not supported"):
+        SpecConfig("eagle", "self")
+    with pytest.raises(ValueError, match="choose one of"):
+        SpecConfig("standalone", "self", draft_quantization="int3")
+    with pytest.raises(ValueError, match="neither a preset"):
+        Engine(EngineConfig(spec=SpecConfig("standalone", "no-such-draft")))
+    eng = Engine(
+        EngineConfig(cache=CacheConfig(page_size=4), spec=SpecConfig("standalone", "self"))
+    )
+    try:
+        with pytest.raises(InvalidRequestError, match="P/D does not support"):
+            eng.submit_decode([1, 2, 3], SamplingParams())
+        with pytest.raises(InvalidRequestError, match="P/D does not support"):
+            eng.submit_prefill([1, 2, 3, 4, 5], SamplingParams(), "", 4)
+    finally:
+        eng.close()
+
+
+def test_a_quantized_draft_without_the_requantizer_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "gpu_worker.model.quant", None)  # import fails
+    spec = SpecConfig("standalone", "self", draft_quantization="int4")
+    with pytest.raises(ValueError, match="int4 is not available: the re-quantizer"):
+        Engine(EngineConfig(spec=spec))
+
+
+def test_generate_reports_the_accepted_proposals(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", "tiny", *SPEC, "self", "--max-tokens", "11"]
+    assert main([*argv, "--enable-deterministic-inference", "--input-ids", "5,6,7"]) == 0
+    assert "speculative: 8/8 proposals accepted in 2 verify rounds" in capsys.readouterr().out
+    assert main(["generate", "--model", "tiny", *SPEC, "self", "--tp-size", "2"]) == 2
+    assert "TP/PP/CP > 1" in capsys.readouterr().err
+
+
+def test_a_checkpoint_draft_must_share_the_targets_vocabulary(tmp_path: Path) -> None:
+    """A Hugging Face checkpoint directory drafts for tiny when its vocabulary is tiny's
+    (greedy output still tiny's own), and is refused, naming both sizes, when it is not."""
+    same, other = tmp_path / "same", tmp_path / "other"
+    save_hf_model("llama", same, vocab_size=260)
+    save_hf_model("llama", other)  # 128 tokens
+    cache = CacheConfig(page_size=4, enable_radix_cache=False)
+    plain = Engine(EngineConfig(cache=cache, batch_invariant=True))
+    want = plain.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    plain.close()
+    eng = Engine(
+        EngineConfig(cache=cache, batch_invariant=True, spec=SpecConfig("standalone", str(same)))
+    )
+    got = eng.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    eng.close()
+    assert got.output_ids == want.output_ids and got.spec_proposed > 0
+    with pytest.raises(ValueError, match="vocabulary of 128 tokens, the target 'tiny' 260"):
+        Engine(EngineConfig(spec=SpecConfig("standalone", str(other))))

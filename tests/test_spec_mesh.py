@@ -1,0 +1,85 @@
+"""Speculative decoding in a real mesh: `up --speculative-algorithm standalone
+--speculative-draft-model-path self` answers through the router (plain and streamed) with
+the greedy tokens of an in-process engine without speculation, a repeat is served from
+the cache with the same tokens, and `/stats` shows the engine's verify rounds, every
+proposal of the exact-copy draft accepted. The native `/generate` reports the request's
+verify rounds and accepted tokens in its meta info, and `/metrics` the engine's
+`sglang:spec_accept_length` and `sglang:spec_accept_rate` (from its heartbeats)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+from fault_helpers import (
+    MeshSpec,
+    UpMesh,
+    assert_repeat_is_cached,
+    baseline,
+    cold_reference,
+    running_mesh,
+    workload,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+SPEC = (
+    "--speculative-algorithm",
+    "standalone",
+    "--speculative-draft-model-path",
+    "self",
+    "--speculative-num-steps",
+    "3",
+    "--enable-deterministic-inference",
+)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
+    spec = MeshSpec(engines=1, extra=SPEC, host_tier=False)
+    with running_mesh(spec, tmp_path_factory, "spec-self") as m:
+        yield m
+
+
+async def test_speculative_mesh_equals_speculation_off(mesh: UpMesh) -> None:
+    reqs = workload(4)
+    got = await baseline(mesh.url, reqs)
+    assert got == cold_reference(reqs, exact=True)
+    await assert_repeat_is_cached(mesh.url, reqs[0], got[reqs[0]])
+    async with aiohttp.ClientSession() as http, http.get(f"{mesh.url}/stats") as r:
+        assert r.status == 200, await r.text()
+        stats = (await r.json())["engines"]["engine-0"]["stats"]
+    assert stats["spec_verify_rounds"] > 0
+    assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"] > 0
+
+
+async def test_meta_info_and_metrics_report_acceptance(mesh: UpMesh) -> None:
+    body = {
+        "input_ids": [5, 6, 7, 8, 9],
+        "sampling_params": {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True},
+    }
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{mesh.url}/generate", json=body) as r:
+            assert r.status == 200, await r.text()
+            meta = (await r.json())["meta_info"]
+        # 8 tokens after prefill's: two rounds of 3 proposals (4 tokens each), all accepted
+        assert meta["spec_verify_ct"] == 2
+        assert meta["spec_draft_token_num"] == meta["spec_accept_token_num"] == 6
+        assert meta["spec_accept_rate"] == 1.0 and meta["spec_accept_length"] == 4.0
+        for _ in range(40):  # the next heartbeat carries the counters
+            async with http.get(f"{mesh.url}/metrics") as r:
+                text = await r.text()
+            rate = re.search(
+                r'^sglang:spec_accept_rate\{[^}]*engine_id="engine-0"[^}]*\} (\S+)$', text, re.M
+            )
+            length = re.search(
+                r'^sglang:spec_accept_length\{[^}]*engine_id="engine-0"[^}]*\} (\S+)$', text, re.M
+            )
+            if rate and float(rate.group(1)) > 0 and length:
+                break
+            await asyncio.sleep(0.25)
+    assert rate is not None and float(rate.group(1)) == 1.0, text[-2000:]
+    assert length is not None and float(length.group(1)) > 1.0
