@@ -98,6 +98,15 @@ def test_fast_path_equals_the_dequantized_matmul_within_bfloat16(scheme: str, ro
     out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (rows, 48)
     assert ((out.double() - expected).abs().max() / expected.abs().max()).item() < 1.5e-2
+    # few rows run torch's int4 kernel, one call per plane; more, oneDNN bfloat16
+    x16 = x.to(torch.bfloat16)
+    if rows * len(layer.planes) <= KERNEL_ROWS:
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        parts = [mm(x16, packed, 32, sz).float() for packed, sz in layer.planes]
+        assert torch.equal(out, parts[0] if len(parts) == 1 else parts[0] + parts[1])
+    else:
+        onednn = torch.ops.mkldnn._linear_pointwise(x16, layer.packed_bf16, None, "none", [], "")
+        assert torch.equal(out, onednn.float())
     layer.unpack()  # back to the float32 reference: exact
     assert torch.equal(layer(x), F.linear(x, layer.weight))
 
