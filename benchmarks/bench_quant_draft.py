@@ -27,7 +27,10 @@ of the per-round ratios with its min-max spread.
 
 The speed-up is the standard formula `tok/round / (K * draft/target + 1)`: a round costs K
 draft forwards and one target verify, taken as a target decode forward (a (K+1)-row verify
-costs more than a 1-row decode on the CPU: this is an upper bound).
+costs more than a 1-row decode on the CPU: this is an upper bound). `verify ms` is that
+forward measured (the target over the last K + 1 tokens of every row), and `with verify`
+the median over rounds of tok/round x target / (K x draft + verify): the speed-up with the
+verify's real cost (still without the scheduler's own time per step).
 
     .venv/bin/python benchmarks/bench_quant_draft.py
     .venv/bin/python benchmarks/bench_quant_draft.py --schemes int4 int6 --rounds 9
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_worker.memory.allocator import PageId
 from gpu_worker.memory.device_pool import DeviceKVPool
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.model.forward_batch import ForwardBatch
@@ -106,9 +110,8 @@ class Session:
         spec = KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, PAGE, torch.float32)
         pages = -(-max_len // PAGE)
         pool = DeviceKVPool(spec, rows * pages, torch.device("cpu"))
-        slots = [
-            pool.slot_ids(list(range(r * pages, (r + 1) * pages)), max_len) for r in range(rows)
-        ]
+        page_ids = [[PageId(r * pages + i) for i in range(pages)] for r in range(rows)]
+        slots = [pool.slot_ids(ids, max_len) for ids in page_ids]
         return cls(model, pool, slots)
 
     def forward(self, rows: list[tuple[list[int], int]]) -> torch.Tensor:
@@ -171,15 +174,22 @@ class Timing:
 
     target: list[float] = field(default_factory=list)
     draft: list[float] = field(default_factory=list)
+    verify: list[float] = field(default_factory=list)  # the target over K + 1 rows a request
 
     def ratios(self) -> list[float]:
         return [d / t for d, t in zip(self.draft, self.target, strict=True)]
 
+    def measured_speedups(self, tokens_per_round: float, k: int) -> list[float]:
+        """Per round: tok/round x target decode / (K draft decodes + one measured verify)."""
+        rounds = zip(self.target, self.draft, self.verify, strict=True)
+        return [tokens_per_round * t / (k * d + v) for t, d, v in rounds]
 
-def decode_time(session: Session, prompts: list[list[int]], reps: int) -> float:
-    """Median seconds of a decode forward, one token per row after its prompt (rewriting
-    the same slots each time, so every forward does the same work)."""
-    rows = [([p[-1]], len(p) - 1) for p in prompts]
+
+def decode_time(session: Session, prompts: list[list[int]], reps: int, rows_each: int = 1) -> float:
+    """Median seconds of a forward over the last `rows_each` tokens of every prompt (a
+    decode step with 1, a verify of K proposals with K + 1), rewriting the same slots each
+    time, so every forward does the same work."""
+    rows = [(p[-rows_each:], len(p) - rows_each) for p in prompts]
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -189,19 +199,23 @@ def decode_time(session: Session, prompts: list[list[int]], reps: int) -> float:
 
 
 def time_decode(
-    target: LlamaModel, draft: LlamaModel, prompts: list[list[int]], rounds: int, reps: int
+    target: LlamaModel, draft: LlamaModel, prompts: list[list[int]], k: int, rounds: int, reps: int
 ) -> Timing:
     max_len = max(map(len, prompts)) + 1
     sessions = [Session.open(m, len(prompts), max_len) for m in (target, draft)]
     for s in sessions:
-        s.forward([(p[:-1], 0) for p in prompts])  # the KV of every prompt but its last token
+        s.forward([(p, 0) for p in prompts])  # every prompt's KV (rewritten row by row)
         decode_time(s, prompts, 2)  # warm-up
     timing = Timing()
     for r in range(rounds):
-        order = (0, 1) if r % 2 == 0 else (1, 0)
-        got = {i: decode_time(sessions[i], prompts, reps) for i in order}
+        order = (0, 1, 2) if r % 2 == 0 else (2, 1, 0)
+        got = {
+            i: decode_time(sessions[min(i, 1)], prompts, reps, k + 1 if i == 2 else 1)
+            for i in order
+        }
         timing.target.append(got[0])
         timing.draft.append(got[1])
+        timing.verify.append(got[2])
     return timing
 
 
@@ -230,6 +244,7 @@ def main() -> None:
     head = f"{'scheme':>6} {'accept':>7} {'tok/round':>9}"
     for b in args.batch:
         head += f" | b{b} draft ms {'target ms':>9} {'draft/target':>18} {'speed-up':>8}"
+        head += f" {'verify ms':>9} {'with verify':>11}"
     print(head)
     for scheme in args.schemes:
         draft = requantize(target, scheme, args.group_size)
@@ -239,7 +254,7 @@ def main() -> None:
         line = f"{scheme:>6} {chain.accept_rate:>7.1%} {chain.tokens_per_round:>9.2f}"
         for b in args.batch:
             batch = [prompts[i % len(prompts)] for i in range(b)]
-            timing = time_decode(target, draft, batch, args.rounds, args.reps)
+            timing = time_decode(target, draft, batch, args.k, args.rounds, args.reps)
             ratios = timing.ratios()
             ratio = statistics.median(ratios)
             speedup = chain.tokens_per_round / (args.k * ratio + 1)
@@ -247,6 +262,8 @@ def main() -> None:
             line += (
                 f" | {statistics.median(timing.draft) * 1e3:>11.1f} "
                 f"{statistics.median(timing.target) * 1e3:>9.1f} {spread:>18} {speedup:>7.2f}x"
+                f" {statistics.median(timing.verify) * 1e3:>9.1f} "
+                f"{statistics.median(timing.measured_speedups(chain.tokens_per_round, args.k)):>10.2f}x"
             )
         print(line, flush=True)
         del draft
