@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.model.layers import Linear, batch_invariant_linear
+from gpu_worker.model.layers import PACK_ROWS, Linear, batch_invariant_linear
 from gpu_worker.model.llama import LlamaModel, create_model
 
 SCHEMES = ("none", "int4", "int5", "int6", "int8")
@@ -135,7 +135,9 @@ class QuantLinear(Linear):
         self.codes: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         if spec.scheme == "float":  # the same Parameter: a tied embedding's stays shared
-            self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+            self.weight = (
+                weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, False)
+            )
         else:
             self.codes, self.scales = quantize(weight, spec)
             deq = dequantize(self.codes, self.scales, spec.group_size)
@@ -153,7 +155,7 @@ class QuantLinear(Linear):
         if self.codes is not None and self.scales is not None:
             self.planes = int4_planes(self.codes, self.scales, self.spec)
         bf16 = w.detach().to(torch.bfloat16)
-        self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(bf16, KERNEL_ROWS)
+        self.packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(bf16, PACK_ROWS)
         return True
 
     def unpack(self) -> None:
