@@ -107,7 +107,8 @@ class Session:
     @classmethod
     def open(cls, model: LlamaModel, rows: int, max_len: int) -> Session:
         cfg = model.config
-        spec = KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, PAGE, torch.float32)
+        dtype = model.layers[0].input_layernorm.weight.dtype  # the model's
+        spec = KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, PAGE, dtype)
         pages = -(-max_len // PAGE)
         pool = DeviceKVPool(spec, rows * pages, torch.device("cpu"))
         page_ids = [[PageId(r * pages + i) for i in range(pages)] for r in range(rows)]

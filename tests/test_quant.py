@@ -12,12 +12,17 @@ Checked on random weights and the `tiny` preset, in seconds:
   "none" gives logits equal to the source's bit for bit;
 - a quantized model's forward gives logits of the right shape, close to the source's, and
   its batch-invariant float64 rows are bit-identical decoded or prefilled;
-- bad schemes and group sizes raise ValueError naming the allowed values.
+- bad schemes and group sizes raise ValueError naming the allowed values;
+- the benchmark's speculative chain (`benchmarks/bench_quant_draft.py`): an exact float64
+  copy as the draft has every proposal accepted (K + 1 tokens a round, the draft fed the
+  last accepted proposal it never saw), and a quantized one fewer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +228,22 @@ def test_bad_schemes_and_group_sizes_are_refused(
     _, source = build_model("tiny", "cpu", torch.float64, seed=3)
     with pytest.raises(ValueError, match=message):
         requantize(source, scheme, group_size)
+
+
+def test_the_bench_chain_accepts_every_proposal_of_an_exact_copy() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_quant_draft import Chain, greedy, run_chain
+
+    _, target = build_model("tiny", "cpu", torch.float64, seed=3, batch_invariant=True)
+    prompt = [5, 17, 200, 3, 99, 41, 7, 7]
+    seq = prompt + greedy(target, prompt, 23)
+    exact, rough = Chain(), Chain()
+    run_chain(requantize(target, "none"), seq, len(prompt), 4, exact)
+    assert (exact.rounds, exact.proposals, exact.accepted, exact.generated) == (
+        5,
+        19,
+        19,
+        23,
+    )  # 4 rounds of 4 + 1, then 3 + 0
+    run_chain(requantize(target, "int4"), seq, len(prompt), 4, rough)
+    assert rough.generated == 23 and rough.rounds > 5 and rough.accepted < rough.proposals
