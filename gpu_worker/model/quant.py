@@ -31,6 +31,12 @@ Two ways to run a `QuantLinear` (`x` (..., in) -> (..., out), the model's dtype)
   codes in the kernel; two planes cost two int4 calls, which beat oneDNN bfloat16 at 1-2
   rows only (`KERNEL_ROWS`). The fast path's error is bfloat16's (activations, scales and,
   above `KERNEL_ROWS`, the dequantized weight rounded to 8 significant bits).
+
+Where a 1-row SmolLM2 decode forward spends its time (torch profiler, same machine): the
+float32 target 48 ms, 41 of them in its oneDNN linears; the int8 draft 24 ms (12.7 in the
+int4 kernel's two planes, 3.5 in the bfloat16 logits, ~1.5 in the casts, ~6 in attention,
+norms and the rest); the int4 draft 16 ms (6.3 in the kernel). The ~6 ms outside the
+matmuls, the same in both models, is what keeps a draft above a third of the target.
 """
 
 from __future__ import annotations
