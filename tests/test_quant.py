@@ -32,7 +32,7 @@ from gpu_worker.memory.device_pool import DeviceKVPool
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.model.config import PRESETS
 from gpu_worker.model.forward_batch import ForwardBatch
-from gpu_worker.model.layers import Linear
+from gpu_worker.model.layers import MLP, Linear
 from gpu_worker.model.llama import LlamaModel, create_model
 from gpu_worker.model.quant import (
     KERNEL_ROWS,
@@ -163,6 +163,19 @@ def test_none_is_a_plain_copy_with_the_same_logits() -> None:
     assert copy.embed_tokens is not None and source.embed_tokens is not None
     assert copy.embed_tokens.weight.data_ptr() != source.embed_tokens.weight.data_ptr()
     assert torch.equal(last_logits(copy, PROMPTS), last_logits(source, PROMPTS))
+
+
+def test_the_copy_keeps_the_source_tp_reduce() -> None:
+    """A TP shard's draft must complete its row-parallel sums as the shard does; a reduce
+    that doubles stands in for the all_reduce of two equal ranks."""
+    _, source = build_model("tiny", "cpu", torch.float64, seed=3)
+    plain = last_logits(source, PROMPTS)
+    source.set_tp_reduce(lambda t: t * 2)
+    reduced = last_logits(source, PROMPTS)
+    assert not torch.equal(reduced, plain)
+    assert torch.equal(last_logits(requantize(source, "none"), PROMPTS), reduced)
+    draft = requantize(source, "int8")
+    assert all(m.tp_reduce is not None for m in draft.modules() if isinstance(m, MLP))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

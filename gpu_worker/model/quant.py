@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.model.layers import PACK_ROWS, Linear, batch_invariant_linear
+from gpu_worker.model.layers import MLP, PACK_ROWS, Linear, batch_invariant_linear
 from gpu_worker.model.llama import LlamaModel, create_model
 
 SCHEMES = ("none", "int4", "int5", "int6", "int8")
@@ -195,9 +195,9 @@ def check_scheme(scheme: str, group_size: int) -> None:
 def requantize(model: LlamaModel, scheme: str, group_size: int = 32) -> LlamaModel:
     """A new model with `model`'s weights, its decoder linears re-quantized to `scheme`
     (the module doc says how and what is left in float); "none" gives a plain copy. The
-    input is untouched. The copy has the source's device, dtype, stages and batch
-    invariance, no TP reduce and no CP split (a draft runs whole on one rank), and is
-    prepacked (`prepack_weights`) exactly when the source is. Raises ValueError for a bad
+    input is untouched. The copy has the source's device, dtype, stages, batch invariance,
+    TP reduce and CP split (a TP or PP shard's draft is the same shard of the draft: the
+    group size must divide the shard's in-features), and is prepacked (`prepack_weights`) exactly when the source is. Raises ValueError for a bad
     scheme, a bad group size, or a group size that does not divide a layer's in-features."""
     check_scheme(scheme, group_size)
     state = {k: v.to_dense() if v.is_mkldnn else v for k, v in model.state_dict().items()}
@@ -207,6 +207,8 @@ def requantize(model: LlamaModel, scheme: str, group_size: int = 32) -> LlamaMod
         model.last_stage,
     )  # fmt: skip
     copy.load_state_dict(state)
+    copy.set_tp_reduce(next((m.tp_reduce for m in model.modules() if isinstance(m, MLP)), None))
+    copy.set_cp_split(model.cp_split)
     prepacked = any(m.weight.is_mkldnn for m in model.modules() if isinstance(m, Linear))
     prepacked = prepacked or model.packed_logits is not None
     if scheme != "none":
