@@ -5,8 +5,10 @@ projections and MLP) hold the source's weights rounded symmetrically, per group 
 `group_size` input channels, to int4, int5, int6 or int8: per group, `scale = max|w| / qmax`
 (qmax = 2^(bits-1) - 1) and `code = round(w / scale)` in [-qmax, qmax], so every weight is
 within scale / 2 of the source's. The draft's KV then differs from the target's, as a real
-draft's does, while its greedy tokens mostly agree (the issue's one-off figures: 55% of
-proposals accepted at int4, 74% at int5, 94% at int6).
+draft's does, while its greedy tokens mostly agree: on SmolLM2-135M-Instruct, group 32,
+K = 4 (`benchmarks/bench_quant_draft.py`), 46% of proposals accepted at int4, 69% at int5,
+86% at int6, 95% at int8. int5, int6 and int8 cost the same (two kernel planes), so int8
+is the draft to use; int4 (one plane) is faster but accepts too few to pay for itself.
 
 The embedding and the logits projection (the LM head, or SmolLM2's tied embedding) are not
 quantized: the lookup reads one row per token (nothing to speed up), and the argmax over
@@ -26,9 +28,9 @@ Two ways to run a `QuantLinear` (`x` (..., in) -> (..., out), the model's dtype)
   19-23 ms at 1 to 8 rows; the int8 kernel `_weight_int8pack_mm` 16.5 ms at 1 row but 46 at
   8, with one scale per output channel only; both integer kernels take 3-40x longer on
   float32 activations than on bfloat16 ones, so the fast path always casts to bfloat16.
-  An int5, int6 or int8 code `q` runs as two int4 "planes" (`q + 2^(bits-1) = 16 hi + lo`,
-  each a 4-bit code with its own per-group scale and zero), so every scheme keeps its exact
-  codes in the kernel; two planes cost two int4 calls, which beat oneDNN bfloat16 at 1-2
+  An int5, int6 or int8 code `q` runs as two int4 "planes" (`q = 16 hi + lo`, each a
+  4-bit code with its own per-group scale and zero: `int4_planes`), so every scheme keeps
+  its exact codes in the kernel; two planes cost two int4 calls, which beat oneDNN bfloat16 at 1-2
   rows only (`KERNEL_ROWS`). The fast path's error is bfloat16's (activations, scales and,
   above `KERNEL_ROWS`, the dequantized weight rounded to 8 significant bits).
 
