@@ -3,14 +3,13 @@
 The flags reach an `EngineConfig` (`services/engine/config.py`) and go on from `up` to its
 engines unchanged (`engine_argv`); the choice lists agree with `gpu_worker`'s. Bad
 combinations, and the topologies and tiers whose draft state is still to come (host tier,
-L3, P/D, TP/PP/CP > 1), fail at start with an error that names what is missing. Without
-the re-quantizer module the quantized draft says that its scheme is unavailable.
+L3, P/D, TP/PP/CP > 1), fail at start with an error that names what is missing. A
+re-quantized `self` draft proposes, and the output stays the target's.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pytest
@@ -87,13 +86,27 @@ def test_the_engine_refuses_what_the_draft_cannot_do() -> None:
         eng.close()
 
 
-def test_a_quantized_draft_without_the_requantizer_names_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setitem(sys.modules, "gpu_worker.model.quant", None)  # import fails
-    spec = SpecConfig("standalone", "self", draft_quantization="int4")
-    with pytest.raises(ValueError, match="int4 is not available: the re-quantizer"):
-        Engine(EngineConfig(spec=spec))
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_a_requantized_self_draft_is_lossless_and_proposes(scheme: str) -> None:
+    """`self` re-quantized (`gpu_worker/model/quant.py`) is another model: its proposals are
+    sometimes rejected, yet the greedy output is the target's, token for token."""
+    prompts = [[(7 * i + j) % 250 for j in range(20 + 3 * i)] for i in range(4)]
+    sampling = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outputs = {}
+    stats = {}
+    for name, spec in {
+        "off": SpecConfig(),
+        "on": SpecConfig("standalone", "self", draft_quantization=scheme),
+    }.items():
+        eng = Engine(EngineConfig(batch_invariant=True, spec=spec))
+        try:
+            outputs[name] = [o.output_ids for o in eng.generate_batch(prompts, sampling)]
+            stats[name] = eng.cache_stats()
+        finally:
+            eng.close()
+    assert outputs["on"] == outputs["off"]
+    proposed, accepted = stats["on"]["spec_proposed_tokens"], stats["on"]["spec_accepted_tokens"]
+    assert proposed > 0 and 0 < accepted <= proposed
 
 
 def test_generate_reports_the_accepted_proposals(capsys: pytest.CaptureFixture[str]) -> None:

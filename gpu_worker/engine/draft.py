@@ -20,6 +20,7 @@ from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.memory.pool_group import DRAFT, TARGET, KVSharding, PoolGroup, PoolMember
 from gpu_worker.model.config import ModelConfig, parse_dtype
 from gpu_worker.model.llama import LlamaModel
+from gpu_worker.model.quant import requantize
 from gpu_worker.model.weights import build_model
 from gpu_worker.parallel.groups import ParallelGroups
 from gpu_worker.scheduler.spec_config import SELF_DRAFT, SpecConfig
@@ -115,18 +116,5 @@ def build_draft(
     if config.mla:
         raise ValueError(f"the draft model {spec.draft_model!r} uses MLA: not supported as a draft")
     if spec.draft_quantization != "none":
-        model = _requantize(model, spec.draft_quantization)
+        model = requantize(model, spec.draft_quantization, group_size=QUANT_GROUP_SIZE)
     return config, model
-
-
-def _requantize(model: LlamaModel, scheme: str) -> LlamaModel:
-    try:
-        # S2's module (issue 23 build 2); until it lands, the scheme is refused clearly
-        from gpu_worker.model import quant  # type: ignore[attr-defined,unused-ignore]
-    except ImportError as e:
-        raise ValueError(
-            f"--speculative-draft-quantization {scheme} is not available: the re-quantizer "
-            f"(gpu_worker.model.quant) is missing ({e})"
-        ) from None
-    requantized: LlamaModel = quant.requantize(model, scheme, group_size=QUANT_GROUP_SIZE)
-    return requantized
