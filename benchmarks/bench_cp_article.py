@@ -11,8 +11,8 @@ and forward time fell 56.2% and 31.3%.
     python benchmarks/bench_cp_article.py                 # CP4, tiny float32, ~10 minutes
     python benchmarks/bench_cp_article.py --conversations 8 --turns 3   # a quick look
 
-The trace: `--conversations` agentic sessions, each a random history of `--history` tokens
-that grows by `--user` tokens and the `--out` tokens answered per turn, every turn resent
+The trace: `--conversations` agentic sessions, each a shared system prompt of `--system`
+tokens then a random history of `--history` tokens that grows by `--user` tokens and the `--out` tokens answered per turn, every turn resent
 whole. Turns go round-robin over the sessions, `--batch` sessions submitted together, so a
 session's history has waited behind all the others' when it returns. The working set (the
 histories at the last turn) is several times the replicated engine's device pool and fits in
@@ -72,12 +72,17 @@ class Sample:
 
 
 def trace_turns(args: argparse.Namespace) -> list[list[list[int]]]:
-    """Per turn, per session, the tokens the user adds (the first turn: the whole history)."""
+    """Per turn, per session, the tokens the user adds (the first turn: the shared system
+    prompt, then the session's own history)."""
     rng = random.Random(args.seed)
+    system = [rng.randrange(256) for _ in range(args.system)]
     turns = []
     for t in range(args.turns):
         size = args.history if t == 0 else args.user
-        turns.append([[rng.randrange(256) for _ in range(size)] for _ in range(args.conversations)])
+        first = system if t == 0 else []
+        turns.append(
+            [first + [rng.randrange(256) for _ in range(size)] for _ in range(args.conversations)]
+        )
     return turns
 
 
@@ -162,7 +167,7 @@ def scratch_pages(args: argparse.Namespace, num_layers: int) -> int:
     of the most pages one rank owns, at most ceil(pages / N) + 1 each), its new pages and a
     trash page."""
     p, n = args.page_size, args.cp_size
-    longest = args.history + (args.turns - 1) * (args.user + args.out)
+    longest = args.system + args.history + (args.turns - 1) * (args.user + args.out)
     per_req = -(-longest // p)
     batch_pages = args.batch * per_req
     per_buffer = n * (-(-batch_pages // n) + 1) + args.batch * (-(-args.user // p) + 1) + 1
@@ -204,6 +209,7 @@ def main() -> None:
     parser.add_argument("--cp-size", type=int, default=4)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--system", type=int, default=256, help="a prompt every session shares")
     parser.add_argument("--history", type=int, default=768)
     parser.add_argument("--user", type=int, default=128)
     parser.add_argument("--out", type=int, default=16)
@@ -220,12 +226,12 @@ def main() -> None:
         t0 = time.perf_counter()
         results[name] = run_arm(config, args)
         print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    longest = args.history + (args.turns - 1) * (args.user + args.out) + args.out
+    longest = args.system + args.history + (args.turns - 1) * (args.user + args.out) + args.out
     print(
         f"CP{args.cp_size} {MODEL} float32, page {args.page_size}; {args.conversations} sessions x "
-        f"{args.turns} turns (history {args.history} + {args.user} user + {args.out} out per "
+        f"{args.turns} turns (system {args.system} shared, history {args.history} + {args.user} user + {args.out} out per "
         f"turn), {args.batch} sessions per batch; working set "
-        f"{args.conversations * longest} tokens; {platform.processor() or 'CPU'}, "
+        f"{args.system + args.conversations * (longest - args.system)} tokens; {platform.processor() or 'CPU'}, "
         f"{os.cpu_count()} cores"
     )
     print(

@@ -122,7 +122,10 @@ CASES: list[tuple[int, bool, int, int, WritePolicy | None]] = [  # (cp, sharded,
     (4, False, 1, 1, None),
     (2, True, 2, 1, None),
     (2, True, 1, 2, None),
-    (2, False, 1, 1, "write_through"),  # replicated CP: each rank holds every page
+    # replicated CP: each rank holds every page, backs up and loads every page
+    (2, False, 1, 1, "write_through"),
+    (2, False, 1, 1, "write_through_selective"),
+    (2, False, 1, 1, "write_back"),
     # sharded CP: each rank backs up and loads its own pages, in its own host rows
     (2, True, 1, 1, "write_through_selective"),
     (4, True, 1, 1, "write_back"),
