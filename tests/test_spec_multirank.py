@@ -112,6 +112,34 @@ def test_a_sharded_draft_of_another_shape_gives_the_same_tokens(tp1: dict[str, T
         assert [t for t, *_ in on[phase]] == [t for t, *_ in tp1[phase]], phase
 
 
+def sampled(engine: Engine) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Seeded sampling at temperature 1 with logprobs: tokens and rounds per request."""
+    params = [
+        SamplingParams(max_new_tokens=10, temperature=1.0, seed=s, ignore_eos=True, logprobs=2)
+        for s in (11, 12, 13)
+    ]
+    reqs = [engine.submit(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+    outs = engine.run(reqs)
+    engine.drain()
+    return [(o.output_ids, list(r.spec_rounds)) for o, r in zip(outs, reqs, strict=True)]
+
+
+def test_seeded_sampling_on_pp2_draws_what_tp1_draws() -> None:
+    """The rejection rule on PP2 (logits bit-identical to TP1's): proposals and accepts are
+    drawn once, by the last stage, from the per-(seed, step) generators, so the tokens and
+    every round's accepted count are TP1's, rejections included."""
+    config = make_config(1, 2, "tiny-tp-draft")
+    single = Engine(dataclasses.replace(config, parallel=ParallelConfig()))
+    try:
+        want = sampled(single)
+    finally:
+        single.close()
+    got = run_world(config, sampled)
+    assert got == want
+    rounds = [r for _, rr in got for r in rr]
+    assert any(a < k for k, a in rounds) and any(a > 0 for _, a in rounds), rounds
+
+
 def test_checker_names_a_rank_that_accepts_another_count(tmp_path: Path) -> None:
     """TP2 with the checker on: rank 1 applies one accepted proposal fewer than the
     decision; the checker reports the verify round (`SpecDecoder._settle`) whose results
