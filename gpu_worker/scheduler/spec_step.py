@@ -184,19 +184,21 @@ class SpecDecoder:
             rows.append(end - 1)
         if not seqs:
             return
-        logits = self.draft.logits(self._batch(seqs, rows or [end - 1]), self.draft_pool)
+        # recorded before the forward: ranks whose draft state diverged are named here, not
+        # by the forward's batch-shape guard
         fed = [(req, kv_len + len(new_ids)) for req, new_ids, kv_len in prefill]
         self._feed(fed + [(r.req, r.req.lens.seq_len) for r in rounds])
+        logits = self.draft.logits(self._batch(seqs, rows or [end - 1]), self.draft_pool)
         proposing = [i for i, r in enumerate(rounds) if r.k > 0]
         if proposing:
             self._propose(
                 [rounds[i] for i in proposing], logits[proposing] if self.decides else logits
             )
 
-    @rank_consensus(same_params=["[(req.rid, n) for req, n in fed]"])
+    @rank_consensus(same_params=["[(req.rid, req.draft_len, n) for req, n in fed]"])
     def _feed(self, fed: list[tuple[Req, int]]) -> None:
-        """The draft's cache decision of a step: how far its KV now covers each request
-        (prefill chunks and every round's unseen tokens went through it)."""
+        """The draft's cache decision of a step: for each request, from where its KV is fed
+        and how far it then covers (prefill chunks and every round's unseen tokens)."""
         for req, n in fed:
             req.draft_len = n
 
