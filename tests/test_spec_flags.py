@@ -3,8 +3,8 @@
 The flags reach an `EngineConfig` (`services/engine/config.py`) and go on from `up` to its
 engines unchanged (`engine_argv`); the choice lists agree with `gpu_worker`'s. Bad
 combinations, and the topologies and tiers whose draft state is still to come (host tier,
-L3, P/D, TP/PP/CP > 1), fail at start with an error that names what is missing. A
-re-quantized `self` draft proposes, and the output stays the target's.
+L3, P/D, CP > 1), fail at start with an error that names what is missing. A re-quantized
+`self` draft proposes, and the output stays the target's.
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ def test_flags_reach_the_engine_config_and_up_passes_them_on() -> None:
             (*SPEC, "self", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"),
             r"--hicache-storage-backend \(the draft's L3 objects\)",
         ),
-        ((*SPEC, "self", "--tp-size", "2"), "TP/PP/CP > 1"),
-        ((*SPEC, "self", "--cp-size", "2"), "TP/PP/CP > 1"),
+        ((*SPEC, "self", "--cp-size", "2"), "CP > 1"),
         ((*SPEC, "self", "--disaggregation-mode", "prefill"), "--disaggregation-mode"),
     ],
 )
@@ -66,8 +65,8 @@ def test_bad_combinations_are_refused_clearly(argv: tuple[str, ...], error: str)
 
 
 def test_the_engine_refuses_what_the_draft_cannot_do() -> None:
-    with pytest.raises(ValueError, match="PP2"):
-        EngineConfig(parallel=ParallelConfig(pp_size=2), spec=SpecConfig("standalone", "self"))
+    with pytest.raises(ValueError, match="CP2"):
+        EngineConfig(parallel=ParallelConfig(cp_size=2), spec=SpecConfig("standalone", "self"))
     with pytest.raises(ValueError, match="is not supported"):
         SpecConfig("eagle", "self")
     with pytest.raises(ValueError, match="choose one of"):
@@ -113,8 +112,8 @@ def test_generate_reports_the_accepted_proposals(capsys: pytest.CaptureFixture[s
     argv = ["generate", "--model", "tiny", *SPEC, "self", "--max-tokens", "11"]
     assert main([*argv, "--enable-deterministic-inference", "--input-ids", "5,6,7"]) == 0
     assert "speculative: 8/8 proposals accepted in 2 verify rounds" in capsys.readouterr().out
-    assert main(["generate", "--model", "tiny", *SPEC, "self", "--tp-size", "2"]) == 2
-    assert "TP/PP/CP > 1" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", *SPEC, "self", "--cp-size", "2"]) == 2
+    assert "CP > 1" in capsys.readouterr().err
 
 
 def test_a_checkpoint_draft_must_share_the_targets_vocabulary(tmp_path: Path) -> None:

@@ -39,6 +39,10 @@ class DebugHooks:
     # speculative decoding: when every proposal is accepted, the last one is not fed through
     # the draft (its KV stays missing: acceptance must fall below 100% with the self draft)
     spec_skip_final_draft_feed: bool = False
+    # speculative decoding on a TP/PP engine: this world rank applies one accepted proposal
+    # fewer than each verify decision (to its draft and its outputs): the consensus checker
+    # must name that verify round
+    spec_perturb_accept_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_delay_s >= 0:
@@ -88,10 +92,10 @@ def _refuse_spec_with(config: EngineConfig) -> None:
         missing.append("--enable-hierarchical-cache (the draft's host rows, packed or sidecar)")
     if config.cache.hicache_storage_backend is not None:
         missing.append("--hicache-storage-backend (the draft's L3 objects)")
-    if config.parallel.world_size > 1:
+    if config.parallel.cp_size > 1:
         missing.append(
-            f"{config.parallel.describe()} (TP/PP/CP > 1: the verify decision made once and "
-            "broadcast over the ranks)"
+            f"{config.parallel.describe()} (CP > 1: the draft's KV over CP ranks; TP and PP "
+            "engines speculate)"
         )
     if missing:
         raise ValueError(

@@ -118,7 +118,7 @@ class Engine:
         sharding = _sharding(config, groups)
         owners = 1 if sharding is None else sharding.cp_size
         pools, self.draft_model, draft_len = pool_group(
-            config, mc, self.kv_spec, self.device, owners, sharding
+            config, mc, self.kv_spec, self.device, owners, sharding, self.rank
         )
         self.context_len = min(self.context_len, draft_len)
         if config.debug.gather_reads:

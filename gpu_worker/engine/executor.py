@@ -9,6 +9,9 @@ stage computes logits and samples, and sends the outcomes to the other stages, w
 for them (the next step's schedule depends on them). Every stage then applies the same
 outcomes at the same logical point.
 
+Speculative decoding (`logits`): the same pipeline without sampling; the last stage gets
+the logits and an earlier one nothing, and the decision is broadcast by `SpecDecoder`.
+
 Context parallel: every CP rank of a stage runs the same batch; under a prefill split
 (`--cp-split`, set on the model here) each runs its share of the rows and sends its own
 rows' hidden states to the rank with its TP and CP index in the next stage (the split
@@ -82,6 +85,37 @@ class ModelExecutor:
         """Forward `batch`; for every row whose spec is not None, an outcome with the tokens
         appended to its request (one, sampled at the row's last position)."""
         g = self.groups
+        out = self._forward(batch, pool)
+        if out is None:
+            outcomes = self._receive_outcomes()
+            if len(outcomes) != len(specs):
+                raise StageMismatchError(
+                    f"the last stage sampled {len(outcomes)} rows, this rank planned {len(specs)}"
+                )
+            return outcomes
+        outcomes = [None if s is None else _sample(out[i], s) for i, s in enumerate(specs)]
+        if self.guard_tp and g.config.cp_size > 1:
+            self._check_sampled(outcomes)
+        if g.config.pp_size > 1:
+            self._send_outcomes(outcomes)
+        return outcomes
+
+    def logits(self, batch: ForwardBatch, pool: KVCache) -> torch.Tensor:
+        """Forward `batch` and return the logits of `batch.logit_rows` (every request's last
+        row when None), unsampled: speculative decoding samples its draft's proposals and
+        verifies them from these. Every rank of the world calls it with the same batch (the
+        draft and the verify run through the pipeline as a step does); only the last stage
+        computes logits, so an earlier stage gets none back (an empty (0, vocab) tensor):
+        the decision is made on the last stage and broadcast (`SpecDecoder`)."""
+        out = self._forward(batch, pool)
+        if out is None:
+            return torch.empty((0, self.model_config_whole.vocab_size), dtype=torch.float64)
+        return out
+
+    def _forward(self, batch: ForwardBatch, pool: KVCache) -> torch.Tensor | None:
+        """This rank's part of the pipeline over `batch`: the logits on the last stage;
+        None on an earlier one, after it sent its hidden states on."""
+        g = self.groups
         shape = (len(batch.input_ids), batch.batch_size)
         if self.guard_tp:
             self._check_tp_shape(shape)
@@ -102,27 +136,8 @@ class ModelExecutor:
                 torch.tensor(shape, dtype=torch.int64), dst, g.cpu_world, TAG_HIDDEN_SHAPE
             )
             self.sends.send(out, dst, g.world, TAG_HIDDEN)
-            outcomes = self._receive_outcomes()
-            if len(outcomes) != len(specs):
-                raise StageMismatchError(
-                    f"the last stage sampled {len(outcomes)} rows, this rank planned {len(specs)}"
-                )
-            return outcomes
-        outcomes = [None if s is None else _sample(out[i], s) for i, s in enumerate(specs)]
-        if self.guard_tp and g.config.cp_size > 1:
-            self._check_sampled(outcomes)
-        if g.config.pp_size > 1:
-            self._send_outcomes(outcomes)
-        return outcomes
-
-    def logits(self, batch: ForwardBatch, pool: KVCache) -> torch.Tensor:
-        """Forward `batch` on a world of one and return the logits of `batch.logit_rows`
-        (every request's last row when None), unsampled: speculative decoding samples its
-        draft's proposals and verifies them from these."""
-        if self.groups.world_size > 1:
-            raise RuntimeError("speculative decoding runs on a single-rank engine for now")
-        with torch.inference_mode():
-            return self.model(batch, pool)
+            return None
+        return out
 
     def _check_stage_shape(self, shape: tuple[int, int]) -> None:
         g = self.groups

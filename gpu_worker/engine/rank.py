@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_worker.consensus.checker import consensus_enabled
+from gpu_worker.engine.draft import check_draft_layout
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.shard import ModelShard
 from gpu_worker.model.weights import model_config_of
@@ -149,6 +150,8 @@ def check_layout(config: EngineConfig) -> None:
     model = model_config_of(config.model, config.context_len)
     for rank in range(config.parallel.world_size):
         ModelShard.of(model, config.parallel, rank)
+    if config.spec.enabled:  # the draft is sharded like the target
+        check_draft_layout(config.spec, config.model, config.parallel, config.context_len)
 
 
 def launch_engine(

@@ -183,6 +183,23 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=BYTE_BOS_ID,
         name="tiny-draft",
     ),
+    # tiny-draft's TP-ready sibling: tiny's first 2 layers (the seeded weights are drawn in
+    # parameter order, so they are tiny's own), one per stage at PP 2, and 2 KV heads (one
+    # per rank at TP 2): its KV pool differs from tiny's in the layer count; it proposes
+    # tiny's tokens part of the time. float64-exact like tiny.
+    "tiny-tp-draft": ModelConfig(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        context_len=8192,
+        eos_token_ids=(BYTE_EOS_ID,),
+        bos_token_id=BYTE_BOS_ID,
+        name="tiny-tp-draft",
+    ),
     # SmolLM2-135M's KV bytes per token on a small random model, for P/D and KV-size tests:
     # 15 layers x 3 KV heads x head_dim 64 x K,V x 8 bytes (float64) = 46,080 bytes, what
     # SmolLM2's 30 layers hold in float32; float64-exact like tiny, and cheap to compute.

@@ -203,3 +203,21 @@ def agree_min(groups: ParallelGroups, value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=groups.cpu_world)
     return int(t[0])
+
+
+def decider_rank(groups: ParallelGroups) -> int:
+    """The world rank that makes a decision every rank must apply alike (speculative
+    decoding's proposals and verify): TP rank 0 (CP rank 0) of the last stage, the first
+    rank that holds the logits it is made from."""
+    return groups.config.rank_of(groups.config.pp_size - 1, 0, 0)
+
+
+def broadcast_decision(groups: ParallelGroups, decision: Any) -> Any:
+    """`decision` as the decider (`decider_rank`) made it, on every rank of the world: the
+    decider passes its own and gets it back, the others pass None. One pickled object over
+    the CPU world group: every rank calls it at the same logical point."""
+    if groups.world_size == 1:
+        return decision
+    box = [decision]
+    dist.broadcast_object_list(box, src=decider_rank(groups), group=groups.cpu_world)
+    return box[0]

@@ -21,6 +21,18 @@ request reserved for its outputs (`ReqLens.max_kv_len`) and never emits more tha
 the KV of rejected positions is overwritten by later rounds. A stop token inside an
 accepted run cuts the output there (`Req.append_outputs`). Logprobs and the logits trace
 hold the target's logits at every emitted position.
+
+TP and PP engines: the draft is sharded like the target (`engine/draft.py`), and every
+rank runs every draft forward and the verify through the pipeline with the same batch.
+Only the last stage holds logits, so the decisions are made there, once, by its first rank
+(`parallel.sync.decider_rank`): each draft forward's proposals, and each verify's outcome
+(the tokens a round appends, with their logprobs and traced logits). They are broadcast
+(`broadcast_decision`) and every rank applies them alike: no rank decides from its own
+logits, so the TP ranks of the last stage agree by construction (and a seeded draw needs
+no rank-identical generator: one rank draws). Each rank then applies the accepted count to
+its own draft state (`_settle`: the draft's fed length) and the scheduler to its outputs.
+The consensus checker records every round's accepted count and fed length (`_settle`) and
+each step's draft feed (`_feed`). CP engines do not speculate (`EngineConfig` refuses).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker.consensus.checker import rank_consensus
 from gpu_worker.memory.allocator import PageId
 from gpu_worker.memory.device_pool import DeviceKVPool
 from gpu_worker.model.forward_batch import ForwardBatch, KVCache
@@ -43,6 +56,8 @@ from gpu_worker.model.sampling import (
     step_generator,
     with_logprobs,
 )
+from gpu_worker.parallel.groups import ParallelGroups
+from gpu_worker.parallel.sync import broadcast_decision, decider_rank
 from gpu_worker.scheduler.executor import SampleOutcome, StepExecutor
 from gpu_worker.scheduler.request import Req
 from gpu_worker.scheduler.spec_config import SpecConfig
@@ -90,20 +105,27 @@ class SpecDecoder:
         draft_pool: DeviceKVPool,
         target: StepExecutor,
         device: torch.device,
+        groups: ParallelGroups | None = None,
         zero_hits: bool = False,
         skip_final_feed: bool = False,
+        perturb_accept: bool = False,
     ) -> None:
         """`draft`: the draft model's executor over `draft_pool` (the pool group's draft
-        member). Test hooks (`DebugHooks`): `zero_hits` zeroes the draft's rows of a
-        request's device prefix hit before its prefill; `skip_final_feed` counts an
-        all-accepted round's last proposal as fed without feeding it."""
+        member, this rank's shard of it). `groups`: the engine's world (None: one rank).
+        Test hooks (`DebugHooks`): `zero_hits` zeroes the draft's rows of a request's
+        device prefix hit before its prefill; `skip_final_feed` counts an all-accepted
+        round's last proposal as fed without feeding it; `perturb_accept` makes this rank
+        apply one accepted proposal fewer than the decision (the checker must name it)."""
         self.config = config
         self.draft = draft
         self.draft_pool = draft_pool
         self.target = target
         self.device = device
+        self.groups = groups or ParallelGroups.single()
+        self.decides = self.groups.rank == decider_rank(self.groups)
         self.zero_hits = zero_hits
         self.skip_final_feed = skip_final_feed
+        self.perturb_accept = perturb_accept
         self.stats = SpecStats()
 
     def step(
@@ -162,14 +184,23 @@ class SpecDecoder:
             rows.append(end - 1)
         if not seqs:
             return
+        # recorded before the forward: ranks whose draft state diverged are named here, not
+        # by the forward's batch-shape guard
+        fed = [(req, kv_len + len(new_ids)) for req, new_ids, kv_len in prefill]
+        self._feed(fed + [(r.req, r.req.lens.seq_len) for r in rounds])
         logits = self.draft.logits(self._batch(seqs, rows or [end - 1]), self.draft_pool)
-        for req, new_ids, kv_len in prefill:
-            req.draft_len = kv_len + len(new_ids)
-        for r in rounds:
-            r.req.draft_len = r.req.lens.seq_len
-        proposing = [(r, logits[i]) for i, r in enumerate(rounds) if r.k > 0]
+        proposing = [i for i, r in enumerate(rounds) if r.k > 0]
         if proposing:
-            self._propose([r for r, _ in proposing], torch.stack([q for _, q in proposing]))
+            self._propose(
+                [rounds[i] for i in proposing], logits[proposing] if self.decides else logits
+            )
+
+    @rank_consensus(same_params=["[(req.rid, req.draft_len, n) for req, n in fed]"])
+    def _feed(self, fed: list[tuple[Req, int]]) -> None:
+        """The draft's cache decision of a step: for each request, from where its KV is fed
+        and how far it then covers (prefill chunks and every round's unseen tokens)."""
+        for req, n in fed:
+            req.draft_len = n
 
     def _zero(self, page_ids: list[PageId]) -> None:
         ps = self.draft_pool.spec.page_size
@@ -177,20 +208,19 @@ class SpecDecoder:
         self.draft_pool.kv[:, :, slots] = 0
 
     def _propose(self, rounds: list[_Round], logits: torch.Tensor) -> None:
-        """Each round's next proposal from its row of the draft's `logits`."""
-        for r, q in zip(rounds, logits, strict=True):
-            req, sp = r.req, r.req.sampling
-            outputs = [*req.output_ids, *r.drafts]
-            prompt = req.prompt_ids if sp.uses_history else ()
-            step = len(outputs)
-            if sp.greedy:
-                token = sample(q, sp, None, prompt, outputs)
-            else:
-                probs = distribution(q, sp, prompt, outputs)
-                gen = _seeded(sp, step, "draft")
-                token = int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+        """Each round's next proposal from its row of the draft's `logits`, drawn by the
+        decider (the last stage's first rank: the only rows there are) and broadcast, so
+        every rank feeds the same proposals to its draft and target shards."""
+        tokens: list[int] | None = None
+        if self.decides:
+            tokens = []
+            for r, q in zip(rounds, logits, strict=True):
+                tokens.append(_proposal(r, q))
+                r.draft_logits.append(q)
+        tokens = broadcast_decision(self.groups, tokens)
+        assert tokens is not None
+        for r, token in zip(rounds, tokens, strict=True):
             r.drafts.append(token)
-            r.draft_logits.append(q)
 
     def _verify(self, rounds: list[_Round], pool: KVCache) -> list[SampleOutcome]:
         """The target's forward over every round's t0 + proposals; the outcomes."""
@@ -204,35 +234,72 @@ class SpecDecoder:
             rows.extend(range(end, end + len(ids)))
             end += len(ids)
         logits = self.target.logits(self._batch(seqs, rows), pool)
-        outcomes, at = [], 0
-        for r in rounds:
-            p = logits[at : at + r.k + 1]
-            at += r.k + 1
-            outcomes.append(self._accept(r, p))
-        return outcomes
+        decided: list[SampleOutcome] | None = None
+        if self.decides:  # the verify decision, made once (see `_propose`)
+            decided, at = [], 0
+            for r in rounds:
+                decided.append(_decide(r, logits[at : at + r.k + 1]))
+                at += r.k + 1
+        decided = broadcast_decision(self.groups, decided)
+        assert decided is not None
+        return [self._apply(r, o) for r, o in zip(rounds, decided, strict=True)]
 
-    def _accept(self, r: _Round, p: torch.Tensor) -> SampleOutcome:
-        req, sp = r.req, r.req.sampling
-        trace = req.logits_trace is not None
-        try:
-            tokens = _greedy(r, p) if sp.greedy else _rejection(r, p)
-        except Exception as e:  # the request fails, with the reason; the engine keeps going
-            return SampleOutcome((), f"sampling failed: {e}")
-        accepted = len(tokens) - 1
-        L = r.kv_len
+    def _apply(self, r: _Round, outcome: SampleOutcome) -> SampleOutcome:
+        """Apply the decided `outcome` of `r` to this rank's state: the draft's fed length
+        here, the request's outputs by the scheduler with the outcome returned."""
+        if outcome.error is not None:
+            return outcome
+        accepted = len(outcome.tokens) - 1
+        if self.perturb_accept and accepted > 0:  # the test switch: this rank alone differs
+            accepted -= 1
+            outcome = SampleOutcome(
+                outcome.tokens[: accepted + 1], None, outcome.logits[: accepted + 1]
+            )
+        self._settle(r, accepted, len(outcome.tokens))
+        return outcome
+
+    @rank_consensus(same_params=["r.req.rid", "r.kv_len", "r.k"], same_results=["result"])
+    def _settle(self, r: _Round, accepted: int, emitted: int) -> tuple[int, int]:
+        """One verify round's accepted count applied to the draft: its KV now covers t0
+        and the proposals that went through it (all but an all-accepted round's last,
+        which the next round feeds). Returns (accepted, the draft's fed length)."""
+        req, L = r.req, r.kv_len
         fed = L + 1 + min(accepted, max(r.k - 1, 0))  # t0, then d1..d(k-1) went through
         req.draft_len = L + 1 + accepted if self.skip_final_feed else fed
         req.spec_rounds.append((r.k, accepted))
         s = self.stats
         s.rounds, s.proposed, s.accepted = s.rounds + 1, s.proposed + r.k, s.accepted + accepted
-        s.emitted += len(tokens)
-        traced = tuple(p[i].detach().clone().cpu() for i in range(len(tokens))) if trace else ()
-        return SampleOutcome(tuple(tokens), None, traced)
+        s.emitted += emitted
+        return accepted, req.draft_len
 
 
 def pool_slots(pool: KVCache, req: Req, n: int) -> torch.Tensor:
     assert isinstance(pool, DeviceKVPool), "speculative decoding reads an unsharded pool"
     return pool.slot_ids(req.page_ids, n)
+
+
+def _proposal(r: _Round, q: torch.Tensor) -> int:
+    """The draft's next token for `r` from its logits `q` (greedy, or drawn seeded)."""
+    req, sp = r.req, r.req.sampling
+    outputs = [*req.output_ids, *r.drafts]
+    prompt = req.prompt_ids if sp.uses_history else ()
+    if sp.greedy:
+        return sample(q, sp, None, prompt, outputs)
+    probs = distribution(q, sp, prompt, outputs)
+    gen = _seeded(sp, len(outputs), "draft")
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+
+
+def _decide(r: _Round, p: torch.Tensor) -> SampleOutcome:
+    """The verify decision of `r` from the target's logits `p` (k + 1 rows): the tokens it
+    appends (accepted proposals and one more), with the traced logits of each."""
+    try:
+        tokens = _greedy(r, p) if r.req.sampling.greedy else _rejection(r, p)
+    except Exception as e:  # the request fails, with the reason; the engine keeps going
+        return SampleOutcome((), f"sampling failed: {e}")
+    trace = r.req.logits_trace is not None
+    traced = tuple(p[i].detach().clone().cpu() for i in range(len(tokens))) if trace else ()
+    return SampleOutcome(tuple(tokens), None, traced)
 
 
 def _seeded(sp: SamplingParams, step: int, draw: str) -> torch.Generator | None:
