@@ -69,8 +69,9 @@ class StepExecutor(Protocol):
         ...
 
     def logits(self, batch: ForwardBatch, pool: KVCache) -> torch.Tensor:
-        """Forward `batch` (a world of one) and return the logits (rows, vocab) of
-        `batch.logit_rows`, unsampled (speculative decoding's draft and verify)."""
+        """Forward `batch` on every rank and return the logits (rows, vocab) of
+        `batch.logit_rows`, unsampled (speculative decoding's draft and verify): on the last
+        PP stage; earlier stages get an empty (0, vocab) tensor."""
         ...
 
     def collect_export(
