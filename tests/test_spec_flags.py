@@ -44,6 +44,24 @@ def test_flags_reach_the_engine_config_and_up_passes_them_on() -> None:
     assert flags.DRAFT_QUANTIZATIONS == spec_config.DRAFT_QUANTIZATIONS
 
 
+def test_a_self_draft_of_a_real_model_defaults_to_int8() -> None:
+    """The default draft quantization: int8 for `self` outside float64 (the measured choice
+    for SmolLM2), none for a float64 preset's exact copy and for another draft model; a
+    given value is kept."""
+
+    def quant(*argv: str) -> str:
+        return engine_config_from_args(parse(*argv)).spec.draft_quantization
+
+    assert quant(*SPEC, "self") == "none"  # tiny: float64
+    assert quant(*SPEC, "self", "--dtype", "float32") == "int8"
+    assert quant(*SPEC, "tiny-draft", "--dtype", "float32") == "none"
+    assert (
+        quant(*SPEC, "self", "--dtype", "float32", "--speculative-draft-quantization", "none")
+        == "none"
+    )
+    assert quant(*SPEC, "self", "--speculative-draft-quantization", "int4") == "int4"
+
+
 @pytest.mark.parametrize(
     ("argv", "error"),
     [

@@ -10,9 +10,10 @@ from gpu_worker.cache.storage_io import StorageFaults
 from gpu_worker.cache.storage_tier import PrefetchTimeout
 from gpu_worker.cache.transfer import DelayInjection
 from gpu_worker.engine.engine import DebugHooks, EngineConfig
+from gpu_worker.model.config import resolve_dtype
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.scheduler import SchedulerConfig
-from gpu_worker.scheduler.spec_config import SpecConfig
+from gpu_worker.scheduler.spec_config import SELF_DRAFT, SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         args.speculative_algorithm,
         args.speculative_draft_model_path,
         args.speculative_num_steps,
-        args.speculative_draft_quantization,
+        _draft_quantization(args),
     )
     if spec.enabled and args.disaggregation_mode != "null":
         raise ValueError(
@@ -116,4 +117,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         batch_invariant=args.enable_deterministic_inference,
         spec=spec,
         debug=debug,
+    )
+
+
+def _draft_quantization(args: argparse.Namespace) -> str:
+    """`--speculative-draft-quantization`, or its default: int8 for a `self` draft of a model
+    that does not run in float64 (a real checkpoint: the int8 self-draft is the measured
+    choice for SmolLM2), none for anything else (another draft model is used as given; a
+    float64 preset's self draft is the tests' exact copy)."""
+    if args.speculative_draft_quantization is not None:
+        return str(args.speculative_draft_quantization)
+    dtype = resolve_dtype(args.dtype, args.model, args.device)
+    return (
+        "int8" if args.speculative_draft_model_path == SELF_DRAFT and dtype != "float64" else "none"
     )
