@@ -2,8 +2,8 @@
 
 The flags reach an `EngineConfig` (`services/engine/config.py`) and go on from `up` to its
 engines unchanged (`engine_argv`); the choice lists agree with `gpu_worker`'s. Bad
-combinations, and the topologies and tiers whose draft state is still to come (L3, P/D,
-TP/PP/CP > 1), fail at start with an error that names what is missing. Without
+combinations, and the topologies whose draft state is still to come (P/D, TP/PP/CP > 1)
+fail at start with an error that names what is missing. Without
 the re-quantizer module the quantized draft says that its scheme is unavailable.
 """
 
@@ -55,10 +55,6 @@ def test_flags_reach_the_engine_config_and_up_passes_them_on() -> None:
         (("--speculative-draft-model-path", "self"), "need --speculative-algorithm standalone"),
         (("--speculative-algorithm", "standalone"), "needs --speculative-draft-model-path"),
         ((*SPEC, "self", "--speculative-num-steps", "0"), r"must be in \[1, 16\]"),
-        (
-            (*SPEC, "self", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"),
-            r"--hicache-storage-backend \(the draft's L3 objects\)",
-        ),
         ((*SPEC, "self", "--tp-size", "2"), "TP/PP/CP > 1"),
         ((*SPEC, "self", "--cp-size", "2"), "TP/PP/CP > 1"),
         ((*SPEC, "self", "--disaggregation-mode", "prefill"), "--disaggregation-mode"),

@@ -13,13 +13,15 @@ restored rows: the accepted counts must then fall.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
+from bus_schemas.page_hash import chain_hashes, root_hash
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import DebugHooks, Engine, EngineConfig
 from gpu_worker.memory.pool_group import DRAFT, HostRows
-from gpu_worker.scheduler.request import Req
+from gpu_worker.scheduler.request import CachedTokens, Req
 from gpu_worker.scheduler.scheduler import SchedulerConfig
 from gpu_worker.scheduler.spec_config import SpecConfig
 from tests.test_spec_engine import PAGE, assert_same, make_prompts, rounds, run_traced, second_turn
@@ -33,6 +35,7 @@ def tiered_engine(
     layout: str = "layer_first",
     mode: str = "auto",
     debug: DebugHooks | None = None,
+    storage: dict[str, object] | None = None,
 ) -> Engine:
     spec = SpecConfig() if draft is None else SpecConfig("standalone", draft, 4, "none", mode)
     cache = CacheConfig(
@@ -43,6 +46,7 @@ def tiered_engine(
         hicache_mem_layout=layout,  # type: ignore[arg-type]
         write_through_threshold=1,
         check_reads=True,
+        **(storage or {}),  # type: ignore[arg-type]
     )
     return Engine(
         EngineConfig(
@@ -118,13 +122,18 @@ def host_hit_turns(
 
 
 def check_restored(
-    first: Sequence[Req], second: Sequence[Req], off: Turns, cold: Turns, draft: str
+    first: Sequence[Req],
+    second: Sequence[Req],
+    off: Turns,
+    cold: Turns,
+    draft: str,
+    tier: str = "host",
 ) -> None:
     _, want1, want2 = off
     _, ref1, ref2 = cold
     assert_same(first, want1)
     assert_same(second, want2)
-    assert all(r.cached.host > 0 for r in second), [r.cached for r in second]
+    assert all(getattr(r.cached, tier) > 0 for r in second), [r.cached for r in second]
     assert rounds(first) == rounds(ref1) and rounds(second) == rounds(ref2)
     proposed = sum(r.spec_proposed for r in second)
     accepted = sum(r.spec_accepted for r in second)
@@ -176,3 +185,110 @@ def test_zeroed_draft_rows_of_a_host_hit_lose_acceptance(off: Turns) -> None:
 def test_a_packed_draft_needs_the_target_row_shape() -> None:
     with pytest.raises(ValueError, match=r"num_kv_heads 1 vs 2.*sidecar"):
         tiered_engine("tiny-draft", mode="packed")
+
+
+# ------------------------------------------------------------------ L3
+
+
+def l3_engine(
+    draft: str | None, directory: Path, scheme: str = "rank-suffix", debug: DebugHooks | None = None
+) -> Engine:
+    storage: dict[str, object] = dict(
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(directory),
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_storage_key_scheme=scheme,
+        storage_batch_pages=4,
+    )
+    return tiered_engine(draft, debug=debug, storage=storage)
+
+
+def objects(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("*/*") if p.is_file())
+
+
+def l3_hit_turns(eng: Engine, prompts: list[list[int]]) -> tuple[list[Req], list[Req]]:
+    """The first turn, written through to the store; then device and host flushed; then
+    the second turn, whose prefix is read back from the store."""
+    first = run_traced(eng, prompts)
+    eng.drain()
+    assert eng.flush_cache()
+    second = run_traced(eng, second_turn(prompts, first))
+    eng.drain()
+    eng.check_integrity()
+    return first, second
+
+
+@pytest.mark.parametrize("scheme", ["rank-suffix", "unified"])
+@pytest.mark.parametrize("draft", ["self", "tiny-draft"])
+def test_l3_hits_restore_the_draft(
+    draft: str, scheme: str, tmp_path: Path, off: Turns, spec_cold: dict[str, Turns]
+) -> None:
+    """Packed (`self`): one object a page carries both models, named for the draft;
+    sidecar (`tiny-draft`): the draft's objects sit beside the target's, which are the
+    ones an engine without speculation writes."""
+    eng = l3_engine(draft, tmp_path, scheme)
+    first, second = l3_hit_turns(eng, spec_cold[draft][0])
+    eng.close()
+    names = objects(tmp_path)  # what the speculative engine wrote
+    check_restored(first, second, off, spec_cold[draft], draft, tier="storage")
+    # an engine without speculation reads the sidecar's target objects, never packed ones
+    plain = l3_engine(None, tmp_path, scheme)
+    again = run_traced(plain, second_turn(spec_cold[draft][0], first))
+    plain.close()
+    assert_same(again, off[2])
+    assert (sum(r.cached.storage for r in again) > 0) == (draft != "self")
+    drafts = [n for n in names if ".draft" in n]
+    if draft == "self":
+        assert not drafts
+        if scheme == "rank-suffix":
+            assert all(".packed-draft-" in n for n in names)
+    else:
+        pages = {n.split("_")[0] for n in names if ".draft" not in n}
+        assert drafts and {n.split("_")[0] for n in drafts} == pages  # every page: both
+
+
+@pytest.mark.parametrize("how", ["missing", "corrupt"])
+def test_a_missing_or_damaged_draft_object_cuts_the_hit_there(
+    how: str, tmp_path: Path, off: Turns, spec_cold: dict[str, Turns]
+) -> None:
+    """A sidecar draft's object of a page gone or damaged (its target object intact): the
+    page is not whole, so the hit stops before it, as for a target object, and both models
+    compute from there. The output is still the target's and the accepted counts still the
+    cold run's: nothing restored was wrong, less was restored."""
+    prompts = spec_cold["tiny-draft"][0]
+    eng = l3_engine("tiny-draft", tmp_path)
+    first = run_traced(eng, prompts)
+    eng.drain()
+    namespace = eng.namespace
+    eng.close()
+    seq = prompts[0] + first[0].output_ids
+    page = 2
+    hashes = chain_hashes(root_hash(namespace, ""), seq[: (page + 1) * PAGE], PAGE)
+    key = hashes[page].hex()
+    (target,) = [p for p in (tmp_path / key[:2]).glob(f"{key}_*") if ".draft" not in p.name]
+    (obj,) = (tmp_path / key[:2]).glob(f"{key}_*.draft-*")
+    if how == "missing":
+        obj.unlink()
+    else:
+        data = obj.read_bytes()
+        obj.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    assert target.exists()
+    eng = l3_engine("tiny-draft", tmp_path)
+    second = run_traced(eng, second_turn(prompts, first))
+    eng.drain()
+    eng.check_integrity()
+    eng.close()
+    assert second[0].cached == CachedTokens(0, 0, page * PAGE)  # pages 0, 1 only
+    assert_same(second, off[2])
+    assert rounds(second) == rounds(spec_cold["tiny-draft"][2])
+
+
+def test_zeroed_draft_rows_of_an_l3_hit_lose_acceptance(tmp_path: Path, off: Turns) -> None:
+    eng = l3_engine("self", tmp_path, debug=DebugHooks(spec_zero_draft_hits=True))
+    first, second = l3_hit_turns(eng, off[0])
+    eng.close()
+    assert_same(second, off[2])
+    assert all(r.cached.storage > 0 for r in second)
+    assert sum(r.spec_accepted for r in first) == sum(r.spec_proposed for r in first)
+    assert sum(r.spec_accepted for r in second) < sum(r.spec_proposed for r in second)

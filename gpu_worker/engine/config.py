@@ -80,13 +80,11 @@ class EngineConfig:
 
 
 def _refuse_spec_with(config: EngineConfig) -> None:
-    """What speculative decoding does not support yet (issue 23): the draft's KV has no L3
-    objects, and the verify decision is not broadcast over ranks (so CP, sharded or not,
-    is refused with the rest of world size > 1). The host tier carries the draft's rows
-    (`PoolGroup`, packed or sidecar)."""
+    """What speculative decoding does not support yet (issue 23): the verify decision is not
+    broadcast over ranks (so CP, sharded or not, is refused with the rest of world size >
+    1). The host tier and L3 carry the draft's KV (`PoolGroup`, `storage_setup`: packed or
+    sidecar)."""
     missing = []
-    if config.cache.hicache_storage_backend is not None:
-        missing.append("--hicache-storage-backend (the draft's L3 objects)")
     if config.parallel.world_size > 1:
         missing.append(
             f"{config.parallel.describe()} (TP/PP/CP > 1: the verify decision made once and "

@@ -132,7 +132,7 @@ class Engine:
             delay_seed=7919 * self.rank,
             record_events=self.rank == 0,  # rank 0 publishes the KV events
             storage=storage_backend(config.cache),
-            storage_layout=storage_layout(config, mc, self.rank)
+            storage_layout=storage_layout(config, mc, self.rank, pools.draft_member)
             if config.cache.hicache_storage_backend is not None
             else None,
             storage_groups=(groups.storage_hit, groups.storage_progress, groups.storage_write),

@@ -191,6 +191,11 @@ class PoolGroup:
         return self.device
 
     @property
+    def draft_member(self) -> PoolMember | None:
+        """The draft's member (its shape and host rows), if the group has one."""
+        return self.members[1] if len(self.members) > 1 else None
+
+    @property
     def spec(self) -> KVSpec:
         """The target's KV shape."""
         return self.members[0].spec
@@ -231,6 +236,7 @@ class PoolGroup:
             self.draft_host = HostKVPool(
                 draft.spec, num_pages, layout, device.device, heads, owners, owned_by
             )
+            self.host.sidecar = self.draft_host
         return self.host
 
     def tier_views(self) -> list[TierViews]:
