@@ -1,8 +1,11 @@
 """Speculative decoding in a real mesh: `up --speculative-algorithm standalone
---speculative-draft-model-path self` answers through the router (plain and streamed) with
-the greedy tokens of an in-process engine without speculation, a repeat is served from
-the cache with the same tokens, and `/stats` shows the engine's verify rounds, every
-proposal of the exact-copy draft accepted. The native `/generate` reports the request's
+--speculative-draft-model-path self --enable-hierarchical-cache` answers through the router
+(plain and streamed) with the greedy tokens of an in-process engine without speculation, a
+repeat is served from the cache with the same tokens, and `/stats` shows the engine's
+verify rounds, every proposal of the exact-copy draft accepted. The device pool holds two
+requests or so, so the workload sent again is served from the host tier, where the draft's
+rows are packed into the target's (`self` has its row shape): the same tokens, and still
+every proposal accepted (the draft's state came back with the target's). The native `/generate` reports the request's
 verify rounds and accepted tokens in its meta info, and `/metrics` the engine's
 `sglang:spec_accept_length` and `sglang:spec_accept_rate` (from its heartbeats)."""
 
@@ -39,7 +42,8 @@ SPEC = (
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
-    spec = MeshSpec(engines=1, extra=SPEC, host_tier=False)
+    # a small device pool: earlier requests' pages move to the host tier as later ones run
+    spec = MeshSpec(engines=1, extra=SPEC, host_tier=True, max_total_tokens=96)
     with running_mesh(spec, tmp_path_factory, "spec-self") as m:
         yield m
 
@@ -49,10 +53,13 @@ async def test_speculative_mesh_equals_speculation_off(mesh: UpMesh) -> None:
     got = await baseline(mesh.url, reqs)
     assert got == cold_reference(reqs, exact=True)
     await assert_repeat_is_cached(mesh.url, reqs[0], got[reqs[0]])
+    again = await baseline(mesh.url, reqs)  # the earlier prompts come back from the host
+    assert again == got
     async with aiohttp.ClientSession() as http, http.get(f"{mesh.url}/stats") as r:
         assert r.status == 200, await r.text()
         stats = (await r.json())["engines"]["engine-0"]["stats"]
     assert stats["spec_verify_rounds"] > 0
+    assert stats["cached_tokens_host"] > 0 and stats["loads"] > 0, stats
     assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"] > 0
 
 
