@@ -8,6 +8,13 @@ came back with the target's, in the same transfer. `self` (the target's shape) p
 layers into the target's host rows; `tiny-draft` (1 KV head) keeps a sidecar host pool, and
 `self` may be forced into one. The zero switch (`spec_zero_draft_hits`) wipes the draft's
 restored rows: the accepted counts must then fall.
+
+L3 (a real `file` store): the first turn is written, device and host are flushed, and the
+second turn's prefix is read back, under both key schemes and both storage write policies;
+packed objects carry both models under a name an engine without that draft never reads,
+sidecar objects sit beside the target's (which such an engine does read). A sidecar draft
+object missing or damaged cuts the hit before its page: still lossless, still the cold
+run's accepted counts.
 """
 
 from __future__ import annotations
@@ -191,9 +198,15 @@ def test_a_packed_draft_needs_the_target_row_shape() -> None:
 
 
 def l3_engine(
-    draft: str | None, directory: Path, scheme: str = "rank-suffix", debug: DebugHooks | None = None
+    draft: str | None,
+    directory: Path,
+    scheme: str = "rank-suffix",
+    debug: DebugHooks | None = None,
+    policy: str = "write_through",
 ) -> Engine:
     storage: dict[str, object] = dict(
+        hicache_storage_write_policy=policy,
+        hicache_storage_write_threshold=1,
         hicache_storage_backend="file",
         hicache_storage_dir=str(directory),
         hicache_storage_prefetch_policy="wait_complete",
@@ -207,10 +220,16 @@ def objects(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.glob("*/*") if p.is_file())
 
 
-def l3_hit_turns(eng: Engine, prompts: list[list[int]]) -> tuple[list[Req], list[Req]]:
-    """The first turn, written through to the store; then device and host flushed; then
-    the second turn, whose prefix is read back from the store."""
+def l3_hit_turns(
+    eng: Engine, prompts: list[list[int]], repeat: bool = False
+) -> tuple[list[Req], list[Req]]:
+    """The first turn (again with `repeat`: a hit, which the selective policy writes
+    after), written to the store; then device and host flushed; then the second turn,
+    whose prefix is read back from the store."""
     first = run_traced(eng, prompts)
+    if repeat:
+        eng.drain()
+        run_traced(eng, prompts)
     eng.drain()
     assert eng.flush_cache()
     second = run_traced(eng, second_turn(prompts, first))
@@ -246,6 +265,17 @@ def test_l3_hits_restore_the_draft(
     else:
         pages = {n.split("_")[0] for n in names if ".draft" not in n}
         assert drafts and {n.split("_")[0] for n in drafts} == pages  # every page: both
+
+
+@pytest.mark.parametrize("draft", ["self", "tiny-draft"])
+def test_selective_l3_writes_carry_the_draft(
+    draft: str, tmp_path: Path, off: Turns, spec_cold: dict[str, Turns]
+) -> None:
+    """The other storage write policy: pages are written once hit, packed or sidecar alike."""
+    eng = l3_engine(draft, tmp_path, policy="write_through_selective")
+    first, second = l3_hit_turns(eng, spec_cold[draft][0], repeat=True)
+    eng.close()
+    check_restored(first, second, off, spec_cold[draft], draft, tier="storage")
 
 
 @pytest.mark.parametrize("how", ["missing", "corrupt"])
