@@ -33,8 +33,8 @@ class DebugHooks:
     # this world rank starts each request's new pages one owner class off its prefix's
     # cycle (`scheduler/admission.py`): the consensus checker must name that entry
     perturb_owner_rotation_rank: int | None = None
-    # speculative decoding: a request's device prefix hit finds the draft's rows of the hit
-    # zeroed (a lost draft restore: the restored-state test must fail)
+    # speculative decoding: a request's prefix hit (device, host or L3) finds the draft's
+    # rows of the hit zeroed (a lost draft restore: the restored-state tests must fail)
     spec_zero_draft_hits: bool = False
     # speculative decoding: when every proposal is accepted, the last one is not fed through
     # the draft (its KV stays missing: acceptance must fall below 100% with the self draft)
