@@ -189,6 +189,16 @@ def test_zeroed_draft_rows_of_a_host_hit_lose_acceptance(off: Turns) -> None:
     assert sum(r.spec_accepted for r in second) < sum(r.spec_proposed for r in second)
 
 
+@pytest.mark.parametrize("draft", ["self", "tiny-draft"])
+def test_hicache_size_counts_the_draft_rows(draft: str) -> None:
+    """--hicache-size is bytes: a host page holds both models' rows, so fewer pages fit."""
+    eng = tiered_engine(draft, storage={"hicache_size_gb": 1e-4})
+    host, pools = eng.cache.host_pool, eng.cache.pools
+    assert host is not None and pools.draft is not None
+    assert host.num_pages == 100_000 // pools.bytes_per_page < 100_000 // eng.kv_spec.bytes_per_page
+    eng.close()
+
+
 def test_a_packed_draft_needs_the_target_row_shape() -> None:
     with pytest.raises(ValueError, match=r"num_kv_heads 1 vs 2.*sidecar"):
         tiered_engine("tiny-draft", mode="packed")

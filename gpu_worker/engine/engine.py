@@ -121,6 +121,8 @@ class Engine:
             config, mc, self.kv_spec, self.device, owners, sharding
         )
         self.context_len = min(self.context_len, draft_len)
+        if host_pages is not None and config.cache.hicache_size_gb > 0:  # a draft's rows too
+            host_pages = max(1, host_pages * self.kv_spec.bytes_per_page // pools.bytes_per_page)
         if config.debug.gather_reads:
             pools.device.contiguous_slices = False
         self.cache = PrefixCache(
