@@ -213,6 +213,7 @@ def l3_engine(
     scheme: str = "rank-suffix",
     debug: DebugHooks | None = None,
     policy: str = "write_through",
+    **more: object,
 ) -> Engine:
     storage: dict[str, object] = dict(
         hicache_storage_write_policy=policy,
@@ -222,6 +223,7 @@ def l3_engine(
         hicache_storage_prefetch_policy="wait_complete",
         hicache_storage_key_scheme=scheme,
         storage_batch_pages=4,
+        **more,
     )
     return tiered_engine(draft, debug=debug, storage=storage)
 
@@ -275,6 +277,20 @@ def test_l3_hits_restore_the_draft(
     else:
         pages = {n.split("_")[0] for n in names if ".draft" not in n}
         assert drafts and {n.split("_")[0] for n in drafts} == pages  # every page: both
+
+
+def test_packed_draft_layers_are_their_own_range_on_the_unified_grid(
+    tmp_path: Path, off: Turns, spec_cold: dict[str, Turns]
+) -> None:
+    """With the grid cut at the target's layer count, a packed page's draft layers are
+    objects of their own (`_L4-7_`), read back with the target's."""
+    eng = l3_engine("self", tmp_path, "unified", storage_layer_partition=4)
+    assert eng.cache.spec.num_layers == 4
+    first, second = l3_hit_turns(eng, spec_cold["self"][0])
+    eng.close()
+    check_restored(first, second, off, spec_cold["self"], "self", tier="storage")
+    ranges = {n.split("_")[2] for n in objects(tmp_path)}
+    assert ranges == {"L0-3", "L4-7"}
 
 
 @pytest.mark.parametrize("draft", ["self", "tiny-draft"])
