@@ -1,13 +1,18 @@
-"""The pool group: today the target pool alone; other members are declared, and refused."""
+"""The pool group: the target pool, maybe a draft's (packed or sidecar host rows); other
+members are declared, and refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from gpu_worker.kernels.moves import move_pages
 from gpu_worker.kernels.page_transfer import PageView
 from gpu_worker.kernels.relayout import RunView
 from gpu_worker.memory.kv_spec import KVSpec
+from gpu_worker.memory.pool_group import (
+    DRAFT as DRAFT_NAME,
+)
 from gpu_worker.memory.pool_group import (
     TARGET,
     HostRows,
@@ -15,6 +20,7 @@ from gpu_worker.memory.pool_group import (
     PoolGroup,
     PoolMember,
     UnsupportedMember,
+    draft_host_rows,
 )
 from gpu_worker.memory.sharded_pool import ShardedDeviceKVPool
 
@@ -52,16 +58,17 @@ def test_unified_host_pool_pairs_with_runs_of_the_device_pool() -> None:
 @pytest.mark.parametrize(
     "members",
     [
-        [PoolMember(TARGET, SPEC), PoolMember("draft", DRAFT, HostRows.PACKED)],
-        [PoolMember(TARGET, SPEC), PoolMember("draft", DRAFT, HostRows.SIDECAR, TARGET)],
+        [PoolMember(TARGET, SPEC), PoolMember("indexer", DRAFT, HostRows.PACKED)],
+        [PoolMember(TARGET, SPEC), PoolMember("draft", DRAFT, HostRows.SIDECAR, "draft")],
         [PoolMember("draft", DRAFT)],
         [PoolMember(TARGET, SPEC, HostRows.PACKED)],
         [],
     ],
 )
 def test_a_group_refuses_members_other_than_the_target(members: list[PoolMember]) -> None:
-    """Draft, indexer and CP-sharded pools have a declared place, and no code that moves
-    them yet: a group with one refuses to be built rather than leave it behind."""
+    """Indexer pools (and a sidecar of anything but the target) have a declared place, and
+    no code that moves them yet: a group with one refuses to be built rather than leave it
+    behind."""
     with pytest.raises(UnsupportedMember, match="not supported yet"):
         PoolGroup(members, 8, CPU)
 
@@ -90,3 +97,52 @@ def test_a_sharded_group_holds_a_sharded_device_pool_and_its_own_host_rows() -> 
         group.replicated_device("P/D KV transfer")
     plain = PoolGroup.target_only(SPEC, 8, CPU)
     assert plain.replicated_device("the host tier") is plain.device
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_unified"])
+@pytest.mark.parametrize("rows", [HostRows.PACKED, HostRows.SIDECAR])
+def test_a_draft_moves_with_the_target_through_one_set_of_host_pages(
+    layout: str, rows: HostRows
+) -> None:
+    """Packed: the draft's layers follow the target's in each host row; sidecar: its own
+    host pool at the same page ids. Either way a backup and a load through `tier_views`
+    move both models' rows of the same pages, and nothing else."""
+    source = TARGET if rows is HostRows.SIDECAR else None
+    group = PoolGroup(
+        [PoolMember(TARGET, SPEC), PoolMember(DRAFT_NAME, DRAFT, rows, source)], 8, CPU
+    )
+    host = group.attach_host(6, layout, group_heads=1 if layout == "page_unified" else None)  # type: ignore[arg-type]
+    assert group.draft is not None
+    packed = rows is HostRows.PACKED
+    assert host.spec.num_layers == (3 if packed else 2)
+    assert (group.draft_host is None) == packed
+    assert group.bytes_per_page == SPEC.bytes_per_page + DRAFT.bytes_per_page
+    group.device.kv.copy_(torch.rand_like(group.device.kv))
+    group.draft.kv.copy_(torch.rand_like(group.draft.kv))
+    want_t, want_d = group.device.kv.clone(), group.draft.kv.clone()
+    src, dst = torch.tensor([1, 5]), torch.tensor([4, 0])
+    for pair in group.tier_views():
+        move_pages(*pair.backup(), src, dst)
+    group.device.kv.zero_()
+    group.draft.kv.zero_()
+    for pair in group.tier_views():
+        move_pages(*pair.load(), dst, torch.tensor([2, 7]))
+    ps = SPEC.page_size
+    for got, want in ((group.device.kv, want_t), (group.draft.kv, want_d)):
+        for a, b in ((2, 1), (7, 5)):
+            assert torch.equal(got[:, :, a * ps : (a + 1) * ps], want[:, :, b * ps : (b + 1) * ps])
+        assert torch.count_nonzero(got[:, :, : 2 * ps]) == 0  # pages 0, 1 untouched
+
+
+def test_draft_host_rows_are_chosen_from_the_shapes() -> None:
+    narrow = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float64)
+    assert draft_host_rows("auto", SPEC, DRAFT) is HostRows.PACKED
+    assert draft_host_rows("auto", SPEC, narrow) is HostRows.SIDECAR
+    assert draft_host_rows("sidecar", SPEC, DRAFT) is HostRows.SIDECAR
+    with pytest.raises(ValueError, match="num_kv_heads 1 vs 2"):
+        draft_host_rows("packed", SPEC, narrow)
+    with pytest.raises(ValueError, match="unknown draft host mode"):
+        draft_host_rows("beside", SPEC, DRAFT)
+    device_only = PoolGroup([PoolMember(TARGET, SPEC), PoolMember("draft", DRAFT)], 8, CPU)
+    with pytest.raises(UnsupportedMember, match="packed or sidecar"):
+        device_only.attach_host(4, "layer_first")

@@ -2,9 +2,9 @@
 
 The flags reach an `EngineConfig` (`services/engine/config.py`) and go on from `up` to its
 engines unchanged (`engine_argv`); the choice lists agree with `gpu_worker`'s. Bad
-combinations, and the topologies and tiers whose draft state is still to come (host tier,
-L3, P/D, CP > 1), fail at start with an error that names what is missing. A re-quantized
-`self` draft proposes, and the output stays the target's.
+combinations, and the topologies whose draft state is still to come (P/D, CP > 1), fail at
+start with an error that names what is missing. A re-quantized `self` draft proposes, and
+the output stays the target's.
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ def test_flags_reach_the_engine_config_and_up_passes_them_on() -> None:
     assert not engine_config_from_args(parse()).spec.enabled
     assert flags.SPEC_ALGORITHMS == spec_config.SPEC_ALGORITHMS
     assert flags.DRAFT_QUANTIZATIONS == spec_config.DRAFT_QUANTIZATIONS
+    assert flags.DRAFT_HOST_MODES == spec_config.DRAFT_HOST_MODES
+    args = parse(*SPEC, "self", "--speculative-draft-host-mode", "sidecar")
+    assert engine_config_from_args(args).spec.draft_host_mode == "sidecar"
+    assert flags.engine_argv(args)[-2:] == ["--speculative-draft-host-mode", "sidecar"]
 
 
 def test_a_self_draft_of_a_real_model_defaults_to_int8() -> None:
@@ -68,11 +72,6 @@ def test_a_self_draft_of_a_real_model_defaults_to_int8() -> None:
         (("--speculative-draft-model-path", "self"), "need --speculative-algorithm standalone"),
         (("--speculative-algorithm", "standalone"), "needs --speculative-draft-model-path"),
         ((*SPEC, "self", "--speculative-num-steps", "0"), r"must be in \[1, 16\]"),
-        ((*SPEC, "self", "--enable-hierarchical-cache"), "--enable-hierarchical-cache"),
-        (
-            (*SPEC, "self", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"),
-            r"--hicache-storage-backend \(the draft's L3 objects\)",
-        ),
         ((*SPEC, "self", "--cp-size", "2"), "CP > 1"),
         ((*SPEC, "self", "--disaggregation-mode", "prefill"), "--disaggregation-mode"),
     ],

@@ -13,6 +13,19 @@ Both are called from the storage I/O threads (`StorageIO`) on host pages that th
 reserved or pinned for them; they touch no other state. A write is two steps: `stage` copies
 the pages out of the host pool (the pin can go once it returns), `put` stores the copy.
 
+A speculative draft's KV (DESIGN section 4) rides the same objects or sits beside them:
+- packed (the draft's layers appended to the target's host rows): the target's objects
+  carry both models' layers, under a name that names the draft (`storage_setup`), so an
+  engine without that draft never reads them;
+- sidecar (the draft's own host pool at the target's host pages, `HostKVPool.sidecar`):
+  `PairedCodec` gives each page the target's objects and then the draft's own
+  (`DraftObjects`: keys with a `.draft-{id}` tag, or in the draft's own namespace with a
+  `.draft` suffix; both name the draft), read, looked up and
+  written in the same batch. A page counts as stored only when both models' objects are
+  whole: a missing or damaged draft object cuts the hit there, exactly as a missing target
+  object does, and both models recompute the pages from there (the draft's state stays
+  exact: what was read is what was written, and the rest is computed as a cold run does).
+
 CP page sharding (`PageShare`): a page is whole on its owner rank, so its objects are the
 ones a CP1 engine of the same TP x PP layout names (no rank suffix for CP) and only the
 owner reads, writes or looks them up; the codecs then see the rank's local host pages.
@@ -24,6 +37,7 @@ import abc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +45,8 @@ from gpu_worker.kernels.page_transfer import PageView, transfer_pages
 from gpu_worker.memory.host_pool import HostKVPool
 from gpu_worker.storage import StorageBackend
 from gpu_worker.storage.layout import ShardCells, StorageNamespace
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +78,16 @@ def first_missing(where: Sequence[int], num_done: int, num_pages: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftObjects:
+    """Where a sidecar draft's objects are (`StorageLayout.draft`): the rank-suffix tag of
+    its keys, or its own unified namespace and cells; both name the draft."""
+
+    shard: str
+    namespace: StorageNamespace | None = None
+    cells: ShardCells | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class StorageLayout:
     """How this rank names and lays out its objects: the rank-suffix scheme (`cells` None)
     or the unified one (the namespace and the cells of the rank's shard)."""
@@ -72,6 +98,7 @@ class StorageLayout:
     layout: str = ""  # the rank-suffix scheme's engine layout, e.g. "tp2pp2"
     writes: bool = True  # rank-suffix: False where another rank writes the object (MLA)
     share: PageShare | None = None  # CP sharding: the pages this rank holds (None: all)
+    draft: DraftObjects | None = None  # a sidecar draft's objects beside each page's
 
     @property
     def scope(self) -> str:
@@ -91,25 +118,50 @@ class StorageLayout:
         return None if self.namespace is None else self.namespace.head_partition
 
     def codec(self, host: HostKVPool) -> ObjectCodec:
-        if self.cells is None or self.namespace is None:
-            spec = host.spec
-            shape = (spec.num_layers, spec.num_kv, spec.page_size, spec.num_kv_heads, spec.head_dim)
-            view = host.page_view()
-            if not isinstance(view, PageView):
-                raise ValueError(
-                    "the rank-suffix key scheme needs a layer_first or page_first host pool"
-                )
-            codec: ObjectCodec = RankSuffixCodec(view, shape, spec.dtype, self.shard, self.writes)
-        elif host.layout != "page_unified":
-            raise ValueError("the unified key scheme needs the page_unified host layout")
-        else:
-            codec = UnifiedCodec(host.kv, self.cells, self.namespace.digest)
+        """The codec of `host`'s pages: the target's objects, and with a sidecar draft
+        (`host.sidecar`) the draft's beside them (`PairedCodec`)."""
+        codec = _codec(host, self.shard, self.namespace, self.cells, self.writes)
+        if (self.draft is None) != (host.sidecar is None):
+            raise ValueError(
+                f"storage objects for a sidecar draft {self.draft} and a host pool with "
+                f"{'a' if host.sidecar else 'no'} sidecar"
+            )
+        if self.draft is not None and host.sidecar is not None:
+            d = self.draft
+            if self.share is not None:
+                raise ValueError("a sidecar draft's objects on a CP-sharded engine")
+            draft = _codec(host.sidecar, d.shard, d.namespace, d.cells, self.writes, ".draft")
+            codec = PairedCodec(codec, draft)
         if (self.share is None) != (host.owned_by is None) or (
             self.share is not None and self.share.cp_rank != host.owned_by
         ):
             raise ValueError(f"storage share {self.share} for a host pool of {host.owned_by}")
         codec.share = self.share
         return codec
+
+
+def _codec(
+    host: HostKVPool,
+    shard: str,
+    namespace: StorageNamespace | None,
+    cells: ShardCells | None,
+    writes: bool,
+    tag: str = "",
+) -> ObjectCodec:
+    """One pool's codec: rank-suffix objects tagged `shard`, or the unified `cells` (keys
+    ending in `tag`)."""
+    if cells is None or namespace is None:
+        spec = host.spec
+        shape = (spec.num_layers, spec.num_kv, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        view = host.page_view()
+        if not isinstance(view, PageView):
+            raise ValueError(
+                "the rank-suffix key scheme needs a layer_first or page_first host pool"
+            )
+        return RankSuffixCodec(view, shape, spec.dtype, shard, writes)
+    if host.layout != "page_unified":
+        raise ValueError("the unified key scheme needs the page_unified host layout")
+    return UnifiedCodec(host.kv, cells, namespace.digest, tag)
 
 
 class ObjectCodec(abc.ABC):
@@ -193,12 +245,15 @@ class UnifiedCodec(ObjectCodec):
     written in place in a `page_unified` host pool (num_pages, groups, layers, kv, page_size,
     group_heads, dim); for MLA (one group, kv 1, one head) a cell is (layers, token, dim)."""
 
-    def __init__(self, host_kv: torch.Tensor, cells: ShardCells, namespace_digest: str) -> None:
+    def __init__(
+        self, host_kv: torch.Tensor, cells: ShardCells, namespace_digest: str, tag: str = ""
+    ) -> None:
+        """`tag`: appended to every key (a sidecar draft's `.draft`)."""
         self.host_kv = host_kv
         self.cells = cells
         self.per_page = cells.per_page
         self.writes = cells.writes
-        self._suffixes = cells.suffixes(namespace_digest)
+        self._suffixes = [x + tag for x in cells.suffixes(namespace_digest)]
 
     def keys(self, page_hashes: Sequence[bytes]) -> list[str]:
         return [h.hex() + s for h in page_hashes for s in self._suffixes]
@@ -224,6 +279,51 @@ class UnifiedCodec(ObjectCodec):
                 b = cell.layer_end - cells.layer_offset + 1
                 span = self.host_kv[page, group, a:b]  # contiguous: (layers, kv, ps, H, D)
                 out.append(span.reshape(-1).view(torch.uint8).numpy().data)
+        return out
+
+
+class PairedCodec(ObjectCodec):
+    """A page's target objects, then its sidecar draft's (at the same host page ids of the
+    draft's own host pool), as one codec: every key list, read, lookup and write has
+    `per_page` = both counts per page, page by page, so the storage tier's batches, ACKs
+    and leading-page counts cover both models alike. A page is whole only when all its
+    objects are (see the module docstring)."""
+
+    def __init__(self, target: ObjectCodec, draft: ObjectCodec) -> None:
+        self.target, self.draft = target, draft
+        self.per_page = target.per_page + draft.per_page
+        self.writes = target.writes
+
+    def _split(self, items: Sequence[_T]) -> tuple[list[_T], list[_T]]:
+        """Page-by-page `items` (keys, staged objects) as the target's and the draft's."""
+        k, a = self.per_page, self.target.per_page
+        pages = [items[i : i + k] for i in range(0, len(items), k)]
+        return [x for p in pages for x in p[:a]], [x for p in pages for x in p[a:]]
+
+    def keys(self, page_hashes: Sequence[bytes]) -> list[str]:
+        out: list[str] = []
+        for h in page_hashes:
+            out += self.target.keys([h]) + self.draft.keys([h])
+        return out
+
+    def read(self, backend: StorageBackend, keys: list[str], host_ids: list[int]) -> int:
+        target_keys, draft_keys = self._split(keys)
+        n = self.target.read(backend, target_keys, host_ids) // self.target.per_page
+        k = self.draft.per_page
+        if n:  # the draft's objects of the pages whose target objects arrived whole
+            n = self.draft.read(backend, draft_keys[: n * k], host_ids[:n]) // k
+        return n * self.per_page
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.target.page_nbytes + self.draft.page_nbytes
+
+    def stage(self, host_ids: list[int]) -> list[memoryview]:
+        a, b = self.target.per_page, self.draft.per_page
+        target, draft = self.target.stage(host_ids), self.draft.stage(host_ids)
+        out: list[memoryview] = []
+        for i in range(len(host_ids)):
+            out += target[i * a : (i + 1) * a] + draft[i * b : (i + 1) * b]
         return out
 
 

@@ -34,10 +34,10 @@ first page missing anywhere. A rank that owns none of a batch's pages still join
 agreement, so every rank's collectives stay in step.
 
 A read batch or a write moves the rows of a set of pages of the pool group's host pools
-(`memory/pool_group.py`) in one piece of work with one ACK: today the target's host pool;
-a `packed` draft's layers would sit in the same host rows, hence the same objects, and a
-`sidecar` pool's objects would join the same batch (the group refuses both until the code
-that moves them exists).
+(`memory/pool_group.py`) in one piece of work with one ACK: the target's host pool, where
+a `packed` draft's layers sit in the same host rows, hence the same objects; a `sidecar`
+draft's objects join the same batch (`storage_codec.PairedCodec`), so the draft's rows of
+a page are read and written with the target's and a page is whole only with both.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Every copy between tiers (device -> host backup, host -> device load) is submitted here and
 runs off the scheduler thread: on a CUDA stream on GPU, on worker threads on CPU. One
 submission moves a set of pages through every (source, destination) pair of a pool group
-(`PoolGroup.tier_views`: the target's pools, later a draft's too) as one operation with one
-completion, and appends an immutable `TransferAck` to one FIFO. Copies may *finish* in any order
+(`PoolGroup.tier_views`: the target's pools and a draft's, packed or sidecar) as one
+operation with one completion, and appends an immutable `TransferAck` to one FIFO: a draft's
+rows are never read before the target's ACK is consumed. Copies may *finish* in any order
 (several workers, injected delays), but the scheduler consumes ACKs strictly from the front:
 `num_ready()` counts the finished prefix, `pop(n)` takes exactly `n` from the front, waiting
 on any that has not finished (a later PP stage told to consume `n` by PP0 does that). Cache

@@ -33,8 +33,8 @@ class DebugHooks:
     # this world rank starts each request's new pages one owner class off its prefix's
     # cycle (`scheduler/admission.py`): the consensus checker must name that entry
     perturb_owner_rotation_rank: int | None = None
-    # speculative decoding: a request's device prefix hit finds the draft's rows of the hit
-    # zeroed (a lost draft restore: the restored-state test must fail)
+    # speculative decoding: a request's prefix hit (device, host or L3) finds the draft's
+    # rows of the hit zeroed (a lost draft restore: the restored-state tests must fail)
     spec_zero_draft_hits: bool = False
     # speculative decoding: when every proposal is accepted, the last one is not fed through
     # the draft (its KV stays missing: acceptance must fall below 100% with the self draft)
@@ -84,21 +84,13 @@ class EngineConfig:
 
 
 def _refuse_spec_with(config: EngineConfig) -> None:
-    """What this first slice of speculative decoding does not support yet (issue 23): the
-    draft's KV has no host rows (packed or sidecar) and no L3 objects, and the verify
-    decision is not broadcast over ranks."""
-    missing = []
-    if config.cache.enable_hierarchical_cache:
-        missing.append("--enable-hierarchical-cache (the draft's host rows, packed or sidecar)")
-    if config.cache.hicache_storage_backend is not None:
-        missing.append("--hicache-storage-backend (the draft's L3 objects)")
+    """What speculative decoding does not support yet (issue 23): the draft's KV over CP
+    ranks. TP and PP engines speculate (the verify decided once and broadcast,
+    `scheduler/spec_step.py`); the host tier and L3 carry the draft's KV (`PoolGroup`,
+    `storage_setup`: packed or sidecar)."""
     if config.parallel.cp_size > 1:
-        missing.append(
-            f"{config.parallel.describe()} (CP > 1: the draft's KV over CP ranks; TP and PP "
-            "engines speculate)"
-        )
-    if missing:
         raise ValueError(
-            "--speculative-algorithm does not support yet: " + "; ".join(missing) + ". Leave "
-            "speculation off, or run a single-rank engine without a host tier or storage"
+            f"--speculative-algorithm does not support {config.parallel.describe()} yet (CP > "
+            "1: the draft's KV over CP ranks; TP and PP engines speculate). Leave speculation "
+            "off, or run without --cp-size"
         )

@@ -25,7 +25,15 @@ import torch.distributed as dist
 from gpu_worker.engine.config import EngineConfig
 from gpu_worker.engine.executor import ModelExecutor
 from gpu_worker.memory.kv_spec import KVSpec
-from gpu_worker.memory.pool_group import DRAFT, TARGET, KVSharding, PoolGroup, PoolMember
+from gpu_worker.memory.pool_group import (
+    DRAFT,
+    TARGET,
+    HostRows,
+    KVSharding,
+    PoolGroup,
+    PoolMember,
+    draft_host_rows,
+)
 from gpu_worker.model.config import ModelConfig, parse_dtype
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.quant import requantize
@@ -74,7 +82,8 @@ def pool_group(
         spec = KVSpec(
             c.num_layers, c.num_kv_heads, c.kv_head_dim, kv_spec.page_size, dtype, c.num_kv
         )
-        members.append(PoolMember(DRAFT, spec))
+        rows = draft_host_rows(config.spec.draft_host_mode, kv_spec, spec)
+        members.append(PoolMember(DRAFT, spec, rows, TARGET if rows is HostRows.SIDECAR else None))
     cache = config.cache
     pools = PoolGroup(
         members, cache.num_device_pages, device, cache.check_reads, num_owners, sharding

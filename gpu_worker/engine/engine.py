@@ -121,6 +121,8 @@ class Engine:
             config, mc, self.kv_spec, self.device, owners, sharding, self.rank
         )
         self.context_len = min(self.context_len, draft_len)
+        if host_pages is not None and config.cache.hicache_size_gb > 0:  # a draft's rows too
+            host_pages = max(1, host_pages * self.kv_spec.bytes_per_page // pools.bytes_per_page)
         if config.debug.gather_reads:
             pools.device.contiguous_slices = False
         self.cache = PrefixCache(
@@ -132,7 +134,7 @@ class Engine:
             delay_seed=7919 * self.rank,
             record_events=self.rank == 0,  # rank 0 publishes the KV events
             storage=storage_backend(config.cache),
-            storage_layout=storage_layout(config, mc, self.rank)
+            storage_layout=storage_layout(config, mc, self.rank, pools.draft_member)
             if config.cache.hicache_storage_backend is not None
             else None,
             storage_groups=(groups.storage_hit, groups.storage_progress, groups.storage_write),

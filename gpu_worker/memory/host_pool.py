@@ -86,6 +86,10 @@ class HostKVPool:
             shape = (num_rows, h // self.group_heads, nl, kv, ps, self.group_heads, d)
         pin = device.type == "cuda"
         self.kv = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin)
+        # a pool of another shape whose pages are this pool's page ids, moved with them (a
+        # sidecar draft's, `PoolGroup.attach_host`): storage reads and writes it beside
+        # this one (`StorageLayout.codec`); its own allocator is unused
+        self.sidecar: HostKVPool | None = None
 
     @property
     def sharded(self) -> bool:

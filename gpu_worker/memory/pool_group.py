@@ -15,9 +15,13 @@ as `HostRows` says:
   shared slot mapping): a host page holds both, and storage objects carry both;
 - `SIDECAR`: the member has its own host pool and layout; its host indices are derived
   from those of a named source pool (`PoolMember.source`).
-Today a draft (`DRAFT`) joins as `SAME_SLOTS` with a device pool only (`PoolGroup.draft`):
-a device prefix hit holds its KV too, and a host tier is refused while it is there; the
-group refuses packed, sidecar and indexer members until code moves them
+A draft (`DRAFT`) has its own device pool over the group's page ids (`PoolGroup.draft`: a
+device prefix hit holds its KV too), and host rows `PACKED` or `SIDECAR` (source: the
+target), chosen from the shapes by `draft_host_rows` (`--speculative-draft-host-mode`): a
+host page of the target is one of the draft's, so a backup, load or storage read of the
+target's pages moves the draft's rows of the same pages in the same transfer, with one
+completion event (DESIGN invariant 3: no draft row is read before it landed). A draft of
+`SAME_SLOTS` (device only) refuses a host tier; indexer members are refused
 (`UnsupportedMember`).
 
 Context parallelism with `--enable-kv-cache-sharding` (`KVSharding`): the target's device
@@ -30,6 +34,7 @@ owner: each rank copies the pairs it owns, local rows to local rows (`local_pair
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,16 +42,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gpu_worker.kernels.moves import PoolView
+from gpu_worker.kernels.moves import PoolView, layer_range
 from gpu_worker.kernels.relayout import RunView
 from gpu_worker.memory.allocator import PageId
 from gpu_worker.memory.device_pool import DeviceKVPool
 from gpu_worker.memory.host_pool import HostKVPool, HostLayout
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.memory.sharded_pool import ShardedDeviceKVPool
+from gpu_worker.scheduler.spec_config import DRAFT_HOST_MODES
 
 TARGET = "target"  # the name of the target model's member
-DRAFT = "draft"  # a speculative draft model's member (same slots, device only for now)
+DRAFT = "draft"  # a speculative draft model's member (packed or sidecar host rows)
 
 
 class HostRows(enum.Enum):
@@ -122,23 +128,27 @@ class PoolGroup:
         num_owners: int = 1,
         sharding: KVSharding | None = None,
     ) -> None:
-        """Device pools of `num_pages` pages for `members` (today exactly the target);
+        """Device pools of `num_pages` pages for `members` (the target, maybe a draft);
         `check_reads`: fail any read of a page whose load is not consumed; `num_owners`: the
         owner classes (CP ranks) of the page ids the device allocator hands out; `sharding`:
         the target's pool holds only this CP rank's pages (its owner classes are the CP
         ranks)."""
         names = [m.name for m in members]
+        draft_rows = members[1].host_rows if len(members) > 1 else None
         if (
             names not in ([TARGET], [TARGET, DRAFT])
-            or any(m.host_rows is not HostRows.SAME_SLOTS for m in members)
+            or members[0].host_rows is not HostRows.SAME_SLOTS
+            or (draft_rows is HostRows.SIDECAR and members[1].source != TARGET)
             or (len(members) > 1 and sharding is not None)
         ):
             raise UnsupportedMember(
                 f"a pool group holds the target pool ({TARGET!r}, same slots) and maybe a "
-                f"draft's ({DRAFT!r}, same slots, unsharded) for now; packed, sidecar and "
+                f"draft's ({DRAFT!r}: packed, or sidecar of {TARGET!r}; unsharded); "
                 f"indexer pools are not supported yet (a CP-sharded target is "
                 f"`sharding`): {list(members)}"
             )
+        if draft_rows is HostRows.PACKED:
+            _check_packable(members[0].spec, members[1].spec)
         self.members = tuple(members)
         spec = members[0].spec
         self.device: DeviceKVPool | ShardedDeviceKVPool
@@ -152,6 +162,8 @@ class PoolGroup:
                 spec, num_pages, device, s.cp_rank, s.cp_size, s.group, poison=s.poison
             )
         self.host: HostKVPool | None = None
+        # a sidecar draft's own host pool (its pages are the target host pool's page ids)
+        self.draft_host: HostKVPool | None = None
         # the draft's device pool, read and written by the group's page ids (its allocator
         # is unused): a device prefix hit of the target is one of the draft too
         self.draft: DeviceKVPool | None = None
@@ -179,6 +191,11 @@ class PoolGroup:
         return self.device
 
     @property
+    def draft_member(self) -> PoolMember | None:
+        """The draft's member (its shape and host rows), if the group has one."""
+        return self.members[1] if len(self.members) > 1 else None
+
+    @property
     def spec(self) -> KVSpec:
         """The target's KV shape."""
         return self.members[0].spec
@@ -195,22 +212,39 @@ class PoolGroup:
         target's. `group_heads`: KV heads per group of a `page_unified` layout."""
         if self.host is not None:
             raise RuntimeError("the group has its host pools already")
-        if self.draft is not None:
+        draft = self.members[1] if self.draft is not None else None
+        if draft is not None and draft.host_rows is HostRows.SAME_SLOTS:
             raise UnsupportedMember(
-                "the draft's host rows (packed or sidecar) are not supported yet"
+                "a draft without host rows (same slots, device only) has no host tier: "
+                "declare it packed or sidecar"
             )
         device = self.device
         owners = device.allocator.num_owners
         owned_by = device.cp_rank if isinstance(device, ShardedDeviceKVPool) else None
+        spec = self.spec
+        if draft is not None and draft.host_rows is HostRows.PACKED:
+            # one host row carries the target's layers, then the draft's
+            layers = spec.num_layers + draft.spec.num_layers
+            spec = dataclasses.replace(spec, num_layers=layers)
         self.host = HostKVPool(
-            self.spec, num_pages, layout, device.device, group_heads, owners, owned_by
+            spec, num_pages, layout, device.device, group_heads, owners, owned_by
         )
+        if draft is not None and draft.host_rows is HostRows.SIDECAR:
+            # its own layout's pool, every head one group (its heads need not divide like
+            # the target's); its page ids are the target host pool's, its allocator unused
+            heads = None if group_heads is None else draft.spec.num_kv_heads
+            self.draft_host = HostKVPool(
+                draft.spec, num_pages, layout, device.device, heads, owners, owned_by
+            )
+            self.host.sidecar = self.draft_host
         return self.host
 
     def tier_views(self) -> list[TierViews]:
         """Every member's (device, host) views of their local pages, target first: a copy
         between the tiers moves the same local page ids (`local_pairs`) through each pair,
-        in one operation."""
+        in one operation. A packed draft's host view is the draft's layer range of the
+        target's host rows (and the target's its own range); a sidecar's is its own pool,
+        at the same page ids (1:1 with its source, the target's)."""
         if self.host is None:
             raise RuntimeError("the group has no host pools")
         device, host = self.device, self.host.page_view()
@@ -219,9 +253,20 @@ class PoolGroup:
             if isinstance(host, RunView):  # the local pages as runs of head groups
                 return [TierViews(RunView.pool(device.kv, ps, self.host.group_heads), host)]
             return [TierViews(device.local_page_view(), host)]
-        if isinstance(host, RunView):
-            return [TierViews(device.run_view(self.host.group_heads), host)]
-        return [TierViews(device.page_view(), host)]
+        views = [_pair(device, host, self.host.group_heads)]
+        if self.draft is None:
+            return views
+        draft = self.members[1]
+        if draft.host_rows is HostRows.PACKED:
+            nt = self.spec.num_layers
+            total = nt + draft.spec.num_layers
+            views = [_pair(device, layer_range(host, 0, nt), self.host.group_heads)]
+            views.append(_pair(self.draft, layer_range(host, nt, total), self.host.group_heads))
+        else:
+            assert self.draft_host is not None
+            d_host = self.draft_host
+            views.append(_pair(self.draft, d_host.page_view(), d_host.group_heads))
+        return views
 
     def local_pairs(
         self, device_page_ids: Sequence[int], host_page_ids: Sequence[int]
@@ -260,3 +305,44 @@ class PoolGroup:
         of a batch's pages were consumed (`check_reads` enforces it)."""
         if isinstance(self.device, ShardedDeviceKVPool):
             self.device.wait_layer = wait
+
+
+def _pair(device: DeviceKVPool, host: PoolView, group_heads: int) -> TierViews:
+    """A replicated device pool's view of the host view's kind, paired with it."""
+    if isinstance(host, RunView):
+        return TierViews(device.run_view(group_heads), host)
+    return TierViews(device.page_view(), host)
+
+
+def _packing_mismatch(target: KVSpec, draft: KVSpec) -> list[str]:
+    """What keeps `draft`'s rows out of `target`'s host rows (empty: they pack)."""
+    fields = ("num_kv_heads", "head_dim", "dtype", "num_kv", "page_size")
+    return [
+        f"{f} {getattr(draft, f)} vs {getattr(target, f)}"
+        for f in fields
+        if getattr(draft, f) != getattr(target, f)
+    ]
+
+
+def _check_packable(target: KVSpec, draft: KVSpec) -> None:
+    if wrong := _packing_mismatch(target, draft):
+        raise ValueError(
+            "a packed draft needs the target's row shape and dtype (draft vs target: "
+            + ", ".join(wrong)
+            + "): use --speculative-draft-host-mode sidecar (or auto)"
+        )
+
+
+def draft_host_rows(mode: str, target: KVSpec, draft: KVSpec) -> HostRows:
+    """How the draft's host rows join the target's (`--speculative-draft-host-mode`):
+    `auto` packs them where the row shapes and dtypes match (one host row, one storage
+    object carry both; no second pool to size) and puts them beside otherwise; `packed`
+    where they do not match is a clear error."""
+    if mode not in DRAFT_HOST_MODES:
+        raise ValueError(f"unknown draft host mode {mode!r}; choose one of {DRAFT_HOST_MODES}")
+    if mode == "packed":
+        _check_packable(target, draft)
+        return HostRows.PACKED
+    if mode == "auto" and not _packing_mismatch(target, draft):
+        return HostRows.PACKED
+    return HostRows.SIDECAR

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 SPEC_ALGORITHMS = ("standalone",)  # a separate draft model (SGLang's STANDALONE)
 DRAFT_QUANTIZATIONS = ("none", "int4", "int5", "int6", "int8")
+DRAFT_HOST_MODES = ("auto", "packed", "sidecar")  # the draft's host rows (DESIGN section 4)
 SELF_DRAFT = "self"  # --speculative-draft-model-path self: a copy of the target's weights
 
 
@@ -24,8 +25,16 @@ class SpecConfig:
     draft_model: str | None = None
     num_steps: int = 4
     draft_quantization: str = "none"
+    # --speculative-draft-host-mode: the draft's host rows packed into the target's, or a
+    # sidecar pool (`pool_group.draft_host_rows`); auto packs where the row shapes match
+    draft_host_mode: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.draft_host_mode not in DRAFT_HOST_MODES:
+            raise ValueError(
+                f"--speculative-draft-host-mode {self.draft_host_mode!r}: choose one of "
+                f"{list(DRAFT_HOST_MODES)}"
+            )
         if self.algorithm is None:
             if self.draft_model is not None or self.draft_quantization != "none":
                 raise ValueError(

@@ -113,9 +113,10 @@ class SpecDecoder:
         """`draft`: the draft model's executor over `draft_pool` (the pool group's draft
         member, this rank's shard of it). `groups`: the engine's world (None: one rank).
         Test hooks (`DebugHooks`): `zero_hits` zeroes the draft's rows of a request's
-        device prefix hit before its prefill; `skip_final_feed` counts an all-accepted
-        round's last proposal as fed without feeding it; `perturb_accept` makes this rank
-        apply one accepted proposal fewer than the decision (the checker must name it)."""
+        prefix hit (device, host or L3) before its prefill; `skip_final_feed` counts an
+        all-accepted round's last proposal as fed without feeding it; `perturb_accept`
+        makes this rank apply one accepted proposal fewer than the decision (the checker
+        must name it)."""
         self.config = config
         self.draft = draft
         self.draft_pool = draft_pool
@@ -171,7 +172,7 @@ class SpecDecoder:
         the last round's final proposal) with the first proposal."""
         seqs: list[tuple[list[int], int, torch.Tensor]] = []
         for req, new_ids, kv_len in prefill:
-            if self.zero_hits and kv_len and kv_len == req.cached.device:
+            if self.zero_hits and kv_len and kv_len == req.cached.total:
                 self._zero(req.page_ids[: kv_len // self.draft_pool.spec.page_size])
             seqs.append((new_ids, kv_len, self._slots(req, kv_len + len(new_ids))))
         rows, end = [], sum(len(s[0]) for s in seqs)

@@ -97,6 +97,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         args.speculative_draft_model_path,
         args.speculative_num_steps,
         _draft_quantization(args),
+        args.speculative_draft_host_mode,
     )
     if spec.enabled and args.disaggregation_mode != "null":
         raise ValueError(

@@ -21,6 +21,7 @@ KEY_SCHEMES = ("rank-suffix", "unified")
 CP_SPLITS = ("zigzag", "interleave", "none")  # gpu_worker.parallel.config.CP_SPLITS
 SPEC_ALGORITHMS = ("standalone",)  # gpu_worker.scheduler.spec_config.SPEC_ALGORITHMS
 DRAFT_QUANTIZATIONS = ("none", "int4", "int5", "int6", "int8")  # ... .DRAFT_QUANTIZATIONS
+DRAFT_HOST_MODES = ("auto", "packed", "sidecar")  # ... .DRAFT_HOST_MODES
 # `up`, `generate`, the engine service and compose serve the real model unless told otherwise
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # auto: float64 for the random presets, float32 (CPU) or bfloat16 (GPU) for real checkpoints
@@ -113,8 +114,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="standalone: a separate draft model proposes --speculative-num-steps tokens per "
         "request and step, the target verifies them in one forward (greedy: the same tokens; "
-        "sampled: the target's distribution). Single-rank engines without a host tier, L3 or "
-        "P/D for now",
+        "sampled: the target's distribution). Single-rank engines without P/D for now",
     )
     sd.add_argument(
         "--speculative-draft-model-path",
@@ -138,6 +138,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "int8 for a self draft of a real checkpoint (95%% of SmolLM2's proposals accepted at "
         "half the target's decode time: BENCHMARKS.md), none otherwise (a float64 preset's "
         "self draft is the exact copy the tests use)",
+    )
+    sd.add_argument(
+        "--speculative-draft-host-mode",
+        choices=DRAFT_HOST_MODES,
+        default="auto",
+        help="the draft's KV in the host tier and L3: packed (its layers appended to the "
+        "target's host rows and storage objects; needs the target's KV heads, head dim and "
+        "dtype), sidecar (its own host pool and storage objects at the same pages), or auto "
+        "(packed where the shapes allow it)",
     )
     p = parser.add_argument_group("parallelism")
     p.add_argument(
