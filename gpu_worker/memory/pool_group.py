@@ -82,6 +82,7 @@ class KVSharding:
     cp_size: int
     group: dist.ProcessGroup | None  # the CP group of the gathers
     poison: bool = False  # tests: rows no rank wrote read as NaN (`ShardedDeviceKVPool`)
+    transport: str = "auto"  # --cp-gather-transport: all-gather or shared memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,14 @@ class PoolGroup:
             if num_owners not in (1, s.cp_size):
                 raise ValueError(f"a pool sharded over {s.cp_size} ranks has as many owners")
             self.device = ShardedDeviceKVPool(
-                spec, num_pages, device, s.cp_rank, s.cp_size, s.group, poison=s.poison
+                spec,
+                num_pages,
+                device,
+                s.cp_rank,
+                s.cp_size,
+                s.group,
+                poison=s.poison,
+                transport=s.transport,
             )
         self.host: HostKVPool | None = None
 
