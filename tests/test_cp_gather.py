@@ -394,7 +394,7 @@ def run_world(world: int, cases: list) -> None:
 
 
 def test_sharded_pool_world_of_2() -> None:
-    run_world(2, [*WORLD_CASES, (torch.bfloat16, True, 2, "triton", False, "shm")])
+    run_world(2, [*WORLD_CASES, (torch.bfloat16, True, 2, "triton", False, "collective")])
 
 
 def test_sharded_pool_world_of_4() -> None:

@@ -36,8 +36,10 @@ Transport (`--cp-gather-transport`). `collective` is the all-gather above. `shm`
 spawns them; GPUs keep the collective) is the CPU analogue of peer-to-peer reads over
 NVLink: the ranks' rows live in shared memory (`memory/shm_rows.py`, each rank maps its
 peers' read-only) and a rank packs every owner's pages of the layer straight from that
-owner's rows into the owner's chunk of its buffer, the same `pack_owned` and plan layout,
-so the buffer is the all-gather's and the rest of the pool is unchanged. No collective per
+owner's rows into the owner's chunk of its buffer, in `pack_owned`'s layout (an owner's
+pages first in its chunk, in plan order; one `index_select` per owner and K/V, torch on
+CPU whatever `backend`), so the buffer is the all-gather's and the rest of the pool is
+unchanged. No collective per
 layer, no async work (`prefetch` packs at once); instead two barriers per pass that reads
 a peer's pages (a plan with `chunk_pages > 0`; none for a cold prefill), taken on every
 rank at the same calls (they depend only on the batch, like the all-gathers). Why a read
@@ -216,6 +218,7 @@ class ShardedDeviceKVPool:
         self._batch: AttendedBatch | None = None
         self._plan: CPGatherPlan | None = None
         self._reading: CPGatherPlan | None = None  # shm: the plan whose peer reads are open
+        self._owned: list[torch.Tensor] = []  # shm: each owner's local pages of that plan
 
     # -- KVCache protocol (the model's view)
 
@@ -364,19 +367,15 @@ class ShardedDeviceKVPool:
             return
         if self._reading is None:
             self._open_reads(plan)
+        s = self.spec
         for owner, rows in enumerate(self._peers.rows):
-            pack_owned(
-                rows,
-                layer,
-                self.spec.page_size,
-                plan.gather_page_ids,
-                plan.gathered,
-                owner,
-                self.cp_size,
-                pages[owner * m : (owner + 1) * m],
-                self.backend,
-                validate=False,
-            )
+            local = self._owned[owner]  # (k,) the owner's local pages, in plan order
+            if local.numel() == 0:
+                continue
+            src = rows[layer].view(s.num_kv, -1, s.page_numel)  # (num_kv, local pages, p*H*D)
+            chunk = pages[owner * m : owner * m + local.numel()].view(-1, s.num_kv, s.page_numel)
+            for kv in range(s.num_kv):
+                chunk[:, kv] = src[kv].index_select(0, local)
         if layer == self.spec.num_layers - 1:
             self._close_reads()
 
@@ -389,6 +388,9 @@ class ShardedDeviceKVPool:
                 self.wait_layer(layer, plan.gather_page_ids)
         dist.barrier(group=self.group)
         self._reading = plan
+        # `gather_map` puts owner r's pages first in its chunk, in their order in the plan
+        ids, n = plan.gather_page_ids, self.cp_size
+        self._owned = [ids[ids % n == r] // n for r in range(n)]
 
     def _close_reads(self) -> None:
         """After a plan's last read of a peer's rows: a barrier, so no owner writes the
