@@ -39,11 +39,10 @@ peers' read-only) and a rank packs every owner's pages of the layer straight fro
 owner's rows into the owner's chunk of its buffer, in `pack_owned`'s layout (an owner's
 pages first in its chunk, in plan order; one `index_select` per owner and K/V, torch on
 CPU whatever `backend`), so the buffer is the all-gather's and the rest of the pool is
-unchanged. No collective per
-layer, no async work (`prefetch` packs at once); instead two barriers per pass that reads
-a peer's pages (a plan with `chunk_pages > 0`; none for a cold prefill), taken on every
-rank at the same calls (they depend only on the batch, like the all-gathers). Why a read
-of a peer's rows is sound:
+unchanged. No collective per layer, no async work (`prefetch` packs at once); instead two
+barriers per pass that reads a peer's pages (a plan with `chunk_pages > 0`; none for a
+cold prefill), taken on every rank at the same calls (they depend only on the batch, like
+the all-gathers). Why a read of a peer's rows is sound:
 - the owner wrote the page before: a prefix page's rows were written by passes (or loads)
   that came before this pass on its owner. `_open_reads`, before the pass's first read,
   waits for this rank's loads into the plan's pages (every layer: `wait_layer`) and then
@@ -155,7 +154,9 @@ class ShardedDeviceKVPool:
     CP group (None only at cp_size 1); `allocator` hands out logical pages by owner class.
     `wait_layer(layer, page_ids)`, if given, runs before a layer's pages are packed, with
     the plan's (n,) int64 logical pages: where a host load of them must land first
-    (restore -> gather -> attend). `poison` (tests): the
+    (restore -> gather -> attend; with shm, for every layer before the pass's first read).
+    `transport`: `--cp-gather-transport`, resolved (a collective once) to `self.transport`,
+    "collective" or "shm" (see the module doc). `poison` (tests): the
     rows start as NaN and each gather's buffer is NaN before it fills, so a read of a row
     no rank wrote, or of a stale gather, shows in the logits.
     """
