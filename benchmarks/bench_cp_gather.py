@@ -1,24 +1,27 @@
 """Benchmark the CP gather (issue 22, acceptance 6b and 6c): its share of a prefill step at
-1K / 8K / 32K-token prefixes with one scratch buffer (the gather runs when its layer starts)
-and with two (the next layer's gather runs while this layer attends), side by side; and the
+1K / 8K / 32K-token prefixes with the all-gather and one scratch buffer (the gather runs
+when its layer starts), with two (the next layer's gather runs while this layer attends),
+and with the shared-memory transport (`--cp-gather-transport shm`: each rank packs its
+peers' pages from their mapped rows, no collective per layer), side by side; and the
 device bytes per rank of a sharded pool against a replicated one.
 
     python benchmarks/bench_cp_gather.py                      # N = 2 and 4, CPU gloo
     python benchmarks/bench_cp_gather.py --cp-sizes 2 --prefixes 1024 --rounds 1
 
 For each CP size one gloo world of N rank processes runs every case; within it, `--rounds`
-interleaved rounds (1 buffer, 2 buffers, compute only; A B C A B C) so machine noise hits
-every case alike. One step is a prefill chunk of `--chunk` new tokens over the prefix
-(pages in owner-cycle order, so each rank owns 1/N of them), every layer: `before_attention`
-(the gather), the chunk's `set_kv`, `get_kv` of the whole sequence and causal SDPA. Figures
-are medians over rounds of the per-layer mean, on rank 0, with the spread (max - min over
-rounds, of the step) beside them.
+interleaved rounds (1 buffer, 2 buffers, shm, compute only; A B C D A B C D) so machine
+noise hits every case alike. One step is a prefill chunk of `--chunk` new tokens over the
+prefix (pages in owner-cycle order, so each rank owns 1/N of them), every layer:
+`before_attention` (the gather), the chunk's `set_kv`, `get_kv` of the whole sequence and
+causal SDPA. Figures are medians over rounds of the per-layer mean, on rank 0, with the
+spread (max - min over rounds, of the step) beside them.
 
-The gather table, per prefix, one row per buffer count:
+The gather table, per prefix, one row per arm (the all-gather with 1 or 2 buffers, shm):
 - gather ms: time inside `before_attention` (with two buffers, only the part the prefetch
-  did not hide); share: gather / step;
+  did not hide; with shm, the packs and the pass's two barriers); share: gather / step;
 - step ms: the whole layer; compute ms: the same layer on a replicated pool (no gather);
-- overhead: step / compute - 1; saved: what two buffers take off the one-buffer step.
+- overhead: step / compute - 1 (the goal, 6b: <= 10% at CP4 8K); vs 1 buf: what the arm
+  takes off the one-buffer all-gather's step.
 
 The memory table, per prefix (the pool sized for the prefix and chunk): a replicated pool's
 bytes on every rank, a sharded rank's owned rows (its 1/N plus one trash page) and both
@@ -55,7 +58,8 @@ from gpu_worker.memory.sharded_pool import ShardedDeviceKVPool
 from gpu_worker.model.config import parse_dtype
 from gpu_worker.model.forward_batch import ForwardBatch
 
-ARMS = ("1 buffer", "2 buffers", "compute")
+ARMS = ("1 buffer", "2 buffers", "shm", "compute")
+GATHER_ARMS = ARMS[:3]
 
 
 def one_step(pool: DeviceKVPool | ShardedDeviceKVPool, batch: ForwardBatch, new_slots, kv, q):
@@ -89,8 +93,15 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out) -
         seq_len = prefix + args.chunk
         num_pages = spec.pages_for(seq_len) + world
         pools: dict[str, DeviceKVPool | ShardedDeviceKVPool] = {
-            "1 buffer": ShardedDeviceKVPool(spec, num_pages, cpu, rank, world, group, 1),
-            "2 buffers": ShardedDeviceKVPool(spec, num_pages, cpu, rank, world, group, 2),
+            "1 buffer": ShardedDeviceKVPool(
+                spec, num_pages, cpu, rank, world, group, 1, transport="collective"
+            ),
+            "2 buffers": ShardedDeviceKVPool(
+                spec, num_pages, cpu, rank, world, group, 2, transport="collective"
+            ),
+            "shm": ShardedDeviceKVPool(
+                spec, num_pages, cpu, rank, world, group, 1, transport="shm"
+            ),
             "compute": DeviceKVPool(spec, num_pages, cpu),
         }
         pages = list(range(spec.pages_for(seq_len)))  # owner cycle 0, 1, .., N-1, 0, ..
@@ -153,16 +164,14 @@ def cpu_name() -> str:
 
 
 GATHER_HEADER = (
-    f"{'N':>2} {'prefix':>7} | {'gather ms':>15} | {'share of step':>13} | "
-    f"{'step ms (spread)':>27} | {'compute':>7} | {'overhead':>15} | {'saved':>6}\n"
-    f"{'':>10} | {'1 buf':>7} {'2 buf':>7} | {'1 buf':>6} {'2 buf':>6} | "
-    f"{'1 buf':>13} {'2 buf':>13} | {'ms':>7} | {'1 buf':>7} {'2 buf':>7} | {'2 buf':>6}"
+    f"{'N':>2} {'prefix':>7} {'arm':>9} | {'gather ms':>9} | {'share':>6} | "
+    f"{'step ms (spread)':>16} | {'compute ms':>10} | {'overhead':>8} | {'vs 1 buf':>8}"
 )
 
 
 def gather_rows(world: int, rows: list, layers: int) -> list[str]:
-    """Per prefix, the gather's share of the step with one buffer and with two, side by
-    side; saved: what the second buffer takes off the one-buffer step."""
+    """Per prefix and arm, the gather's share of the step and the step's overhead over
+    compute alone; vs 1 buf: what the arm takes off the one-buffer all-gather's step."""
     out = []
     for prefix, measured, *_ in rows:
         med = {
@@ -173,13 +182,14 @@ def gather_rows(world: int, rows: list, layers: int) -> list[str]:
             arm: (max(x[1] for x in runs) - min(x[1] for x in runs)) * 1e3 / layers
             for arm, runs in measured.items()
         }
-        (g1, s1), (g2, s2), compute = med["1 buffer"], med["2 buffers"], med["compute"][1]
-        steps = [f"{s:6.2f} ({spread[arm]:5.2f})" for s, arm in ((s1, ARMS[0]), (s2, ARMS[1]))]
-        out.append(
-            f"{world:>2} {prefix:>7} | {g1:7.2f} {g2:7.2f} | {g1 / s1:6.1%} {g2 / s2:6.1%} | "
-            f"{steps[0]:>13} {steps[1]:>13} | {compute:7.2f} | "
-            f"{s1 / compute - 1:+7.0%} {s2 / compute - 1:+7.0%} | {1 - s2 / s1:+6.1%}"
-        )
+        compute, one_buffer = med["compute"][1], med["1 buffer"][1]
+        for arm in GATHER_ARMS:
+            gather, step = med[arm]
+            out.append(
+                f"{world:>2} {prefix:>7} {arm:>9} | {gather:9.2f} | {gather / step:6.1%} | "
+                f"{step:7.2f} ({spread[arm]:6.2f}) | {compute:10.2f} | "
+                f"{step / compute - 1:+8.1%} | {1 - step / one_buffer:+8.1%}"
+            )
     return out
 
 
@@ -222,7 +232,7 @@ def main() -> None:
         f"{args.page_size}, {args.dtype}, chunk {args.chunk}, {args.rounds} rounds (median)"
     )
     results = {world: run_world(world, args) for world in args.cp_sizes}
-    print("\nThe gather's share of a prefill step, per layer: one buffer vs two")
+    print("\nThe gather's share of a prefill step, per layer: all-gather (1 or 2 buffers), shm")
     print(GATHER_HEADER)
     for world, rows in results.items():
         print("\n".join(gather_rows(world, rows, args.layers)))

@@ -81,6 +81,7 @@ def config(
     host: WritePolicy | None = None,
     gather: bool = False,
     split: str = "zigzag",  # --cp-split; `none` and `interleave`: tests/test_cp_split.py
+    transport: str = "auto",  # --cp-gather-transport: auto is shm on these CPU ranks
 ) -> EngineConfig:
     """`host`: the host tier's write policy, None for no host tier."""
     cache = CacheConfig(
@@ -95,7 +96,7 @@ def config(
         model="tiny-tp" if tp > 1 else "tiny",
         cache=cache,
         scheduler=SchedulerConfig(chunked_prefill_size=24),
-        parallel=ParallelConfig(tp, pp, cp, sharded, split),
+        parallel=ParallelConfig(tp, pp, cp, sharded, split, transport),
         batch_invariant=True,
         debug=DebugHooks(gather_reads=gather, poison_kv=sharded),
     )
@@ -115,32 +116,40 @@ def reference(tp: int, host: WritePolicy | None, gather: bool) -> Run:
     return run_world(cfg, workload, make_prompts())[0]
 
 
-CASES: list[tuple[int, bool, int, int, WritePolicy | None]] = [  # (cp, sharded, tp, pp, host)
-    (2, True, 1, 1, None),
-    (2, False, 1, 1, None),
-    (4, True, 1, 1, None),
-    (4, False, 1, 1, None),
-    (2, True, 2, 1, None),
-    (2, True, 1, 2, None),
+# (cp, sharded, tp, pp, host, --cp-gather-transport): sharded cases gather with shm (auto
+# on CPU), but one with the all-gather
+CASES: list[tuple[int, bool, int, int, WritePolicy | None, str]] = [
+    (2, True, 1, 1, None, "collective"),
+    (2, False, 1, 1, None, "auto"),
+    (4, True, 1, 1, None, "auto"),
+    (4, False, 1, 1, None, "auto"),
+    (2, True, 2, 1, None, "auto"),
+    (2, True, 1, 2, None, "auto"),
     # replicated CP: each rank holds every page, backs up and loads every page
-    (2, False, 1, 1, "write_through"),
-    (2, False, 1, 1, "write_through_selective"),
-    (2, False, 1, 1, "write_back"),
+    (2, False, 1, 1, "write_through", "auto"),
+    (2, False, 1, 1, "write_through_selective", "auto"),
+    (2, False, 1, 1, "write_back", "auto"),
     # sharded CP: each rank backs up and loads its own pages, in its own host rows
-    (2, True, 1, 1, "write_through_selective"),
-    (4, True, 1, 1, "write_back"),
-    (4, True, 1, 1, "write_through"),
+    (2, True, 1, 1, "write_through_selective", "auto"),
+    (4, True, 1, 1, "write_back", "auto"),
+    (4, True, 1, 1, "write_through", "auto"),
 ]
 
 
-@pytest.mark.parametrize(("cp", "sharded", "tp", "pp", "host"), CASES)
+@pytest.mark.parametrize(("cp", "sharded", "tp", "pp", "host", "transport"), CASES)
 def test_cp_engine_equals_cp1(
-    tmp_path: Path, cp: int, sharded: bool, tp: int, pp: int, host: WritePolicy | None
+    tmp_path: Path,
+    cp: int,
+    sharded: bool,
+    tp: int,
+    pp: int,
+    host: WritePolicy | None,
+    transport: str,
 ) -> None:
     """With the checker on, the stage also compares the tokens its ranks sampled: a
     replicated CP rank's own KV shows in no output of rank 0's."""
     want = reference(tp, host, gather=sharded)
-    cfg = config(cp, sharded, tp, pp, host)
+    cfg = config(cp, sharded, tp, pp, host, transport=transport)
     got, rows, owners = run_world(cfg, workload, make_prompts(), env=checker_env(tmp_path))
 
     hits = {phase: 0 for phase, *_ in want}

@@ -275,12 +275,14 @@ def check_union(sharded: ShardedDeviceKVPool, replicated: DeviceKVPool, group) -
     assert_bits_equal(full, replicated.kv, "union of the ranks' rows")
 
 
-# (dtype, mla, num_buffers, backend, prefetch): each runs in the same world
+# (dtype, mla, num_buffers, backend, prefetch, transport): each runs in the same world;
+# shm packs peers' pages from their mapped rows, collective all-gathers them
 WORLD_CASES = [
-    (torch.float32, False, 2, "torch", False),
-    (torch.bfloat16, False, 1, "torch", False),
-    (torch.float64, True, 2, "torch", True),
-    (torch.float16, False, 2, "torch", True),
+    (torch.float32, False, 2, "torch", False, "collective"),
+    (torch.bfloat16, False, 1, "torch", False, "shm"),
+    (torch.float64, True, 2, "torch", True, "shm"),
+    (torch.float16, False, 2, "torch", True, "collective"),
+    (torch.float32, False, 2, "torch", True, "shm"),
 ]
 
 
@@ -304,6 +306,7 @@ def model_oracle(preset: str, rank: int, world: int, group) -> None:
     cpu = torch.device("cpu")
     replicated = GatherReadPool(spec, 24, cpu)
     sharded = ShardedDeviceKVPool(spec, 24, cpu, rank, world, group, check_reads=True)
+    assert sharded.transport == "shm"  # auto, on CPU ranks of one host
     sharded.kv.fill_(float("nan"))
     pages = {"A": [0, 1, 2, 3], "B": [5, 6, 7], "C": [0, 1, 9, 10]}
     tokens = {"A": list(range(30, 41)), "B": list(range(70, 76)), "C": [*range(30, 38), 90, 91]}
@@ -334,7 +337,7 @@ def world_rank(rank: int, world: int, port: int, cases: list, results: mp.Queue)
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         group = dist.new_group(list(range(world)), timeout=timeout)
-        for dtype, mla, num_buffers, backend, prefetch in cases:
+        for dtype, mla, num_buffers, backend, prefetch, transport in cases:
             spec = spec_of(dtype, mla)
             replicated = DeviceKVPool(spec, NUM_POOL_PAGES, torch.device("cpu"))
             sharded = ShardedDeviceKVPool(
@@ -347,7 +350,9 @@ def world_rank(rank: int, world: int, port: int, cases: list, results: mp.Queue)
                 num_buffers,
                 backend=backend,
                 check_reads=True,
+                transport=transport,
             )
+            assert sharded.transport == transport
             replicated.kv.fill_(float("nan"))  # an unwritten row reads as NaN in both
             sharded.kv.fill_(float("nan"))
             run_passes(sharded, replicated, spec, prefetch)
@@ -389,7 +394,7 @@ def run_world(world: int, cases: list) -> None:
 
 
 def test_sharded_pool_world_of_2() -> None:
-    run_world(2, [*WORLD_CASES, (torch.bfloat16, True, 2, "triton", False)])
+    run_world(2, [*WORLD_CASES, (torch.bfloat16, True, 2, "triton", False, "collective")])
 
 
 def test_sharded_pool_world_of_4() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import multiprocessing as mp
 import queue
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -86,7 +88,9 @@ class Batch:
 class Pair:
     """A rank's sharded cache and the replicated cache, driven alike."""
 
-    def __init__(self, rank: int, world: int, group: Any, policy: str, layout: str) -> None:
+    def __init__(
+        self, rank: int, world: int, group: Any, policy: str, layout: str, transport: str
+    ) -> None:
         cfg = CacheConfig(
             page_size=PS,
             num_device_pages=NUM_PAGES,
@@ -97,9 +101,11 @@ class Pair:
             write_through_threshold=1,
             transfer_delay=DelayInjection(max_ms=30.0, seed=rank),
         )
-        sharding = KVSharding(rank, world, group, poison=True)
+        sharding = KVSharding(rank, world, group, poison=True, transport=transport)
         pools = PoolGroup.target_only(SPEC, NUM_PAGES, CPU, num_owners=world, sharding=sharding)
         self.n, self.rank = world, rank
+        assert isinstance(pools.device, ShardedDeviceKVPool)
+        assert pools.device.transport == ("collective" if transport == "collective" else "shm")
         self.sharded = PrefixCache(cfg, SPEC, CPU, pools=pools, cp_size=world)
         plain = dataclasses.replace(cfg, transfer_delay=None)
         self.replicated = PrefixCache(plain, SPEC, CPU, cp_size=world)
@@ -252,9 +258,11 @@ def _union(mine: torch.Tensor, layout: str, like: torch.Tensor, n: int, group: A
     return full
 
 
-def host_world(rank: int, world: int, group: Any) -> None:
+def host_world(rank: int, world: int, group: Any, transport: str = "auto") -> None:
+    """`transport`: the gather's; auto is shm here (CPU ranks of one host), where a rank
+    reads its peers' rows, so a load must have landed on the owner, not only on itself."""
     for seed, (policy, layout) in enumerate(PASSES):
-        pair = Pair(rank, world, group, policy, layout)
+        pair = Pair(rank, world, group, policy, layout, transport)
         rng = random.Random(100 * world + seed)
         for _ in range(120):
             pair.step(rng)
@@ -308,8 +316,9 @@ def run_ranks(target: Callable[[int, int, Any], None], world: int) -> None:
     assert not failed, "\n".join(f"rank {r}:\n{msg}" for r, msg in failed.items())
 
 
-def test_host_rows_are_owned_and_loads_land_before_gathers_cp2() -> None:
-    run_ranks(host_world, 2)
+@pytest.mark.parametrize("transport", ["auto", "collective"])
+def test_host_rows_are_owned_and_loads_land_before_gathers_cp2(transport: str) -> None:
+    run_ranks(functools.partial(host_world, transport=transport), 2)
 
 
 def test_host_rows_are_owned_and_loads_land_before_gathers_cp4() -> None:

@@ -464,8 +464,9 @@ def _sharding(config: EngineConfig, groups: ParallelGroups) -> KVSharding | None
     """This rank's share of the device pool under --enable-kv-cache-sharding, else None."""
     if not config.parallel.kv_sharding:
         return None
+    p = config.parallel
     return KVSharding(
-        groups.cp_rank, config.parallel.cp_size, groups.cp, poison=config.debug.poison_kv
+        groups.cp_rank, p.cp_size, groups.cp, config.debug.poison_kv, p.cp_gather_transport
     )
 
 

@@ -49,10 +49,10 @@ from gpu_worker.memory.device_pool import DeviceKVPool
 from gpu_worker.memory.host_pool import HostKVPool, HostLayout
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.memory.sharded_pool import ShardedDeviceKVPool
-from gpu_worker.scheduler.spec_config import DRAFT_HOST_MODES
 
 TARGET = "target"  # the name of the target model's member
 DRAFT = "draft"  # a speculative draft model's member (packed or sidecar host rows)
+DRAFT_HOST_MODES = ("auto", "packed", "sidecar")  # how a draft's host rows are kept (DESIGN 4)
 
 
 class HostRows(enum.Enum):
@@ -92,6 +92,7 @@ class KVSharding:
     cp_size: int
     group: dist.ProcessGroup | None  # the CP group of the gathers
     poison: bool = False  # tests: rows no rank wrote read as NaN (`ShardedDeviceKVPool`)
+    transport: str = "auto"  # --cp-gather-transport: all-gather or shared memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +160,14 @@ class PoolGroup:
             if num_owners not in (1, s.cp_size):
                 raise ValueError(f"a pool sharded over {s.cp_size} ranks has as many owners")
             self.device = ShardedDeviceKVPool(
-                spec, num_pages, device, s.cp_rank, s.cp_size, s.group, poison=s.poison
+                spec,
+                num_pages,
+                device,
+                s.cp_rank,
+                s.cp_size,
+                s.group,
+                poison=s.poison,
+                transport=s.transport,
             )
         self.host: HostKVPool | None = None
         # a sidecar draft's own host pool (its pages are the target host pool's page ids)

@@ -31,6 +31,39 @@ each gather runs when its layer starts (the no-overlap baseline). `prefetch(laye
 starts a gather early (e.g. layer 0 of the next batch once the current pass has finished
 with that buffer). Every gather is consumed by exactly one `before_attention`.
 
+Transport (`--cp-gather-transport`). `collective` is the all-gather above. `shm` (what
+`auto` picks on CPU when every CP rank is a process on this host, as `engine/rank.py`
+spawns them; GPUs keep the collective) is the CPU analogue of peer-to-peer reads over
+NVLink: the ranks' rows live in shared memory (`memory/shm_rows.py`, each rank maps its
+peers' read-only) and a rank packs every owner's pages of the layer straight from that
+owner's rows into the owner's chunk of its buffer, in `pack_owned`'s layout (an owner's
+pages first in its chunk, in plan order; one `index_select` per owner and K/V, torch on
+CPU whatever `backend`), so the buffer is the all-gather's and the rest of the pool is
+unchanged. No collective per layer, no async work (`prefetch` packs at once); instead two
+barriers per pass that reads a peer's pages (a plan with `chunk_pages > 0`; none for a
+cold prefill), taken on every rank at the same calls (they depend only on the batch, like
+the all-gathers). Why a read of a peer's rows is sound:
+- the owner wrote the page before: a prefix page's rows were written by passes (or loads)
+  that came before this pass on its owner. `_PeerReads.open`, before the pass's first read,
+  waits for this rank's loads into the plan's pages (every layer: `wait_layer`) and then
+  holds a barrier: past it, every owner has finished its earlier passes and its loads into
+  those pages. The step's own agreement does not order it (a steady decode step has no
+  collective: rank 0 sends its commands without waiting). New tokens of this pass are
+  staged locally by `set_kv`, never read from a peer; an owner writing this pass's new
+  slots of a page a peer packs (the page of a prefix's last, partial page) changes rows the
+  peer's staging overwrites in its buffer before attention reads them.
+- host loads: a load in flight is waited for by its owner before the barrier (the host
+  tier's `wait_layer` waits for its copy), so restore -> gather -> attend holds for every
+  owner's loads, even for a gather started before the load's ACK is consumed (the
+  scheduler today consumes a batch's loads before it runs it, and the agreement that
+  consumes them is after every rank's copy ended).
+- eviction and reuse: a page of a running batch's prefix is locked by its request (the
+  tree and the request table are identical on every rank), so its owner cannot evict it
+  during the pass; `_PeerReads.close`, after the pass's last read (the pack of the last
+  layer), holds a barrier, so no owner goes on to the next step (frees the page, reuses it,
+  loads into it) while a peer still packs it. A pass that stopped before its last layer
+  is closed by the next plan's first pack.
+
 Memory: `device_bytes()` is the owned rows plus one scratch page for the writes a rank
 drops; `scratch_bytes()` is every buffer's current size (buffers grow to the largest plan
 and stay), `scratch_bytes_for(plan)` what a plan needs: the scheduler counts both buffers
@@ -52,6 +85,8 @@ from gpu_worker.kernels.cp_gather import gather_map, pack_owned
 from gpu_worker.kernels.page_transfer import PageView
 from gpu_worker.memory.allocator import PageAllocator, PageId
 from gpu_worker.memory.kv_spec import KVSpec
+from gpu_worker.memory.shm_rows import SharedRows, share_rows
+from gpu_worker.parallel.config import CP_GATHER_TRANSPORTS
 from gpu_worker.parallel.cp_layout import CPLayout
 
 
@@ -119,7 +154,9 @@ class ShardedDeviceKVPool:
     CP group (None only at cp_size 1); `allocator` hands out logical pages by owner class.
     `wait_layer(layer, page_ids)`, if given, runs before a layer's pages are packed, with
     the plan's (n,) int64 logical pages: where a host load of them must land first
-    (restore -> gather -> attend). `poison` (tests): the
+    (restore -> gather -> attend; with shm, for every layer before the pass's first read).
+    `transport`: `--cp-gather-transport`, resolved (a collective once) to `self.transport`,
+    "collective" or "shm" (see the module doc). `poison` (tests): the
     rows start as NaN and each gather's buffer is NaN before it fills, so a read of a row
     no rank wrote, or of a stale gather, shows in the logits.
     """
@@ -140,9 +177,20 @@ class ShardedDeviceKVPool:
         check_reads: bool = False,
         wait_layer: Callable[[int, torch.Tensor], None] | None = None,
         poison: bool = False,
+        transport: str = "auto",
     ) -> None:
         if not 0 <= cp_rank < cp_size or (group is None and cp_size > 1) or num_buffers < 1:
             raise ValueError(f"bad CP rank {cp_rank} of {cp_size}, group {group}, buffers")
+        if transport not in CP_GATHER_TRANSPORTS:
+            raise ValueError(
+                f"--cp-gather-transport must be one of {', '.join(CP_GATHER_TRANSPORTS)}, "
+                f"not {transport!r}"
+            )
+        if transport == "shm" and device.type != "cpu":
+            raise ValueError(
+                f"--cp-gather-transport shm maps CPU ranks' rows; {device} ranks gather "
+                "with the collective"
+            )
         self.spec = spec
         self.device = device
         self.num_pages = num_pages
@@ -152,12 +200,17 @@ class ShardedDeviceKVPool:
         self.num_local_pages = self.layout.num_local_pages(num_pages)
         num_rows = (self.num_local_pages + 1) * spec.page_size
         self.poison = poison and spec.dtype.is_floating_point
-        self.kv = torch.full(
-            (spec.num_layers, spec.num_kv, num_rows, spec.num_kv_heads, spec.head_dim),
-            float("nan") if self.poison else 0,
-            dtype=spec.dtype,
-            device=device,
-        )
+        shape = (spec.num_layers, spec.num_kv, num_rows, spec.num_kv_heads, spec.head_dim)
+        self._peers: SharedRows | None = None  # transport shm: every rank's rows, mapped
+        if cp_size > 1 and transport != "collective" and device.type == "cpu":
+            assert group is not None
+            self._peers = share_rows(shape, spec.dtype, cp_rank, cp_size, group, transport == "shm")
+        self.transport = "collective" if self._peers is None else "shm"
+        if self._peers is None:
+            self.kv = torch.empty(shape, dtype=spec.dtype, device=device)
+        else:
+            self.kv = self._peers.rows[cp_rank]
+        self.kv.fill_(float("nan") if self.poison else 0)
         self.backend = backend
         self.check_reads = check_reads
         self.wait_layer = wait_layer
@@ -165,6 +218,7 @@ class ShardedDeviceKVPool:
         self._buffers = [_Buffer(empty) for _ in range(num_buffers)]
         self._batch: AttendedBatch | None = None
         self._plan: CPGatherPlan | None = None
+        self._peer_reads = None if self._peers is None else _PeerReads(self, self._peers)
 
     # -- KVCache protocol (the model's view)
 
@@ -274,6 +328,11 @@ class ShardedDeviceKVPool:
         if self.poison:
             pages.fill_(float("nan"))
         m, rank = plan.chunk_pages, self.cp_rank
+        buf.work = None
+        buf.layer, buf.plan, buf.consumed = layer, plan, False
+        if self._peer_reads is not None:
+            self._peer_reads.pack(layer, plan, pages)
+            return
         send = pages[rank * m : (rank + 1) * m]  # (M, num_kv, p, H, D): this rank's chunk
         if self.wait_layer is not None:
             self.wait_layer(layer, plan.gather_page_ids)
@@ -289,14 +348,12 @@ class ShardedDeviceKVPool:
             self.backend,
             validate=False,  # checked by build_plan against this pool's size
         )
-        buf.work = None
         if self.cp_size > 1 and m > 0:
             # bytes, bit-exact and a dtype every backend moves (gloo has no int16)
             out = pages[: plan.num_gathered_pages].view(-1).view(torch.uint8)
             buf.work = dist.all_gather_single(
                 out, send.reshape(-1).view(torch.uint8), group=self.group, async_op=True
             )
-        buf.layer, buf.plan, buf.consumed = layer, plan, False
 
     def _local_rows(self, slot_ids: torch.Tensor) -> torch.Tensor:
         """Pool rows of `slot_ids`: owned slots at their local rows, the rest in the trash
@@ -339,6 +396,58 @@ class ShardedDeviceKVPool:
         one layer's K/V of a page, and every TP rank holds as many heads, every stage
         layers of one shape."""
         return budget_bytes // (len(self._buffers) * self._page_block_bytes())
+
+
+class _PeerReads:
+    """Transport shm: the pool's reads of its peers' mapped rows, pass by pass, between two
+    barriers (the module doc's conditions)."""
+
+    def __init__(self, pool: ShardedDeviceKVPool, peers: SharedRows) -> None:
+        self.pool, self.peers = pool, peers
+        self.reading: CPGatherPlan | None = None  # the plan whose peer reads are open
+        self.owned: list[torch.Tensor] = []  # each owner's local pages of that plan
+
+    def pack(self, layer: int, plan: CPGatherPlan, pages: torch.Tensor) -> None:
+        """Pack every owner's pages of `layer` from that owner's mapped rows into its chunk
+        of `pages` (the layout an all-gather would give)."""
+        if self.reading is not None and self.reading is not plan:
+            self.close()  # a pass that stopped before its last layer
+        m = plan.chunk_pages
+        if m == 0:
+            return
+        if self.reading is None:
+            self.open(plan)
+        s = self.pool.spec
+        for owner, rows in enumerate(self.peers.rows):
+            local = self.owned[owner]  # (k,) the owner's local pages, in plan order
+            if local.numel() == 0:
+                continue
+            src = rows[layer].view(s.num_kv, -1, s.page_numel)  # (num_kv, local pages, p*H*D)
+            chunk = pages[owner * m : owner * m + local.numel()].view(-1, s.num_kv, s.page_numel)
+            for kv in range(s.num_kv):
+                chunk[:, kv] = src[kv].index_select(0, local)
+        if layer == s.num_layers - 1:
+            self.close()
+
+    def open(self, plan: CPGatherPlan) -> None:
+        """Before a plan's first read of a peer's rows: this rank's loads into the plan's
+        pages land (every layer), then a barrier, so every owner's have landed and every
+        owner finished the passes that wrote the pages."""
+        pool = self.pool
+        if pool.wait_layer is not None:
+            for layer in range(pool.spec.num_layers):
+                pool.wait_layer(layer, plan.gather_page_ids)
+        dist.barrier(group=pool.group)
+        self.reading = plan
+        # `gather_map` puts owner r's pages first in its chunk, in their order in the plan
+        ids, n = plan.gather_page_ids, pool.cp_size
+        self.owned = [ids[ids % n == r] // n for r in range(n)]
+
+    def close(self) -> None:
+        """After a plan's last read of a peer's rows: a barrier, so no owner writes the
+        pages (a load into a reused page, the next pass) while a peer still reads them."""
+        dist.barrier(group=self.pool.group)
+        self.reading = None
 
 
 def _finish(buf: _Buffer) -> None:

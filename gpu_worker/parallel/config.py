@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# --cp-gather-transport: how a sharded pool's gather reads peers' pages (`sharded_pool.py`)
+CP_GATHER_TRANSPORTS = ("auto", "collective", "shm")
 CP_SPLITS = ("zigzag", "interleave", "none")  # --cp-split: how a prefill's tokens divide
 
 
@@ -49,6 +51,7 @@ class ParallelConfig:
     cp_size: int = 1  # --cp-size: ranks of a stage that share a sequence's KV pages
     kv_sharding: bool = False  # --enable-kv-cache-sharding: each CP rank keeps its pages only
     cp_split: str = "zigzag"  # --cp-split: which CP rank computes which prefill tokens
+    cp_gather_transport: str = "auto"  # --cp-gather-transport: all-gather or shared memory
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size", "cp_size"):
@@ -59,6 +62,11 @@ class ParallelConfig:
             raise ValueError(
                 "--enable-kv-cache-sharding shards pages over the CP ranks: it needs "
                 "--cp-size 2 or more"
+            )
+        if self.cp_gather_transport not in CP_GATHER_TRANSPORTS:
+            raise ValueError(
+                f"--cp-gather-transport must be one of {', '.join(CP_GATHER_TRANSPORTS)}, "
+                f"not {self.cp_gather_transport!r}"
             )
         if self.cp_split not in CP_SPLITS:
             raise ValueError(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpu_worker.memory.pool_group import DRAFT_HOST_MODES
+
 SPEC_ALGORITHMS = ("standalone",)  # a separate draft model (SGLang's STANDALONE)
 DRAFT_QUANTIZATIONS = ("none", "int4", "int5", "int6", "int8")
-DRAFT_HOST_MODES = ("auto", "packed", "sidecar")  # the draft's host rows (DESIGN section 4)
+__all__ = ["DRAFT_HOST_MODES", "DRAFT_QUANTIZATIONS", "SELF_DRAFT", "SPEC_ALGORITHMS", "SpecConfig"]
 SELF_DRAFT = "self"  # --speculative-draft-model-path self: a copy of the target's weights
 
 

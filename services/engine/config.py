@@ -113,7 +113,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=cache,
         scheduler=sched,
         parallel=ParallelConfig(
-            args.tp_size, args.pp_size, args.cp_size, args.enable_kv_cache_sharding, args.cp_split
+            args.tp_size,
+            args.pp_size,
+            args.cp_size,
+            args.enable_kv_cache_sharding,
+            args.cp_split,
+            args.cp_gather_transport,
         ),
         batch_invariant=args.enable_deterministic_inference,
         spec=spec,

@@ -22,6 +22,8 @@ CP_SPLITS = ("zigzag", "interleave", "none")  # gpu_worker.parallel.config.CP_SP
 SPEC_ALGORITHMS = ("standalone",)  # gpu_worker.scheduler.spec_config.SPEC_ALGORITHMS
 DRAFT_QUANTIZATIONS = ("none", "int4", "int5", "int6", "int8")  # ... .DRAFT_QUANTIZATIONS
 DRAFT_HOST_MODES = ("auto", "packed", "sidecar")  # ... .DRAFT_HOST_MODES
+# gpu_worker.parallel.config.CP_GATHER_TRANSPORTS
+CP_GATHER_TRANSPORTS = ("auto", "collective", "shm")
 # `up`, `generate`, the engine service and compose serve the real model unless told otherwise
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # auto: float64 for the random presets, float32 (CPU) or bfloat16 (GPU) for real checkpoints
@@ -189,6 +191,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="with --enable-kv-cache-sharding: MiB per rank for the two gather scratch "
         "buffers together; a request waits until the running batch's gathers leave room for "
         "its pages, and one that could never fit fails with an error",
+    )
+    p.add_argument(
+        "--cp-gather-transport",
+        choices=CP_GATHER_TRANSPORTS,
+        default="auto",
+        help="with --enable-kv-cache-sharding: how a layer's gather reads the other CP ranks' "
+        "pages: collective (an all-gather per layer), shm (CPU ranks on one host map each "
+        "other's KV rows in shared memory and read them directly: no collective per layer) "
+        "or auto (shm on CPU when every CP rank is on this host, else collective)",
     )
     p.add_argument(
         "--cp-split",
