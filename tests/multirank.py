@@ -130,3 +130,61 @@ def traced_batch(
         (phase, o.output_ids, o.cached.device, o.cached.host, torch.stack(r.logits_trace or []))
         for o, r in zip(outs, reqs, strict=True)
     ]
+
+
+# ------------------------------------------------------------------ bare gloo worlds
+
+
+def _gloo_rank(
+    target: Callable[..., None], rank: int, world: int, port: int, out: Any, args: tuple
+) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        timeout = datetime.timedelta(seconds=60)
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        target(rank, world, dist.new_group(list(range(world)), timeout=timeout), *args)
+        dist.destroy_process_group()
+        out.put((rank, "ok"))
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def run_gloo_ranks(
+    target: Callable[..., None], world: int, *args: Any, timeout_s: float = 180.0
+) -> None:
+    """Run `target(rank, world, group, *args)` on `world` gloo rank processes (no engine: a
+    pool or kernel test's own world); raise with every failing rank's traceback. `target`
+    must be a module-level function (it is pickled by name)."""
+    import queue
+    import socket
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_gloo_rank, args=(target, r, world, port, out, args))
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        reports = dict(out.get(timeout=timeout_s) for _ in range(world))
+    except queue.Empty:
+        reports = {}
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    assert sorted(reports) == list(range(world)), f"ranks reported {sorted(reports)}"
+    failed = {r: msg for r, msg in reports.items() if msg != "ok"}
+    assert not failed, "\n".join(f"rank {r}:\n{msg}" for r, msg in failed.items())

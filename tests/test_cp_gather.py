@@ -4,15 +4,10 @@ references (and those against naive loops), and `ShardedDeviceKVPool` in real gl
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
-import queue
-import socket
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
+from multirank import run_gloo_ranks
 
 from gpu_worker.kernels.cp_gather import (
     chunk_pages_of,
@@ -330,67 +325,35 @@ def model_oracle(preset: str, rank: int, world: int, group) -> None:
 MODEL_PRESETS = {2: ["tiny", "tiny-mla"], 4: ["tiny"]}
 
 
-def world_rank(rank: int, world: int, port: int, cases: list, results: mp.Queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        timeout = datetime.timedelta(seconds=60)
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        group = dist.new_group(list(range(world)), timeout=timeout)
-        for dtype, mla, num_buffers, backend, prefetch, transport in cases:
-            spec = spec_of(dtype, mla)
-            replicated = DeviceKVPool(spec, NUM_POOL_PAGES, torch.device("cpu"))
-            sharded = ShardedDeviceKVPool(
-                spec,
-                NUM_POOL_PAGES,
-                torch.device("cpu"),
-                rank,
-                world,
-                group,
-                num_buffers,
-                backend=backend,
-                check_reads=True,
-                transport=transport,
-            )
-            assert sharded.transport == transport
-            replicated.kv.fill_(float("nan"))  # an unwritten row reads as NaN in both
-            sharded.kv.fill_(float("nan"))
-            run_passes(sharded, replicated, spec, prefetch)
-            check_union(sharded, replicated, group)
-            expected = (sharded.num_local_pages + 1) * spec.bytes_per_page
-            assert sharded.device_bytes() == expected
-        for preset in MODEL_PRESETS[world]:
-            model_oracle(preset, rank, world, group)
-        dist.destroy_process_group()
-        results.put((rank, "ok"))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
+def world_rank(rank: int, world: int, group: dist.ProcessGroup, cases: list) -> None:
+    for dtype, mla, num_buffers, backend, prefetch, transport in cases:
+        spec = spec_of(dtype, mla)
+        replicated = DeviceKVPool(spec, NUM_POOL_PAGES, torch.device("cpu"))
+        sharded = ShardedDeviceKVPool(
+            spec,
+            NUM_POOL_PAGES,
+            torch.device("cpu"),
+            rank,
+            world,
+            group,
+            num_buffers,
+            backend=backend,
+            check_reads=True,
+            transport=transport,
+        )
+        assert sharded.transport == transport
+        replicated.kv.fill_(float("nan"))  # an unwritten row reads as NaN in both
+        sharded.kv.fill_(float("nan"))
+        run_passes(sharded, replicated, spec, prefetch)
+        check_union(sharded, replicated, group)
+        expected = (sharded.num_local_pages + 1) * spec.bytes_per_page
+        assert sharded.device_bytes() == expected
+    for preset in MODEL_PRESETS[world]:
+        model_oracle(preset, rank, world, group)
 
 
 def run_world(world: int, cases: list) -> None:
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=world_rank, args=(r, world, port, cases, results)) for r in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        reports = dict(results.get(timeout=90) for _ in range(world))
-    except queue.Empty:
-        reports = {}
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    assert sorted(reports) == list(range(world)), f"ranks reported {sorted(reports)}"
-    failed = {r: msg for r, msg in reports.items() if msg != "ok"}
-    assert not failed, "\n".join(f"rank {r}:\n{msg}" for r, msg in failed.items())
+    run_gloo_ranks(world_rank, world, cases, timeout_s=90)
 
 
 def test_sharded_pool_world_of_2() -> None:

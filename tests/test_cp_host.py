@@ -21,21 +21,16 @@ ACK is consumed, must still pack the loaded rows.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import hashlib
-import multiprocessing as mp
-import queue
 import random
-import socket
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from multirank import run_gloo_ranks
 
 from gpu_worker.cache.hicache import CacheConfig, PrefixCache
 from gpu_worker.cache.radix import TreeNode
@@ -275,54 +270,13 @@ def host_world(rank: int, world: int, group: Any, transport: str = "auto") -> No
 # ---------------------------------------------------------------- the world
 
 
-def _rank(
-    target: Callable[[int, int, Any], None], rank: int, world: int, port: int, out: mp.Queue
-) -> None:
-    try:
-        torch.set_num_threads(1)
-        timeout = datetime.timedelta(seconds=60)
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        target(rank, world, dist.new_group(list(range(world)), timeout=timeout))
-        dist.destroy_process_group()
-        out.put((rank, "ok"))
-    except BaseException:
-        out.put((rank, traceback.format_exc()))
-
-
-def run_ranks(target: Callable[[int, int, Any], None], world: int) -> None:
-    """Run `target(rank, world, group)` on `world` gloo rank processes; raise with every
-    failing rank's traceback."""
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(target, r, world, port, out)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        reports = dict(out.get(timeout=180) for _ in range(world))
-    except queue.Empty:
-        reports = {}
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    assert sorted(reports) == list(range(world)), f"ranks reported {sorted(reports)}"
-    failed = {r: msg for r, msg in reports.items() if msg != "ok"}
-    assert not failed, "\n".join(f"rank {r}:\n{msg}" for r, msg in failed.items())
-
-
 @pytest.mark.parametrize("transport", ["auto", "collective"])
 def test_host_rows_are_owned_and_loads_land_before_gathers_cp2(transport: str) -> None:
-    run_ranks(functools.partial(host_world, transport=transport), 2)
+    run_gloo_ranks(functools.partial(host_world, transport=transport), 2)
 
 
 def test_host_rows_are_owned_and_loads_land_before_gathers_cp4() -> None:
-    run_ranks(host_world, 4)
+    run_gloo_ranks(host_world, 4)
 
 
 # ---------------------------------------------------------------- restore -> gather

@@ -25,8 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import run_world
-from test_cp_host import run_ranks
+from multirank import run_gloo_ranks, run_world
 
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
@@ -89,7 +88,7 @@ def ordered_reads(rank: int, world: int, group: Any) -> None:
 
 
 def test_peer_reads_wait_for_the_owner_and_end_before_it_reuses_rows() -> None:
-    run_ranks(ordered_reads, 2)
+    run_gloo_ranks(ordered_reads, 2)
 
 
 # ---------------------------------------------------------------- no /dev/shm leak

@@ -119,21 +119,23 @@ BYTE_BOS_ID = 256
 BYTE_EOS_ID = 257
 BYTE_VOCAB_SIZE = 260
 
+# Runs anywhere in seconds; with --dtype float64 the cache-off oracle is exact.
+_TINY = ModelConfig(
+    vocab_size=BYTE_VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    context_len=8192,
+    eos_token_ids=(BYTE_EOS_ID,),
+    bos_token_id=BYTE_BOS_ID,
+    name="tiny",
+)
+
 PRESETS: dict[str, ModelConfig] = {
-    # Runs anywhere in seconds; with --dtype float64 the cache-off oracle is exact.
-    "tiny": ModelConfig(
-        vocab_size=BYTE_VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        context_len=8192,
-        eos_token_ids=(BYTE_EOS_ID,),
-        bos_token_id=BYTE_BOS_ID,
-        name="tiny",
-    ),
+    "tiny": _TINY,
     # For tensor parallelism: 8 query and 8 KV heads split over TP 2, 4 or 8, and 8 layers
     # over PP 2, 4 or 8; float64-exact like tiny.
     "tiny-tp": ModelConfig(
@@ -170,36 +172,14 @@ PRESETS: dict[str, ModelConfig] = {
     # A speculative draft for tiny (same byte vocabulary) of another shape: 2 layers and one
     # KV head of 32 dims, so its KV pool differs from the target's in every dimension but
     # the page; float64-exact like tiny.
-    "tiny-draft": ModelConfig(
-        vocab_size=BYTE_VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=32,
-        context_len=8192,
-        eos_token_ids=(BYTE_EOS_ID,),
-        bos_token_id=BYTE_BOS_ID,
-        name="tiny-draft",
+    "tiny-draft": dataclasses.replace(
+        _TINY, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32, name="tiny-draft"
     ),
     # tiny-draft's TP-ready sibling: tiny's first 2 layers (the seeded weights are drawn in
     # parameter order, so they are tiny's own), one per stage at PP 2, and 2 KV heads (one
     # per rank at TP 2): its KV pool differs from tiny's in the layer count; it proposes
     # tiny's tokens part of the time. float64-exact like tiny.
-    "tiny-tp-draft": ModelConfig(
-        vocab_size=BYTE_VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        context_len=8192,
-        eos_token_ids=(BYTE_EOS_ID,),
-        bos_token_id=BYTE_BOS_ID,
-        name="tiny-tp-draft",
-    ),
+    "tiny-tp-draft": dataclasses.replace(_TINY, num_layers=2, name="tiny-tp-draft"),
     # SmolLM2-135M's KV bytes per token on a small random model, for P/D and KV-size tests:
     # 15 layers x 3 KV heads x head_dim 64 x K,V x 8 bytes (float64) = 46,080 bytes, what
     # SmolLM2's 30 layers hold in float32; float64-exact like tiny, and cheap to compute.

@@ -134,6 +134,17 @@ def sample(
     probs = torch.softmax(scores / params.temperature, dim=-1)  # the max token keeps p > 0
     if not (params.top_k or params.top_p < 1.0 or params.min_p > 0.0):
         return int(torch.multinomial(probs, 1, generator=generator).item())
+    sorted_probs, order, keep = _cut(probs, params)
+    sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    choice = torch.multinomial(sorted_probs, 1, generator=generator)
+    return int(order[choice].item())
+
+
+def _cut(
+    probs: torch.Tensor, params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`probs` sorted descending, their token order, and which of them the top-k / top-p /
+    min-p cut keeps (the most likely token always stays, whatever rounding does)."""
     sorted_probs, order = torch.sort(probs, descending=True)
     keep = torch.ones_like(sorted_probs, dtype=torch.bool)
     if params.top_k:
@@ -142,10 +153,8 @@ def sample(
         keep &= torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
     if params.min_p > 0.0:
         keep &= sorted_probs >= params.min_p * sorted_probs[0]
-    keep[0] = True  # the most likely token always stays, whatever rounding does
-    sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-    choice = torch.multinomial(sorted_probs, 1, generator=generator)
-    return int(order[choice].item())
+    keep[0] = True
+    return sorted_probs, order, keep
 
 
 def spec_generator(seed: int, step: int, draw: str) -> torch.Generator:
@@ -169,15 +178,7 @@ def distribution(
     scores = _usable_scores(_processed(logits, params, prompt_ids, output_ids))
     probs = torch.softmax(scores / params.temperature, dim=-1)
     if params.top_k or params.top_p < 1.0 or params.min_p > 0.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-        if params.top_k:
-            keep[params.top_k :] = False
-        if params.top_p < 1.0:
-            keep &= torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
-        if params.min_p > 0.0:
-            keep &= sorted_probs >= params.min_p * sorted_probs[0]
-        keep[0] = True
+        _, order, keep = _cut(probs, params)
         mask = torch.zeros_like(keep)
         mask[order] = keep
         probs = torch.where(mask, probs, torch.zeros_like(probs))
