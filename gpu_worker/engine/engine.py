@@ -45,15 +45,16 @@ from gpu_worker.engine.pending import PendingCommands
 from gpu_worker.engine.storage_setup import storage_backend, storage_layout
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.memory.pool_group import KVSharding
-from gpu_worker.model.config import PRESETS, parse_dtype
+from gpu_worker.model.config import PRESETS, ModelConfig, parse_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.tokenizer import load_tokenizer
-from gpu_worker.model.weights import build_model, weights_digest
+from gpu_worker.model.weights import build_model, model_config_of, weights_digest
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.parallel.groups import ParallelGroups, rank_device
 from gpu_worker.parallel.sync import StepSync, agree_min
 from gpu_worker.scheduler.request import GenerateOutput, RemoteKV, Req, ReqState
 from gpu_worker.scheduler.scheduler import Scheduler
+from gpu_worker.scheduler.spec_config import SELF_DRAFT
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,20 @@ class Engine:
             for layer in self.model.layers:
                 layer.register_forward_pre_hook(lambda _m, _a: time.sleep(delay()))
         self._commands = PendingCommands(self.cache, config.cache, self.kv_spec)  # rank 0
-        self.kv_import = KVImport(mc, self.kv_spec, config.parallel, self.rank, self._commands.put)
+        # P/D with a draft: its KV crosses the wire with the target's, of the same draft
+        self.draft_id = draft_id(config)
+        draft_config = _draft_config(config)
+        self.scheduler.handoff.draft_config = draft_config
+        self.scheduler.handoff.draft_id = self.draft_id
+        self.kv_import = KVImport(
+            mc,
+            self.kv_spec,
+            config.parallel,
+            self.rank,
+            self._commands.put,
+            draft_config,
+            self.draft_id,
+        )
         self._applier = CommandApplier(
             self.scheduler, self.cache, self.kv_import, self.rank, config.debug
         )
@@ -229,8 +243,8 @@ class Engine:
         cache_salt: str = "",
         reuse: bool = True,
     ) -> Req:
-        """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`)."""
-        _refuse_pd_spec(self.config)
+        """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`),
+        with a draft's the draft's KV too."""
         req = self.submit(prompt_ids, sampling, cache_salt)
         req.remote = RemoteKV(reuse=reuse and self.config.cache.enable_radix_cache)
         return req
@@ -240,8 +254,8 @@ class Engine:
     ) -> Req:
         """A P/D prefill request: compute the prompt, sample one token, and pack the KV from
         `export_from` on (`req.export` when it finishes; every rank's shard on rank 0, a
-        CP-sharded rank's holding the pages it owns)."""
-        _refuse_pd_spec(self.config)
+        CP-sharded rank's holding the pages it owns; with a draft, the draft's KV of the
+        same pages, `KVExport.draft_stagings`)."""
         ps = self.kv_spec.page_size
         ids = self.validate(prompt_ids, sampling)
         if not 0 <= export_from < len(ids) or export_from % ps:
@@ -264,6 +278,7 @@ class Engine:
         rank: int = 0,
         sender: ParallelConfig | None = None,
         rotation: int = 0,
+        draft: str = "",
     ) -> WriteKV:
         """Queue a received KV chunk for decode request `rid`: world rank `rank`'s shard of
         it from a prefill engine of layout `sender` (this engine's own when None), in the
@@ -275,9 +290,11 @@ class Engine:
         returned command (one per chunk) then holds the bytes written or why it did not fit
         (`applied`). A payload of the wrong size, a duplicate shard, an unknown rank, a rank
         that owns none of the chunk's pages or a layout that does not split the model
-        raises ValueError now."""
+        raises ValueError now, and so does a chunk from an engine whose speculative draft
+        (`draft`: its `draft_id`, "" without one; each page then carries the draft's rows
+        after the target's, `KVExport.shard_bytes`) is not this engine's."""
         return self.kv_import.receive(
-            rid, token_start, token_end, payload, first_token, rank, sender, rotation
+            rid, token_start, token_end, payload, first_token, rank, sender, rotation, draft
         )
 
     def abort(self, rid: int) -> None:
@@ -453,9 +470,25 @@ def _divergence_named(recorder: consensus.ConsensusRecorder | None) -> Iterator[
         raise
 
 
-def _refuse_pd_spec(config: EngineConfig) -> None:
-    if config.spec.enabled:  # the draft's KV frames, decode-side draft state: still to come
-        raise InvalidRequestError("P/D does not support --speculative-algorithm yet")
+def draft_id(config: EngineConfig) -> str:
+    """The speculative draft's identity, "" without one: its model (`self` resolved to the
+    target), re-quantization and weights digest. P/D engines compare it on every KV chunk:
+    a decode engine must decode with the draft whose KV the prefill engine sent."""
+    spec = config.spec
+    if not spec.enabled or spec.draft_model is None:
+        return ""
+    name = config.model if spec.draft_model == SELF_DRAFT else spec.draft_model
+    digest = weights_digest(name, config.seed)
+    return f"{spec.draft_model} ({name}, {spec.draft_quantization}, weights {digest})"
+
+
+def _draft_config(config: EngineConfig) -> ModelConfig | None:
+    """The draft's whole config (its shards' KV shapes), None without one."""
+    spec = config.spec
+    if not spec.enabled or spec.draft_model is None:
+        return None
+    name = config.model if spec.draft_model == SELF_DRAFT else spec.draft_model
+    return model_config_of(name, config.context_len)
 
 
 def _sharding(config: EngineConfig, groups: ParallelGroups) -> KVSharding | None:

@@ -1,0 +1,129 @@
+"""P/D with speculative decoding: the draft's KV of the prompt crosses with the target's.
+
+A prefill engine with a draft exports the draft's KV of the same pages with the target's
+(each page of a shard: the target's rows, then the draft's); the decode engine writes it
+into its draft pool at the same page ids and decodes speculatively from there, and a turn-2
+decode-side reuse hit holds both models' KV. The float64 batch-invariant oracle: tokens and
+the target's logits at every emitted position equal speculation off bit for bit, and the
+accepted counts of every verify round equal the colocated speculative run's (with `self`
+every proposal is accepted), on turn 1 and on the reuse hit. Zeroing the received draft rows
+(a test switch) breaks the acceptance; engines of different drafts are refused, naming both.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from gpu_worker.cache.hicache import CacheConfig
+from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.scheduler.request import Req
+from gpu_worker.scheduler.spec_config import SpecConfig
+
+PAGE = 4
+SP = SamplingParams(max_new_tokens=9, ignore_eos=True)
+
+
+def make_engine(draft: str | None, radix: bool = True) -> Engine:
+    spec = SpecConfig() if draft is None else SpecConfig("standalone", draft, 3)
+    cache = CacheConfig(page_size=PAGE, num_device_pages=256, enable_radix_cache=radix)
+    return Engine(EngineConfig(cache=cache, batch_invariant=True, spec=spec))
+
+
+def step_until(eng: Engine, done: object, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if done():  # type: ignore[operator]
+            return
+        eng.step()
+    raise AssertionError("engine did not get there")
+
+
+def run_pd(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[Req, Req]:
+    """One request through P/D, two pages per chunk; returns (decode req, prefill req)."""
+    d = decode.submit_decode(prompt, SP)
+    d.logits_trace = []
+    step_until(decode, lambda: d.remote is not None and d.remote.prefix_len >= 0)
+    assert d.remote is not None
+    p = prefill.submit_prefill(prompt, SP, "", export_from=d.remote.prefix_len)
+    p.logits_trace = []
+    step_until(prefill, lambda: p.export is not None)
+    export = p.export
+    assert export is not None
+    assert len(export.draft_stagings) == (1 if prefill.spec is not None else 0)
+    for lo in range(0, export.num_pages, 2):
+        hi = min(lo + 2, export.num_pages)
+        start = export.token_start + lo * PAGE
+        end = min(export.token_start + hi * PAGE, export.token_end)
+        last = hi == export.num_pages
+        payload = export.shard_bytes(0, slice(lo, hi))
+        decode.write_kv(
+            d.rid, start, end, payload, export.first_token if last else None, draft=export.draft
+        )
+    step_until(decode, lambda: d.finish_reason is not None)
+    decode.check_integrity()
+    return d, p
+
+
+def conversation() -> list[list[int]]:
+    """Turn 2 extends turn 1's prompt: a decode-side reuse hit."""
+    rng = random.Random(5)
+    first = [rng.randrange(256) for _ in range(23)]
+    return [first, first + [rng.randrange(256) for _ in range(9)]]
+
+
+def colocated(draft: str | None, prompts: list[list[int]]) -> list[Req]:
+    eng = make_engine(draft, radix=False)
+    reqs = []
+    for prompt in prompts:
+        req = eng.submit(prompt, SP)
+        req.logits_trace = []
+        eng.run([req])
+        reqs.append(req)
+    return reqs
+
+
+@pytest.mark.parametrize("draft", ["self", "tiny-draft"])
+def test_pd_speculation_is_lossless_and_restores_the_draft_exactly(draft: str) -> None:
+    prompts = conversation()
+    off, on = colocated(None, prompts), colocated(draft, prompts)
+    prefill, decode = make_engine(draft), make_engine(draft)
+    for i, prompt in enumerate(prompts):
+        d, p = run_pd(prefill, decode, prompt)
+        assert d.remote is not None
+        if i == 1:  # decode reuses turn 1's prompt from its own device tier, draft KV too
+            assert d.remote.prefix_len == len(prompts[0]) // PAGE * PAGE > 0
+        assert d.output_ids == off[i].output_ids
+        assert p.logits_trace is not None and d.logits_trace is not None
+        got = torch.stack(p.logits_trace + d.logits_trace)
+        assert off[i].logits_trace is not None
+        want = torch.stack(off[i].logits_trace)
+        assert got.dtype == torch.float64 and torch.equal(got, want)
+        assert d.spec_rounds == on[i].spec_rounds  # the draft's state restored exactly
+        if draft == "self":
+            assert all(k == a for k, a in d.spec_rounds) and d.spec_rounds
+
+
+def test_zeroed_received_draft_rows_break_acceptance() -> None:
+    """The acceptance test's own check: with the received draft rows zeroed, the exact copy
+    no longer accepts every proposal (outputs stay lossless: the target verifies)."""
+    (prompt,) = conversation()[:1]
+    (on,) = colocated("self", [prompt])
+    prefill, decode = make_engine("self"), make_engine("self")
+    decode.scheduler.remote_kv.zero_draft = True
+    d, _ = run_pd(prefill, decode, prompt)
+    assert d.output_ids == on.output_ids
+    assert d.spec_rounds != on.spec_rounds
+
+
+@pytest.mark.parametrize(("pre", "dec"), [("self", "tiny-draft"), ("self", None), (None, "self")])
+def test_a_different_draft_is_refused_naming_both(pre: str | None, dec: str | None) -> None:
+    prefill, decode = make_engine(pre), make_engine(dec)
+    with pytest.raises(ValueError, match="must run the same draft") as e:
+        run_pd(prefill, decode, conversation()[0])
+    for name in (pre, dec):
+        assert repr(name or "none")[1:-1].split()[0] in str(e.value)
