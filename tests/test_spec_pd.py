@@ -28,8 +28,8 @@ PAGE = 4
 SP = SamplingParams(max_new_tokens=9, ignore_eos=True)
 
 
-def make_engine(draft: str | None, radix: bool = True) -> Engine:
-    spec = SpecConfig() if draft is None else SpecConfig("standalone", draft, 3)
+def make_engine(draft: str | None, radix: bool = True, quant: str = "none") -> Engine:
+    spec = SpecConfig() if draft is None else SpecConfig("standalone", draft, 3, quant)
     cache = CacheConfig(page_size=PAGE, num_device_pages=256, enable_radix_cache=radix)
     return Engine(EngineConfig(cache=cache, batch_invariant=True, spec=spec))
 
@@ -69,6 +69,16 @@ def run_pd(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[Req, Req
     return d, p
 
 
+def draft_rows(eng: Engine, ids: list[int]) -> torch.Tensor:
+    """The draft pool's rows of `ids`' cached whole pages (the tree's device prefix)."""
+    pool = eng.cache.pools.draft
+    assert pool is not None
+    hit = eng.cache.match([*ids, 0])
+    assert hit.device_len >= len(ids) // PAGE * PAGE > 0
+    n = len(ids) // PAGE * PAGE
+    return pool.kv[:, :, pool.slot_ids(list(hit.device_page_ids), n)].clone()
+
+
 def conversation() -> list[list[int]]:
     """Turn 2 extends turn 1's prompt: a decode-side reuse hit."""
     rng = random.Random(5)
@@ -104,6 +114,9 @@ def test_pd_speculation_is_lossless_and_restores_the_draft_exactly(draft: str) -
         want = torch.stack(off[i].logits_trace)
         assert got.dtype == torch.float64 and torch.equal(got, want)
         assert d.spec_rounds == on[i].spec_rounds  # the draft's state restored exactly
+        # what decode holds of the draft's KV is what prefill computed, bit for bit (with
+        # tiny-draft, which rejects every proposal, this is what pins its rows)
+        assert torch.equal(draft_rows(decode, prompt), draft_rows(prefill, prompt))
         if draft == "self":
             assert all(k == a for k, a in d.spec_rounds) and d.spec_rounds
 
@@ -120,10 +133,30 @@ def test_zeroed_received_draft_rows_break_acceptance() -> None:
     assert d.spec_rounds != on.spec_rounds
 
 
-@pytest.mark.parametrize(("pre", "dec"), [("self", "tiny-draft"), ("self", None), (None, "self")])
-def test_a_different_draft_is_refused_naming_both(pre: str | None, dec: str | None) -> None:
-    prefill, decode = make_engine(pre), make_engine(dec)
+@pytest.mark.parametrize(
+    ("pre", "dec", "quant"),
+    [
+        ("self", "tiny-draft", "none"),  # another shape
+        ("self", "self", "int8"),  # the same shape, other weights: sizes alone would pass
+        ("self", None, "none"),
+        (None, "self", "none"),
+    ],
+)
+def test_a_different_draft_is_refused_naming_both(
+    pre: str | None, dec: str | None, quant: str
+) -> None:
+    prefill, decode = make_engine(pre), make_engine(dec, quant=quant)
     with pytest.raises(ValueError, match="must run the same draft") as e:
         run_pd(prefill, decode, conversation()[0])
-    for name in (pre, dec):
-        assert repr(name or "none")[1:-1].split()[0] in str(e.value)
+    assert repr(prefill.draft_id or "none") in str(e.value)
+    assert repr(decode.draft_id or "none") in str(e.value)
+
+
+def test_self_and_the_targets_own_name_are_one_draft() -> None:
+    """`self` is the target's weights: a prefill engine drafting with `self` and a decode
+    engine naming the target's preset run the same draft, and P/D accepts it."""
+    prefill, decode = make_engine("self"), make_engine("tiny")
+    assert prefill.draft_id == decode.draft_id
+    (on,) = colocated("self", conversation()[:1])
+    d, _ = run_pd(prefill, decode, conversation()[0])
+    assert d.output_ids == on.output_ids and d.spec_rounds == on.spec_rounds

@@ -472,14 +472,15 @@ def _divergence_named(recorder: consensus.ConsensusRecorder | None) -> Iterator[
 
 def draft_id(config: EngineConfig) -> str:
     """The speculative draft's identity, "" without one: its model (`self` resolved to the
-    target), re-quantization and weights digest. P/D engines compare it on every KV chunk:
+    target's name: the same weights), re-quantization and weights digest. P/D engines compare it on every KV chunk:
     a decode engine must decode with the draft whose KV the prefill engine sent."""
     spec = config.spec
     if not spec.enabled or spec.draft_model is None:
         return ""
     name = config.model if spec.draft_model == SELF_DRAFT else spec.draft_model
     digest = weights_digest(name, config.seed)
-    return f"{spec.draft_model} ({name}, {spec.draft_quantization}, weights {digest})"
+    quant = "" if spec.draft_quantization == "none" else f" {spec.draft_quantization}"
+    return f"{name}{quant} (weights {digest})"
 
 
 def _draft_config(config: EngineConfig) -> ModelConfig | None:
