@@ -16,7 +16,7 @@ import pytest
 from test_hf_loader import save_hf_model
 
 from gpu_worker.cache.hicache import CacheConfig
-from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
+from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler import spec_config
@@ -56,7 +56,6 @@ def test_flags_reach_the_engine_config_and_up_passes_them_on() -> None:
             r"--hicache-storage-backend \(the draft's L3 objects\)",
         ),
         ((*SPEC, "self", "--cp-size", "2"), "CP > 1"),
-        ((*SPEC, "self", "--disaggregation-mode", "prefill"), "--disaggregation-mode"),
     ],
 )
 def test_bad_combinations_are_refused_clearly(argv: tuple[str, ...], error: str) -> None:
@@ -73,16 +72,6 @@ def test_the_engine_refuses_what_the_draft_cannot_do() -> None:
         SpecConfig("standalone", "self", draft_quantization="int3")
     with pytest.raises(ValueError, match="neither a preset"):
         Engine(EngineConfig(spec=SpecConfig("standalone", "no-such-draft")))
-    eng = Engine(
-        EngineConfig(cache=CacheConfig(page_size=4), spec=SpecConfig("standalone", "self"))
-    )
-    try:
-        with pytest.raises(InvalidRequestError, match="P/D does not support"):
-            eng.submit_decode([1, 2, 3], SamplingParams())
-        with pytest.raises(InvalidRequestError, match="P/D does not support"):
-            eng.submit_prefill([1, 2, 3, 4, 5], SamplingParams(), "", 4)
-    finally:
-        eng.close()
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])

@@ -18,6 +18,14 @@ import time
 import pytest
 import torch
 
+from bus_schemas.codec import SchemaError
+from bus_schemas.kv_frame import (
+    HEADER_SIZE,
+    KVFrameHeader,
+    decode_frame,
+    draft_digest,
+    encode_frame,
+)
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
@@ -62,7 +70,12 @@ def run_pd(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[Req, Req
         last = hi == export.num_pages
         payload = export.shard_bytes(0, slice(lo, hi))
         decode.write_kv(
-            d.rid, start, end, payload, export.first_token if last else None, draft=export.draft
+            d.rid,
+            start,
+            end,
+            payload,
+            export.first_token if last else None,
+            draft=draft_digest(export.draft),
         )
     step_until(decode, lambda: d.finish_reason is not None)
     decode.check_integrity()
@@ -148,7 +161,8 @@ def test_a_different_draft_is_refused_naming_both(
     prefill, decode = make_engine(pre), make_engine(dec, quant=quant)
     with pytest.raises(ValueError, match="must run the same draft") as e:
         run_pd(prefill, decode, conversation()[0])
-    assert repr(prefill.draft_id or "none") in str(e.value)
+    theirs = draft_digest(prefill.draft_id)
+    assert (f"digest {theirs:016x}" if theirs else "is none") in str(e.value)
     assert repr(decode.draft_id or "none") in str(e.value)
 
 
@@ -160,3 +174,17 @@ def test_self_and_the_targets_own_name_are_one_draft() -> None:
     (on,) = colocated("self", conversation()[:1])
     d, _ = run_pd(prefill, decode, conversation()[0])
     assert d.output_ids == on.output_ids and d.spec_rounds == on.spec_rounds
+
+
+def test_kv_frames_carry_the_drafts_digest() -> None:
+    """The frame header names the draft (a digest: 0 without one), and a frame of the
+    previous version, which had no such field, is refused rather than read as draft-less."""
+    digest = draft_digest(make_engine("self").draft_id)
+    assert digest and draft_digest("") == 0
+    h = KVFrameHeader("r", 0, 0, 8, draft=digest)
+    got, _ = decode_frame(encode_frame(h, b"kv"))
+    assert got.draft == digest and HEADER_SIZE == 100
+    older = bytearray(encode_frame(h, b"kv"))
+    older[:4] = b"HKV4"
+    with pytest.raises(SchemaError, match="magic"):
+        decode_frame(bytes(older))

@@ -278,7 +278,7 @@ class Engine:
         rank: int = 0,
         sender: ParallelConfig | None = None,
         rotation: int = 0,
-        draft: str = "",
+        draft: int = 0,
     ) -> WriteKV:
         """Queue a received KV chunk for decode request `rid`: world rank `rank`'s shard of
         it from a prefill engine of layout `sender` (this engine's own when None), in the
@@ -291,8 +291,9 @@ class Engine:
         (`applied`). A payload of the wrong size, a duplicate shard, an unknown rank, a rank
         that owns none of the chunk's pages or a layout that does not split the model
         raises ValueError now, and so does a chunk from an engine whose speculative draft
-        (`draft`: its `draft_id`, "" without one; each page then carries the draft's rows
-        after the target's, `KVExport.shard_bytes`) is not this engine's."""
+        (`draft`: the digest of its `draft_id`, `bus_schemas.kv_frame.draft_digest`, 0
+        without one; each page then carries the draft's rows after the target's,
+        `KVExport.shard_bytes`) is not this engine's."""
         return self.kv_import.receive(
             rid, token_start, token_end, payload, first_token, rank, sender, rotation, draft
         )

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from bus_schemas.kv_frame import chunk_senders, owned_pages
+from bus_schemas.kv_frame import chunk_senders, draft_digest, owned_pages
 from gpu_worker.engine.commands import WriteKV
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.model.config import ModelConfig
@@ -74,7 +74,7 @@ class KVImport:
         rank: int = 0,
         sender: ParallelConfig | None = None,
         rotation: int = 0,
-        draft: str = "",
+        draft: int = 0,
     ) -> WriteKV:
         """Rank 0: take world rank `rank`'s shard of a chunk from a prefill engine of layout
         `sender` (this engine's own when None), whose first page CP rank `rotation` owns
@@ -83,13 +83,16 @@ class KVImport:
         ranks that own a page of it); raises ValueError for a payload of the wrong size, a
         duplicate shard, an unknown rank, a rank that owns none of the chunk's pages, a
         rotation other shards disagree with or a layout that does not split the model,
-        changing nothing; and for a chunk whose `draft` (the sender's draft identity, ""
-        without one) is not this engine's, naming both."""
-        if draft != self.draft_id:
+        changing nothing; and for a chunk whose `draft` (the digest of the sender's draft,
+        `draft_digest`, 0 without one) is not this engine's, naming both."""
+        mine = draft_digest(self.draft_id)
+        if draft != mine:
+            theirs = f"digest {draft:016x}" if draft else "none"
             raise ValueError(
                 f"KV chunk [{token_start}, {token_end}) comes from a prefill engine whose "
-                f"speculative draft is {draft or 'none'!r}; this decode engine's is "
-                f"{self.draft_id or 'none'!r}: both engines must run the same draft"
+                f"speculative draft is {theirs}; this decode engine's is "
+                f"{self.draft_id or 'none'!r} (digest {mine:016x}): both engines must run "
+                "the same draft (--speculative-draft-model-path, its quantization and weights)"
             )
         sender = sender or self.parallel
         world = sender.world_size

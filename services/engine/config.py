@@ -97,11 +97,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         args.speculative_num_steps,
         args.speculative_draft_quantization,
     )
-    if spec.enabled and args.disaggregation_mode != "null":
-        raise ValueError(
-            "--speculative-algorithm does not support --disaggregation-mode yet (the draft's "
-            "KV frames and decode-side draft state are still to come)"
-        )
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from bus_schemas.kv_frame import HEADER_SIZE, KVFrameHeader, encode_frame
+from bus_schemas.kv_frame import HEADER_SIZE, KVFrameHeader, draft_digest, encode_frame
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.request import CachedTokens, KVExport
 
@@ -122,6 +122,7 @@ def cut_frames(
                 len(shard),
                 cp,
                 (export.rotation + lo) % cp,
+                draft_digest(export.draft),
             )
             frames.append(encode_frame(header, shard[off : off + limit]))
     return FramePlan(frames, units, len(export.stagings), per)
