@@ -15,8 +15,10 @@ from __future__ import annotations
 import random
 import time
 
+import aiohttp
 import pytest
 import torch
+from fault_helpers import MeshSpec, Req, cold_reference, running_mesh
 
 from bus_schemas.codec import SchemaError
 from bus_schemas.kv_frame import (
@@ -29,7 +31,7 @@ from bus_schemas.kv_frame import (
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
-from gpu_worker.scheduler.request import Req
+from gpu_worker.scheduler.request import Req as EngineReq
 from gpu_worker.scheduler.spec_config import SpecConfig
 
 PAGE = 4
@@ -51,7 +53,7 @@ def step_until(eng: Engine, done: object, timeout_s: float = 30.0) -> None:
     raise AssertionError("engine did not get there")
 
 
-def run_pd(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[Req, Req]:
+def run_pd(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[EngineReq, EngineReq]:
     """One request through P/D, two pages per chunk; returns (decode req, prefill req)."""
     d = decode.submit_decode(prompt, SP)
     d.logits_trace = []
@@ -99,7 +101,7 @@ def conversation() -> list[list[int]]:
     return [first, first + [rng.randrange(256) for _ in range(9)]]
 
 
-def colocated(draft: str | None, prompts: list[list[int]]) -> list[Req]:
+def colocated(draft: str | None, prompts: list[list[int]]) -> list[EngineReq]:
     eng = make_engine(draft, radix=False)
     reqs = []
     for prompt in prompts:
@@ -188,3 +190,47 @@ def test_kv_frames_carry_the_drafts_digest() -> None:
     older[:4] = b"HKV4"
     with pytest.raises(SchemaError, match="magic"):
         decode_frame(bytes(older))
+
+
+MESH_SPEC = (
+    "--speculative-algorithm",
+    "standalone",
+    "--speculative-draft-model-path",
+    "self",
+    "--speculative-num-steps",
+    "3",
+    "--enable-deterministic-inference",
+    "--disaggregation-decode-enable-radix-cache",
+)
+
+
+@pytest.mark.timeout(300)
+async def test_pd_mesh_speculates_with_the_received_draft_state(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`up --pd` with the `self` draft, through HTTP: greedy tokens equal an in-process run
+    without speculation, turn 2 reuses decode's own cache, and decode accepted every
+    proposal (its draft state of the received and the reused prompt is exact)."""
+    spec = MeshSpec(pd=True, extra=MESH_SPEC, host_tier=False)
+    first = conversation()[0]
+    turns = [Req(tuple(first), 6, False), Req((*first, *range(40, 49)), 6, True)]
+    want = cold_reference(turns, exact=True)
+    with running_mesh(spec, tmp_path_factory, "spec-pd") as mesh:
+        async with aiohttp.ClientSession() as http:
+            for i, req in enumerate(turns):
+                body = {
+                    "prompt": list(req.prompt),
+                    "max_tokens": req.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                async with http.post(f"{mesh.url}/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    data = await r.json()
+                assert tuple(data["choices"][0]["token_ids"]) == want[req]
+                reused = data["usage"]["disaggregation"]["decode_prefix_len"]
+                assert reused == (len(first) // PAGE * PAGE if i else 0)
+            async with http.get(f"{mesh.url}/stats") as r:
+                assert r.status == 200, await r.text()
+                stats = (await r.json())["engines"]["decode-0"]["stats"]
+    assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"] > 0
