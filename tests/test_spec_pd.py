@@ -12,6 +12,7 @@ every proposal is accepted), on turn 1 and on the reuse hit. Zeroing the receive
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -19,6 +20,7 @@ import aiohttp
 import pytest
 import torch
 from fault_helpers import MeshSpec, Req, cold_reference, running_mesh
+from multirank import run_world
 
 from bus_schemas.codec import SchemaError
 from bus_schemas.kv_frame import (
@@ -31,6 +33,7 @@ from bus_schemas.kv_frame import (
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
+from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.request import Req as EngineReq
 from gpu_worker.scheduler.spec_config import SpecConfig
 
@@ -234,3 +237,95 @@ async def test_pd_mesh_speculates_with_the_received_draft_state(
                 assert r.status == 200, await r.text()
                 stats = (await r.json())["engines"]["decode-0"]["stats"]
     assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"] > 0
+
+
+# ---------------------------------------------------------------- across layouts
+
+LAYOUT_TURNS = (
+    ([(7 * i + 3) % 256 for i in range(41)], 0),
+    (
+        [*((7 * i + 3) % 256 for i in range(41)), *((5 * i + 1) % 256 for i in range(17))],
+        40,  # turn 2: decode's own cache holds turn 1's 41 tokens, 10 pages
+    ),
+)
+
+
+def layout_config(parallel: ParallelConfig, draft: str | None = "self") -> EngineConfig:
+    spec = SpecConfig() if draft is None else SpecConfig("standalone", draft, 3)
+    cache = CacheConfig(page_size=PAGE, num_device_pages=128)
+    return EngineConfig(
+        model="tiny-tp", cache=cache, parallel=parallel, batch_invariant=True, spec=spec
+    )
+
+
+def prefill_layout(engine: Engine) -> list[tuple[dict[int, bytes], int, int, int, int, int]]:
+    """Runs on a prefill engine (rank 0 of its world): each turn's export as the frames
+    carry it, (each sender rank's shard bytes, start, end, first token, pages, draft)."""
+    out = []
+    for prompt, export_from in LAYOUT_TURNS:
+        p = engine.submit_prefill(prompt, SP, "", export_from=export_from)
+        step_until(engine, lambda p=p: p.export is not None, 120)
+        e = p.export
+        assert e is not None and len(e.draft_stagings) == len(e.stagings)
+        shards = {r: e.shard_bytes(i, slice(0, e.num_pages)) for i, r in enumerate(e.ranks)}
+        digest = draft_digest(e.draft)
+        out.append((shards, e.token_start, e.token_end, e.first_token, e.num_pages, digest))
+        step_until(engine, lambda p=p: p.finish_reason is not None, 120)
+    return out
+
+
+def decode_layout(
+    engine: Engine, exports: list[tuple[dict[int, bytes], int, int, int, int, int]], sender: object
+) -> list[tuple[int, list[int], list[tuple[int, int]]]]:
+    """Runs on a decode engine: each turn's (prefix, tokens, verify rounds)."""
+    out = []
+    for (prompt, _), (shards, start, end, first, pages, digest) in zip(
+        LAYOUT_TURNS, exports, strict=True
+    ):
+        d = engine.submit_decode(prompt, SP)
+        step_until(engine, lambda d=d: d.remote is not None and d.remote.prefix_len >= 0, 120)
+        assert d.remote is not None and d.remote.prefix_len == start
+        for lo in range(0, pages, 3):
+            hi = min(lo + 3, pages)
+            for rank, shard in shards.items():
+                per_page = len(shard) // pages
+                t0, t1 = start + lo * PAGE, min(start + hi * PAGE, end)
+                payload = shard[lo * per_page : hi * per_page]
+                last = first if hi == pages else None
+                engine.write_kv(d.rid, t0, t1, payload, last, rank, sender, 0, digest)  # type: ignore[arg-type]
+        step_until(engine, lambda d=d: d.finish_reason is not None, 120)
+        out.append((start, d.output_ids, list(d.spec_rounds)))
+    engine.check_integrity()
+    return out
+
+
+def on_layout(parallel: ParallelConfig, workload: object, *args: object) -> object:
+    cfg = layout_config(parallel)
+    if parallel.world_size == 1:
+        engine = Engine(cfg)
+        try:
+            return workload(engine, *args)  # type: ignore[operator]
+        finally:
+            engine.close()
+    return run_world(cfg, workload, *args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [((1, 2), (1, 1)), ((2, 1), (1, 2))], ids=["PP2-to-TP1", "TP2-to-PP2"]
+)
+def test_draft_kv_is_cut_for_a_decode_engine_of_another_layout(
+    prefill: tuple[int, int], decode: tuple[int, int]
+) -> None:
+    """The draft's rows are cut by its own heads and layers as the target's are: a PP2 or
+    TP2 prefill engine feeds a TP1 or PP2 decode engine, whose `self` draft accepts every
+    proposal and whose tokens equal a TP1 run without speculation."""
+    sender, receiver = ParallelConfig(*prefill), ParallelConfig(*decode)
+    cold = Engine(dataclasses.replace(layout_config(ParallelConfig(), None)))
+    want = [cold.generate(prompt, SP).output_ids for prompt, _ in LAYOUT_TURNS]
+    cold.close()
+    exports = on_layout(sender, prefill_layout)
+    got = on_layout(receiver, decode_layout, exports, sender)
+    assert isinstance(got, list)
+    for (prefix, ids, rounds), w, (_, start) in zip(got, want, LAYOUT_TURNS, strict=True):
+        assert prefix == start and ids == w
+        assert rounds and all(k == a for k, a in rounds), rounds
