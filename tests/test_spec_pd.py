@@ -56,9 +56,11 @@ def step_until(eng: Engine, done: object, timeout_s: float = 30.0) -> None:
     raise AssertionError("engine did not get there")
 
 
-def run_pd(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[EngineReq, EngineReq]:
+def run_pd(
+    prefill: Engine, decode: Engine, prompt: list[int], reuse: bool = True
+) -> tuple[EngineReq, EngineReq]:
     """One request through P/D, two pages per chunk; returns (decode req, prefill req)."""
-    d = decode.submit_decode(prompt, SP)
+    d = decode.submit_decode(prompt, SP, reuse=reuse)
     d.logits_trace = []
     step_until(decode, lambda: d.remote is not None and d.remote.prefix_len >= 0)
     assert d.remote is not None
@@ -115,16 +117,20 @@ def colocated(draft: str | None, prompts: list[list[int]]) -> list[EngineReq]:
     return reqs
 
 
+@pytest.mark.parametrize("reuse", [True, False])
 @pytest.mark.parametrize("draft", ["self", "tiny-draft"])
-def test_pd_speculation_is_lossless_and_restores_the_draft_exactly(draft: str) -> None:
+def test_pd_speculation_is_lossless_and_restores_the_draft_exactly(draft: str, reuse: bool) -> None:
+    """Turn 2 with decode reuse: decode holds the prefix's draft KV itself; without: prefill
+    sends it, from its own prefix hit (its draft pool holds it with the target's)."""
     prompts = conversation()
     off, on = colocated(None, prompts), colocated(draft, prompts)
     prefill, decode = make_engine(draft), make_engine(draft)
     for i, prompt in enumerate(prompts):
-        d, p = run_pd(prefill, decode, prompt)
+        d, p = run_pd(prefill, decode, prompt, reuse)
         assert d.remote is not None
-        if i == 1:  # decode reuses turn 1's prompt from its own device tier, draft KV too
-            assert d.remote.prefix_len == len(prompts[0]) // PAGE * PAGE > 0
+        held = len(prompts[0]) // PAGE * PAGE if i else 0  # turn 1's prompt, in both caches
+        assert d.remote.prefix_len == (held if reuse else 0)
+        assert p.cached.device == held
         assert d.output_ids == off[i].output_ids
         assert p.logits_trace is not None and d.logits_trace is not None
         got = torch.stack(p.logits_trace + d.logits_trace)
