@@ -17,8 +17,9 @@ target's (`KVExport.shard_bytes`): the sizes, the regrouping and the write cover
 models, each cut by its own heads and layers, and the draft's rows land in the draft pool
 at the same page ids, so the request decodes with the draft's state of the whole prompt
 (and a later decode-side reuse hit holds it, as a colocated hit does). Both engines must
-run the same draft: a chunk naming another one (`draft`, `Engine.draft_id`) is refused
-with both names.
+run the same draft: a chunk naming another one (`draft`: the digest of the sender's
+`Engine.draft_id` its frames carry) is refused, naming this engine's draft and the other's
+digest.
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ class KVImport:
         pages = -(-(cmd.token_end - cmd.token_start) // self.kv_spec.page_size)
         staging, *draft = self._split(payload, self.parallel, self.rank, pages)
         try:
-            scheduler.remote_kv.write(
+            scheduler.write_remote_kv(
                 req, cmd.token_start, cmd.token_end, staging, draft[0] if draft else None
             )
         except ValueError as e:
