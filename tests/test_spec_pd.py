@@ -34,8 +34,10 @@ from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.parallel.config import ParallelConfig
+from gpu_worker.scheduler.request import CachedTokens, KVExport
 from gpu_worker.scheduler.request import Req as EngineReq
 from gpu_worker.scheduler.spec_config import SpecConfig
+from services.engine.pd_frames import ShardAssembler, cut_frames, payload_limit
 
 PAGE = 4
 SP = SamplingParams(max_new_tokens=9, ignore_eos=True)
@@ -335,3 +337,32 @@ def test_draft_kv_is_cut_for_a_decode_engine_of_another_layout(
     for (prefix, ids, rounds), w, (_, start) in zip(got, want, LAYOUT_TURNS, strict=True):
         assert prefix == start and ids == w
         assert rounds and all(k == a for k, a in rounds), rounds
+
+
+# 1460 KiB: two pages of the target's rows alone would fit a frame, not with the draft's
+# (sized by the target's alone, such a chunk would go out split in parts)
+@pytest.mark.parametrize("max_payload", [1460 << 10, 96 << 10], ids=["chunks", "split-pages"])
+def test_frames_size_pages_with_the_drafts_rows_and_carry_them_whole(max_payload: int) -> None:
+    """A chunk is sized by a page's bytes of both models, so frames stay within the limit
+    with the draft's rows, and the shards put back together are `shard_bytes` exactly."""
+    gen = torch.Generator().manual_seed(0)
+    pages, ps = 5, 16
+    target = torch.rand((pages, 3, 30, 2, ps, 1, 64), generator=gen)  # SmolLM2's shape
+    draft = torch.rand((pages, 1, 4, 2, ps, 1, 64), generator=gen)  # a draft of another
+    export = KVExport((target,), 0, pages * ps - 3, 42, draft_stagings=(draft,), draft="d")
+    limit = payload_limit(max_payload, 1, 32 << 20)
+    plan = cut_frames("r", export, CachedTokens(), 1, limit)
+    assert all(len(f) <= max_payload for f in plan.frames)
+    decoded = [decode_frame(f) for f in plan.frames]
+    page_fits = export.page_bytes(0) <= limit  # then chunks of whole pages, never parts
+    assert page_fits == (max_payload > 1 << 20)
+    assert page_fits == all(h.part_offset == 0 for h, _ in decoded)
+    assert {h.draft for h, _ in decoded} == {draft_digest("d")}
+    assembler, got = ShardAssembler(), b""
+    for header, payload in decoded:
+        shard = assembler.add(header, payload)
+        if shard is not None:
+            got += bytes(shard)
+            assembler.written(header)
+    assert got == export.shard_bytes(0, slice(0, pages))
+    assert len(got) == pages * (target[0].numel() + draft[0].numel()) * 4
