@@ -40,21 +40,20 @@ from gpu_worker.engine.config import EngineConfig
 from gpu_worker.engine.draft import pool_group, spec_decoder
 from gpu_worker.engine.driver import KEEPALIVE_S, Outlook, StepLoop, StepResult, Wake
 from gpu_worker.engine.executor import ModelExecutor
-from gpu_worker.engine.kv_import import KVImport
+from gpu_worker.engine.kv_import import KVImport, draft_of
 from gpu_worker.engine.pending import PendingCommands
 from gpu_worker.engine.storage_setup import storage_backend, storage_layout
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.memory.pool_group import KVSharding
-from gpu_worker.model.config import PRESETS, ModelConfig, parse_dtype
+from gpu_worker.model.config import PRESETS, parse_dtype
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.model.tokenizer import load_tokenizer
-from gpu_worker.model.weights import build_model, model_config_of, weights_digest
+from gpu_worker.model.weights import build_model, weights_digest
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.parallel.groups import ParallelGroups, rank_device
 from gpu_worker.parallel.sync import StepSync, agree_min
 from gpu_worker.scheduler.request import GenerateOutput, RemoteKV, Req, ReqState
 from gpu_worker.scheduler.scheduler import Scheduler
-from gpu_worker.scheduler.spec_config import SELF_DRAFT
 
 log = logging.getLogger(__name__)
 
@@ -174,18 +173,11 @@ class Engine:
                 layer.register_forward_pre_hook(lambda _m, _a: time.sleep(delay()))
         self._commands = PendingCommands(self.cache, config.cache, self.kv_spec)  # rank 0
         # P/D with a draft: its KV crosses the wire with the target's, of the same draft
-        self.draft_id = draft_id(config)
-        draft_config = _draft_config(config)
-        self.scheduler.handoff.draft_config = draft_config
-        self.scheduler.handoff.draft_id = self.draft_id
+        self.draft_id, draft = draft_of(config)
+        self.scheduler.handoff.draft_config, self.scheduler.handoff.draft_id = draft, self.draft_id
+        queue = self._commands.put
         self.kv_import = KVImport(
-            mc,
-            self.kv_spec,
-            config.parallel,
-            self.rank,
-            self._commands.put,
-            draft_config,
-            self.draft_id,
+            mc, self.kv_spec, config.parallel, self.rank, queue, draft, self.draft_id
         )
         self._applier = CommandApplier(
             self.scheduler, self.cache, self.kv_import, self.rank, config.debug
@@ -469,28 +461,6 @@ def _divergence_named(recorder: consensus.ConsensusRecorder | None) -> Iterator[
         if found is not None:
             raise consensus.RankDivergenceError(found.report()) from e
         raise
-
-
-def draft_id(config: EngineConfig) -> str:
-    """The speculative draft's identity, "" without one: its model (`self` resolved to the
-    target's name: the same weights), re-quantization and weights digest. P/D engines compare it on every KV chunk:
-    a decode engine must decode with the draft whose KV the prefill engine sent."""
-    spec = config.spec
-    if not spec.enabled or spec.draft_model is None:
-        return ""
-    name = config.model if spec.draft_model == SELF_DRAFT else spec.draft_model
-    digest = weights_digest(name, config.seed)
-    quant = "" if spec.draft_quantization == "none" else f" {spec.draft_quantization}"
-    return f"{name}{quant} (weights {digest})"
-
-
-def _draft_config(config: EngineConfig) -> ModelConfig | None:
-    """The draft's whole config (its shards' KV shapes), None without one."""
-    spec = config.spec
-    if not spec.enabled or spec.draft_model is None:
-        return None
-    name = config.model if spec.draft_model == SELF_DRAFT else spec.draft_model
-    return model_config_of(name, config.context_len)
 
 
 def _sharding(config: EngineConfig, groups: ParallelGroups) -> KVSharding | None:

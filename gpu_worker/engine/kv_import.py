@@ -18,7 +18,7 @@ models, each cut by its own heads and layers, and the draft's rows land in the d
 at the same page ids, so the request decodes with the draft's state of the whole prompt
 (and a later decode-side reuse hit holds it, as a colocated hit does). Both engines must
 run the same draft: a chunk naming another one (`draft`: the digest of the sender's
-`Engine.draft_id` its frames carry) is refused, naming this engine's draft and the other's
+`draft_of` its frames carry) is refused, naming this engine's draft and the other's
 digest.
 """
 
@@ -31,11 +31,14 @@ import torch
 
 from bus_schemas.kv_frame import chunk_senders, draft_digest, owned_pages
 from gpu_worker.engine.commands import WriteKV
+from gpu_worker.engine.config import EngineConfig
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.shard import ModelShard
+from gpu_worker.model.weights import model_config_of, weights_digest
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.scheduler import Scheduler
+from gpu_worker.scheduler.spec_config import SELF_DRAFT
 
 
 class KVImport:
@@ -278,6 +281,21 @@ class KVImport:
         if cmd.first_token is not None:
             req.remote.first_token = cmd.first_token
         cmd.written = len(payload)
+
+
+def draft_of(config: EngineConfig) -> tuple[str, ModelConfig | None]:
+    """The speculative draft's identity and whole config (its shards' KV shapes); "" and
+    None without one. The identity is its model (`self` resolved to the target's name: the
+    same weights are one draft), re-quantization and weights digest: P/D engines compare it
+    on every KV chunk (as a digest, `draft_digest`), since a decode engine must decode with
+    the draft whose KV the prefill engine sent."""
+    spec = config.spec
+    if not spec.enabled or spec.draft_model is None:
+        return "", None
+    name = config.model if spec.draft_model == SELF_DRAFT else spec.draft_model
+    quant = "" if spec.draft_quantization == "none" else f" {spec.draft_quantization}"
+    digest = weights_digest(name, config.seed)
+    return f"{name}{quant} (weights {digest})", model_config_of(name, config.context_len)
 
 
 def _slice(r: range) -> slice:
