@@ -235,8 +235,8 @@ class Engine:
         cache_salt: str = "",
         reuse: bool = True,
     ) -> Req:
-        """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`),
-        with a draft's the draft's KV too."""
+        """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`);
+        with speculative decoding, the draft's KV of the prompt with it."""
         req = self.submit(prompt_ids, sampling, cache_salt)
         req.remote = RemoteKV(reuse=reuse and self.config.cache.enable_radix_cache)
         return req
