@@ -1,11 +1,11 @@
 """KV chunks on the bus: a binary frame with a small fixed header, then the KV bytes.
 
-Header (little-endian, 92 bytes):
-    magic b"HKV4" | request_id (32 bytes, ASCII, NUL-padded) | seq u32 | token_start u32 |
+Header (little-endian, 100 bytes):
+    magic b"HKV5" | request_id (32 bytes, ASCII, NUL-padded) | seq u32 | token_start u32 |
     token_end u32 | first_token i32 (-1 unless last) | last u8 | pad 3 | prefill_cached_device
     u32 | prefill_cached_host u32 | payload_len u32 | crc32 u32 | rank u16 | world_size u16 |
     tp_size u16 | cp_size u8 | rotation u8 | prefill_cached_storage u32 | part_offset u32 |
-    shard_len u32
+    shard_len u32 | draft u64
 A rank's shard of a chunk is KV of tokens `[token_start, token_end)` in whole pages, in the
 unified object order with one KV head per group (DESIGN.md 5): `(pages, kv_head, layer, K/V,
 token_in_page, head_dim)` of the sending rank's heads and layers (MLA: one head, the latent
@@ -29,7 +29,13 @@ order (`owned_pages`). A rank that owns none of a chunk's pages sends no frame f
 the receiver derives from the header alone which ranks' shards make the chunk whole
 (`chunk_senders`). A replicated CP engine sends as its CP1 layout (`cp_size` 1).
 
-Versions: HKV3 had no CP fields (cp_size and rotation were reserved bytes): the magic changed
+Speculative decoding: each page of a shard carries the draft model's rows after the target's
+(the draft's heads and layers of the same page, `KVExport.shard_bytes`), so a chunk of whole
+pages holds both; `draft` is the draft's digest (`draft_digest` of `Engine.draft_id`, 0
+without a draft), and a decode engine refuses a chunk from a draft other than its own.
+
+Versions: HKV4 had no draft field (a speculating decode engine would have read a target-only
+shard); HKV3 had no CP fields (cp_size and rotation were reserved bytes): the magic changed
 with them so that an HKV3 reader refuses a sharded sender's frames rather than take its CP
 ranks for pipeline stages (a shard can have the size it expects and still be cut wrongly).
 HKV2 had no parts (84 bytes); HKV1 another payload order. All are refused.
@@ -37,14 +43,15 @@ HKV2 had no parts (84 bytes); HKV1 another payload order. All are refused.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
 
 from bus_schemas.codec import SchemaError
 
-MAGIC = b"HKV4"
-_HEADER = struct.Struct("<4s32sIIIiB3xIIIIHHHBBIII")
+MAGIC = b"HKV5"
+_HEADER = struct.Struct("<4s32sIIIiB3xIIIIHHHBBIIIQ")
 HEADER_SIZE = _HEADER.size
 
 
@@ -66,6 +73,7 @@ class KVFrameHeader:
     shard_len: int = 0  # bytes of the rank's whole shard of the chunk (0: this payload's)
     cp_size: int = 1  # CP ranks the sender shards pages over (1: every rank holds every page)
     rotation: int = 0  # sharded CP: the CP rank that owns the chunk's first page
+    draft: int = 0  # the speculative draft's digest (`draft_digest`); 0: no draft
 
     def __post_init__(self) -> None:
         if len(self.request_id.encode()) > 32:
@@ -85,6 +93,8 @@ class KVFrameHeader:
             raise ValueError(f"rotation {self.rotation} is not a CP rank of {self.cp_size}")
         if not 0 <= self.part_offset <= 0xFFFFFFFF or not 0 <= self.shard_len <= 0xFFFFFFFF:
             raise ValueError("part_offset and shard_len must fit 32 bits")
+        if not 0 <= self.draft < 1 << 64:
+            raise ValueError("draft must be a 64-bit digest")
 
     @property
     def pp_size(self) -> int:
@@ -94,6 +104,14 @@ class KVFrameHeader:
     def cp_rank(self) -> int:
         """The sending rank's CP rank (ranks are stage-major, TP innermost)."""
         return self.rank // self.tp_size % self.cp_size
+
+
+def draft_digest(draft_id: str) -> int:
+    """The 64-bit digest of a speculative draft's identity (`Engine.draft_id`) a frame
+    carries; 0 for "" (no draft), never 0 for a draft."""
+    if not draft_id:
+        return 0
+    return int.from_bytes(hashlib.blake2b(draft_id.encode(), digest_size=8).digest()) or 1
 
 
 def owned_pages(num_pages: int, cp_size: int, rotation: int, cp_rank: int) -> range:
@@ -139,6 +157,7 @@ def encode_frame(header: KVFrameHeader, payload: bytes | memoryview) -> bytes:
         header.prefill_cached_storage,
         header.part_offset,
         shard_len,
+        header.draft,
     )
     return b"".join((head, body))  # one copy of the payload
 
@@ -168,6 +187,7 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
         cached_storage,
         part_offset,
         shard_len,
+        draft,
     ) = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise SchemaError(f"not a KV frame of this version (magic {magic!r}, want {MAGIC!r})")
@@ -199,6 +219,7 @@ def decode_frame(data: bytes) -> tuple[KVFrameHeader, memoryview]:
             shard_len,
             cp or 1,
             rotation,
+            draft,
         )
     except (ValueError, UnicodeDecodeError) as e:
         raise SchemaError(f"bad KV frame header: {e}") from None

@@ -306,7 +306,7 @@ def test_pd_with_sharded_engines_equals_cold(
 def test_kv_frames_name_the_cp_layout_and_rotation() -> None:
     h = KVFrameHeader("r", 0, 8, 16, rank=3, world_size=8, tp_size=2, cp_size=2, rotation=1)
     got, _ = decode_frame(encode_frame(h, b"kv"))
-    assert HEADER_SIZE == 92 and got == dataclasses.replace(h, shard_len=2)
+    assert HEADER_SIZE == 100 and got == dataclasses.replace(h, shard_len=2)
     assert (got.pp_size, got.cp_rank) == (2, 1)
     assert sender_layout(got) == ParallelConfig(2, 2, 2, kv_sharding=True)
     plain = KVFrameHeader("r", 0, 0, 8, rank=1, world_size=4, tp_size=2)

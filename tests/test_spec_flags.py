@@ -16,7 +16,7 @@ import pytest
 from test_hf_loader import save_hf_model
 
 from gpu_worker.cache.hicache import CacheConfig
-from gpu_worker.engine.engine import Engine, EngineConfig, InvalidRequestError
+from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler import spec_config
@@ -73,7 +73,6 @@ def test_a_self_draft_of_a_real_model_defaults_to_int8() -> None:
         (("--speculative-algorithm", "standalone"), "needs --speculative-draft-model-path"),
         ((*SPEC, "self", "--speculative-num-steps", "0"), r"must be in \[1, 16\]"),
         ((*SPEC, "self", "--cp-size", "2"), "CP > 1"),
-        ((*SPEC, "self", "--disaggregation-mode", "prefill"), "--disaggregation-mode"),
     ],
 )
 def test_bad_combinations_are_refused_clearly(argv: tuple[str, ...], error: str) -> None:
@@ -90,16 +89,6 @@ def test_the_engine_refuses_what_the_draft_cannot_do() -> None:
         SpecConfig("standalone", "self", draft_quantization="int3")
     with pytest.raises(ValueError, match="neither a preset"):
         Engine(EngineConfig(spec=SpecConfig("standalone", "no-such-draft")))
-    eng = Engine(
-        EngineConfig(cache=CacheConfig(page_size=4), spec=SpecConfig("standalone", "self"))
-    )
-    try:
-        with pytest.raises(InvalidRequestError, match="P/D does not support"):
-            eng.submit_decode([1, 2, 3], SamplingParams())
-        with pytest.raises(InvalidRequestError, match="P/D does not support"):
-            eng.submit_prefill([1, 2, 3, 4, 5], SamplingParams(), "", 4)
-    finally:
-        eng.close()
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])

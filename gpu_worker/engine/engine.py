@@ -40,7 +40,7 @@ from gpu_worker.engine.config import EngineConfig
 from gpu_worker.engine.draft import pool_group, spec_decoder
 from gpu_worker.engine.driver import KEEPALIVE_S, Outlook, StepLoop, StepResult, Wake
 from gpu_worker.engine.executor import ModelExecutor
-from gpu_worker.engine.kv_import import KVImport
+from gpu_worker.engine.kv_import import KVImport, draft_of
 from gpu_worker.engine.pending import PendingCommands
 from gpu_worker.engine.storage_setup import storage_backend, storage_layout
 from gpu_worker.memory.kv_spec import KVSpec
@@ -174,7 +174,13 @@ class Engine:
             for layer in self.model.layers:
                 layer.register_forward_pre_hook(lambda _m, _a: time.sleep(delay()))
         self._commands = PendingCommands(self.cache, config.cache, self.kv_spec)  # rank 0
-        self.kv_import = KVImport(mc, self.kv_spec, config.parallel, self.rank, self._commands.put)
+        # P/D with a draft: its KV crosses the wire with the target's, of the same draft
+        self.draft_id, draft = draft_of(config)
+        self.scheduler.handoff.draft_config, self.scheduler.handoff.draft_id = draft, self.draft_id
+        queue = self._commands.put
+        self.kv_import = KVImport(
+            mc, self.kv_spec, config.parallel, self.rank, queue, draft, self.draft_id
+        )
         self._applier = CommandApplier(
             self.scheduler, self.cache, self.kv_import, self.rank, config.debug
         )
@@ -231,8 +237,8 @@ class Engine:
         cache_salt: str = "",
         reuse: bool = True,
     ) -> Req:
-        """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`)."""
-        _refuse_pd_spec(self.config)
+        """A P/D decode request: its prompt KV comes from a prefill engine (`write_kv`);
+        with speculative decoding, the draft's KV of the prompt with it."""
         req = self.submit(prompt_ids, sampling, cache_salt)
         req.remote = RemoteKV(reuse=reuse and self.config.cache.enable_radix_cache)
         return req
@@ -242,8 +248,8 @@ class Engine:
     ) -> Req:
         """A P/D prefill request: compute the prompt, sample one token, and pack the KV from
         `export_from` on (`req.export` when it finishes; every rank's shard on rank 0, a
-        CP-sharded rank's holding the pages it owns)."""
-        _refuse_pd_spec(self.config)
+        CP-sharded rank's holding the pages it owns; with a draft, the draft's KV of the
+        same pages, `KVExport.draft_stagings`)."""
         ps = self.kv_spec.page_size
         ids = self.validate(prompt_ids, sampling)
         if not 0 <= export_from < len(ids) or export_from % ps:
@@ -266,6 +272,7 @@ class Engine:
         rank: int = 0,
         sender: ParallelConfig | None = None,
         rotation: int = 0,
+        draft: int = 0,
     ) -> WriteKV:
         """Queue a received KV chunk for decode request `rid`: world rank `rank`'s shard of
         it from a prefill engine of layout `sender` (this engine's own when None), in the
@@ -277,9 +284,12 @@ class Engine:
         returned command (one per chunk) then holds the bytes written or why it did not fit
         (`applied`). A payload of the wrong size, a duplicate shard, an unknown rank, a rank
         that owns none of the chunk's pages or a layout that does not split the model
-        raises ValueError now."""
+        raises ValueError now, and so does a chunk from an engine whose speculative draft
+        (`draft`: the digest of its `draft_id`, `bus_schemas.kv_frame.draft_digest`, 0
+        without one; each page then carries the draft's rows after the target's,
+        `KVExport.shard_bytes`) is not this engine's."""
         return self.kv_import.receive(
-            rid, token_start, token_end, payload, first_token, rank, sender, rotation
+            rid, token_start, token_end, payload, first_token, rank, sender, rotation, draft
         )
 
     def abort(self, rid: int) -> None:
@@ -453,11 +463,6 @@ def _divergence_named(recorder: consensus.ConsensusRecorder | None) -> Iterator[
         if found is not None:
             raise consensus.RankDivergenceError(found.report()) from e
         raise
-
-
-def _refuse_pd_spec(config: EngineConfig) -> None:
-    if config.spec.enabled:  # the draft's KV frames, decode-side draft state: still to come
-        raise InvalidRequestError("P/D does not support --speculative-algorithm yet")
 
 
 def _sharding(config: EngineConfig, groups: ParallelGroups) -> KVSharding | None:

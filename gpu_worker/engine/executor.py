@@ -175,7 +175,10 @@ class ModelExecutor:
             )
 
     def collect_export(
-        self, staging: torch.Tensor, cp_pages: Sequence[int] = ()
+        self,
+        staging: torch.Tensor,
+        cp_pages: Sequence[int] = (),
+        model: ModelConfig | None = None,
     ) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
         """P/D prefill: this rank's packed KV of a finished request in the unified order,
         (num_pages, its KV heads, its layers, num_kv, page, 1, kv_head_dim). Rank 0 gets
@@ -185,9 +188,11 @@ class ModelExecutor:
         same logical point: when the request finishes. Replicated CP: only CP rank 0's
         shards go, and the ranks returned are of `ParallelConfig.kv_layout` (the CP1
         layout the wire and a decode engine know). Sharded CP: each rank's shard holds only
-        the pages its CP rank owns, `cp_pages[cp_rank]` of them (maybe none)."""
+        the pages its CP rank owns, `cp_pages[cp_rank]` of them (maybe none). `model`: the
+        whole config of the model whose KV this is, when not this executor's (a
+        speculative draft's KV, exported after the target's)."""
         g = self.groups
-        whole = self.model_config_whole
+        whole = model or self.model_config_whole
         ranks = g.config.kv_ranks(whole.mla)
         wire = tuple(g.config.kv_rank(r) for r in ranks)
         if g.world_size == 1:

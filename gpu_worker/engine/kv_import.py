@@ -11,6 +11,15 @@ this engine's ranks' head and layer ranges and queues one `WriteKV` command; at 
 of the next step every rank writes its own shard into the request's pages
 (`KVImport.write`): a CP-sharded rank the pages it owns, the others none, yet every rank
 takes part, so their states and the chunk's ACK stay agreed.
+
+With speculative decoding each page of a shard carries the draft model's rows after the
+target's (`KVExport.shard_bytes`): the sizes, the regrouping and the write cover both
+models, each cut by its own heads and layers, and the draft's rows land in the draft pool
+at the same page ids, so the request decodes with the draft's state of the whole prompt
+(and a later decode-side reuse hit holds it, as a colocated hit does). Both engines must
+run the same draft: a chunk naming another one (`draft`: the digest of the sender's
+`draft_of` its frames carry) is refused, naming this engine's draft and the other's
+digest.
 """
 
 from __future__ import annotations
@@ -20,13 +29,16 @@ from collections.abc import Callable
 
 import torch
 
-from bus_schemas.kv_frame import chunk_senders, owned_pages
+from bus_schemas.kv_frame import chunk_senders, draft_digest, owned_pages
 from gpu_worker.engine.commands import WriteKV
+from gpu_worker.engine.config import EngineConfig
 from gpu_worker.memory.kv_spec import KVSpec
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.shard import ModelShard
+from gpu_worker.model.weights import model_config_of, weights_digest
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.scheduler import Scheduler
+from gpu_worker.scheduler.spec_config import SELF_DRAFT
 
 
 class KVImport:
@@ -40,9 +52,14 @@ class KVImport:
         parallel: ParallelConfig,
         rank: int,
         queue: Callable[[WriteKV], None],
+        draft_config: ModelConfig | None = None,
+        draft_id: str = "",
     ) -> None:
         """`parallel`: this engine's layout; `queue`: hands a complete chunk's command to
-        every rank at the next step."""
+        every rank at the next step; `draft_config`, `draft_id`: the speculative draft's
+        whole config and identity (None, "" without one)."""
+        self.draft_config = draft_config
+        self.draft_id = draft_id
         self.model_config = model_config
         self.kv_spec = kv_spec
         self.parallel = parallel
@@ -61,6 +78,7 @@ class KVImport:
         rank: int = 0,
         sender: ParallelConfig | None = None,
         rotation: int = 0,
+        draft: int = 0,
     ) -> WriteKV:
         """Rank 0: take world rank `rank`'s shard of a chunk from a prefill engine of layout
         `sender` (this engine's own when None), whose first page CP rank `rotation` owns
@@ -69,7 +87,17 @@ class KVImport:
         ranks that own a page of it); raises ValueError for a payload of the wrong size, a
         duplicate shard, an unknown rank, a rank that owns none of the chunk's pages, a
         rotation other shards disagree with or a layout that does not split the model,
-        changing nothing."""
+        changing nothing; and for a chunk whose `draft` (the digest of the sender's draft,
+        `draft_digest`, 0 without one) is not this engine's, naming both."""
+        mine = draft_digest(self.draft_id)
+        if draft != mine:
+            theirs = f"digest {draft:016x}" if draft else "none"
+            raise ValueError(
+                f"KV chunk [{token_start}, {token_end}) comes from a prefill engine whose "
+                f"speculative draft is {theirs}; this decode engine's is "
+                f"{self.draft_id or 'none'!r} (digest {mine:016x}): both engines must run "
+                "the same draft (--speculative-draft-model-path, its quantization and weights)"
+            )
         sender = sender or self.parallel
         world = sender.world_size
         if not 0 <= rank < world:
@@ -145,11 +173,15 @@ class KVImport:
             return range(num_pages)
         return owned_pages(num_pages, sender.cp_size, rotation, sender.coords(rank).cp)
 
-    def _unified_shape(self, parallel: ParallelConfig, rank: int, pages: int) -> tuple[int, ...]:
+    def _unified_shape(
+        self, parallel: ParallelConfig, rank: int, pages: int, model: ModelConfig | None = None
+    ) -> tuple[int, ...]:
         """The shape of rank `rank`'s shard of `pages` pages of KV in the unified order with
         one head per group: (pages, its KV heads, its layers, K/V, token in page, 1,
-        head_dim); MLA: (pages, 1, its layers, 1, token in page, 1, latent)."""
-        local = ModelShard.of(self.model_config, parallel, rank).local_config(self.model_config)
+        head_dim); MLA: (pages, 1, its layers, 1, token in page, 1, latent). `model`: the
+        target (None) or the draft."""
+        model = model or self.model_config
+        local = ModelShard.of(model, parallel, rank).local_config(model)
         return (
             pages,
             local.num_kv_heads,
@@ -162,9 +194,33 @@ class KVImport:
 
     def _shard_bytes(self, parallel: ParallelConfig, rank: int, pages: int) -> int:
         """Bytes of rank `rank`'s shard (of an engine of layout `parallel`) of `pages`
-        pages of KV."""
-        shape = self._unified_shape(parallel, rank, pages)
-        return math.prod(shape) * torch.empty((), dtype=self.kv_spec.dtype).element_size()
+        pages of KV, the draft's rows included."""
+        size = torch.empty((), dtype=self.kv_spec.dtype).element_size()
+        return sum(
+            math.prod(self._unified_shape(parallel, rank, pages, m)) * size for m in self._models()
+        )
+
+    def _models(self) -> list[ModelConfig]:
+        """The models whose KV a shard carries, in its order: the target, maybe the draft."""
+        return [self.model_config] + ([self.draft_config] if self.draft_config else [])
+
+    def _split(
+        self, data: bytes, parallel: ParallelConfig, rank: int, pages: int
+    ) -> list[torch.Tensor]:
+        """A shard as sent (page by page, the target's rows then the draft's), cut into one
+        tensor per model of `_models`, each in its unified shape."""
+        flat = torch.frombuffer(bytearray(data), dtype=self.kv_spec.dtype).view(pages, -1)
+        shapes = [self._unified_shape(parallel, rank, pages, m) for m in self._models()]
+        widths = [math.prod(s[1:]) for s in shapes]
+        return [
+            part.reshape(shape).contiguous()
+            for part, shape in zip(flat.split(widths, dim=1), shapes, strict=True)
+        ]
+
+    def _join(self, parts: list[torch.Tensor]) -> bytes:
+        """`_split`'s inverse: the models' tensors of one shard, page by page."""
+        n = parts[0].shape[0]
+        return torch.cat([p.reshape(n, -1) for p in parts], dim=1).contiguous().numpy().tobytes()
 
     def _regroup_kv(
         self, parts: dict[int, bytes], sender: ParallelConfig, num_pages: int, rotation: int
@@ -182,20 +238,25 @@ class KVImport:
                 for r in range(own.world_size)
             )
         dtype = self.kv_spec.dtype
-        whole = torch.empty(self._unified_shape(ParallelConfig(), 0, num_pages), dtype=dtype)
+        models = self._models()
+        wholes = [
+            torch.empty(self._unified_shape(ParallelConfig(), 0, num_pages, m), dtype=dtype)
+            for m in models
+        ]
         for r, part in parts.items():
-            shard = ModelShard.of(self.model_config, sender, r)
-            heads, layers = _slice(shard.kv_heads(self.model_config)), _slice(shard.layers)
             pages = self._sender_pages(sender, r, num_pages, rotation)
-            piece = torch.frombuffer(bytearray(part), dtype=dtype)
-            whole[_slice(pages), heads, layers] = piece.view(
-                self._unified_shape(sender, r, len(pages))
-            )
+            pieces = self._split(part, sender, r, len(pages))
+            for m, whole, piece in zip(models, wholes, pieces, strict=True):
+                shard = ModelShard.of(m, sender, r)
+                heads, layers = _slice(shard.kv_heads(m)), _slice(shard.layers)
+                whole[_slice(pages), heads, layers] = piece
         out = []
         for r in range(own.world_size):
-            shard = ModelShard.of(self.model_config, own, r)
-            mine = whole[:, _slice(shard.kv_heads(self.model_config)), _slice(shard.layers)]
-            out.append(mine.contiguous().numpy().tobytes())
+            mine = []
+            for m, whole in zip(models, wholes, strict=True):
+                shard = ModelShard.of(m, own, r)
+                mine.append(whole[:, _slice(shard.kv_heads(m)), _slice(shard.layers)])
+            out.append(self._join(mine))
         return tuple(out)
 
     def write(self, cmd: WriteKV, scheduler: Scheduler) -> None:
@@ -208,10 +269,11 @@ class KVImport:
             return
         payload = cmd.payloads[self.rank]
         pages = -(-(cmd.token_end - cmd.token_start) // self.kv_spec.page_size)
-        shape = self._unified_shape(self.parallel, self.rank, pages)
-        staging = torch.frombuffer(bytearray(payload), dtype=self.kv_spec.dtype).view(shape)
+        staging, *draft = self._split(payload, self.parallel, self.rank, pages)
         try:
-            scheduler.write_remote_kv(req, cmd.token_start, cmd.token_end, staging)
+            scheduler.write_remote_kv(
+                req, cmd.token_start, cmd.token_end, staging, draft[0] if draft else None
+            )
         except ValueError as e:
             cmd.error = str(e)
             return
@@ -219,6 +281,21 @@ class KVImport:
         if cmd.first_token is not None:
             req.remote.first_token = cmd.first_token
         cmd.written = len(payload)
+
+
+def draft_of(config: EngineConfig) -> tuple[str, ModelConfig | None]:
+    """The speculative draft's identity and whole config (its shards' KV shapes); "" and
+    None without one. The identity is its model (`self` resolved to the target's name: the
+    same weights are one draft), re-quantization and weights digest: P/D engines compare it
+    on every KV chunk (as a digest, `draft_digest`), since a decode engine must decode with
+    the draft whose KV the prefill engine sent."""
+    spec = config.spec
+    if not spec.enabled or spec.draft_model is None:
+        return "", None
+    name = config.model if spec.draft_model == SELF_DRAFT else spec.draft_model
+    quant = "" if spec.draft_quantization == "none" else f" {spec.draft_quantization}"
+    digest = weights_digest(name, config.seed)
+    return f"{name}{quant} (weights {digest})", model_config_of(name, config.context_len)
 
 
 def _slice(r: range) -> slice:

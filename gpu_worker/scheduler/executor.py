@@ -75,10 +75,13 @@ class StepExecutor(Protocol):
         ...
 
     def collect_export(
-        self, staging: torch.Tensor, cp_pages: Sequence[int] = ()
+        self,
+        staging: torch.Tensor,
+        cp_pages: Sequence[int] = (),
+        model: ModelConfig | None = None,
     ) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
         """P/D prefill: gather a finished request's packed KV shards on rank 0, with their
         ranks (`ModelExecutor.collect_export` says in which order and shape; `cp_pages`: the
-        pages of each CP rank's shard under sharded CP). Every rank calls it at the same
-        logical point."""
+        pages of each CP rank's shard under sharded CP; `model`: a draft's whole config when
+        the KV is the draft's). Every rank calls it at the same logical point."""
         ...

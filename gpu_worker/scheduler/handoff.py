@@ -7,6 +7,8 @@ prefill request's KV for the wire before its pages go.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from bus_schemas.kv_frame import owned_pages
@@ -15,6 +17,8 @@ from gpu_worker.cache.hicache import PrefixCache
 from gpu_worker.cache.tree_node import owner_cycle_break
 from gpu_worker.kernels.moves import move_pages
 from gpu_worker.kernels.relayout import RunView
+from gpu_worker.memory.kv_spec import KVSpec
+from gpu_worker.model.config import ModelConfig
 from gpu_worker.scheduler.executor import StepExecutor
 from gpu_worker.scheduler.pd_pages import rank_pages
 from gpu_worker.scheduler.request import KVExport, Req, ReqState, RequestError
@@ -25,6 +29,10 @@ class KVHandOff:
         self.cache = cache
         self.executor = executor
         self.device = device
+        # speculative decoding: the draft's whole config (its shards' shapes on the other
+        # ranks) and identity, set by the engine; a P/D export then carries its KV too
+        self.draft_config: ModelConfig | None = None
+        self.draft_id = ""
 
     def cache_prompt(self, req: Req) -> None:
         """After prefill, share the prompt's KV through the tree for requests behind it."""
@@ -81,19 +89,7 @@ class KVHandOff:
         last_page = -(-req.prompt_len // ps)
         src = req.page_ids[first_page:last_page]
         mine = rank_pages(self.cache.pools, src)
-        spec = self.cache.spec
-        staging = torch.empty(
-            (len(mine.rows), spec.num_kv_heads, spec.num_layers, spec.num_kv, ps, 1, spec.head_dim),
-            dtype=spec.dtype,
-            device=self.device,
-        )
-        if mine.rows:
-            move_pages(
-                mine.view,
-                RunView.unified(staging),
-                torch.tensor(mine.rows, dtype=torch.int64, device=self.device),
-                torch.arange(len(mine.rows), dtype=torch.int64, device=self.device),
-            )
+        staging = self._pack(mine.view, self.cache.spec, mine.rows)
         layout = self.executor.groups.config
         cp, rotation = 1, 0
         cp_pages: tuple[int, ...] = ()  # sharded CP: the pages of each CP rank's shard
@@ -107,9 +103,57 @@ class KVHandOff:
                 )
             cp_pages = tuple(len(owned_pages(len(src), cp, rotation, c)) for c in range(cp))
         ranks, stagings = self.executor.collect_export(staging.cpu(), cp_pages)  # on rank 0
+        drafts: tuple[torch.Tensor, ...] = ()
+        draft = self.cache.pools.draft
+        if draft is not None:  # the draft's KV of the same pages (never CP: no sharding)
+            assert self.draft_config is not None and req.draft_len is not None
+            if req.draft_len < req.prompt_len:
+                raise RuntimeError(
+                    f"request {req.rid}: the draft's KV covers {req.draft_len} of the "
+                    f"{req.prompt_len} prompt tokens it exports"
+                )
+            spec = self.cache.pools.members[1].spec
+            packed = self._pack(draft.run_view(1), spec, src).cpu()
+            _, drafts = self.executor.collect_export(packed, (), self.draft_config)
         first = req.output_ids[0]
         world = layout.kv_layout().world_size  # replicated CP: CP1's
         cp_ranks = tuple(layout.coords(r).cp for r in ranks) if cp > 1 else ()
         return KVExport(
-            stagings, req.export_from, req.prompt_len, first, ranks, world, cp, rotation, cp_ranks
+            stagings,
+            req.export_from,
+            req.prompt_len,
+            first,
+            ranks,
+            world,
+            cp,
+            rotation,
+            cp_ranks,
+            drafts,
+            self.draft_id,
         )
+
+    def _pack(self, view: RunView, spec: KVSpec, rows: Sequence[int]) -> torch.Tensor:
+        """Pages `rows` of a pool (`view`, runs of one KV head) of shape `spec`, packed in
+        the unified order with one head per group: (pages, heads, layers, K/V, page, 1,
+        head_dim)."""
+        staging = torch.empty(
+            (
+                len(rows),
+                spec.num_kv_heads,
+                spec.num_layers,
+                spec.num_kv,
+                spec.page_size,
+                1,
+                spec.head_dim,
+            ),
+            dtype=spec.dtype,
+            device=self.device,
+        )
+        if rows:
+            move_pages(
+                view,
+                RunView.unified(staging),
+                torch.tensor(rows, dtype=torch.int64, device=self.device),
+                torch.arange(len(rows), dtype=torch.int64, device=self.device),
+            )
+        return staging

@@ -4,6 +4,11 @@ Admission reserves its pages and answers `RemoteKV.prefix_len` (what this engine
 holds); `RemoteKVReceiver.write` then writes each received chunk of KV into those pages, and
 once the restore and the reception are both complete `finish_received` starts it decoding
 with the first token prefill sampled.
+
+With speculative decoding each chunk carries the draft's KV of the same pages too, written
+into the draft pool (`PoolGroup.draft`, the same page ids): the request then decodes with
+the draft's state of the whole prompt (`Req.draft_len`), and once its KV enters the tree a
+later decode-side reuse hit holds both, as a colocated device hit does.
 """
 
 from __future__ import annotations
@@ -32,13 +37,29 @@ class RemoteKVReceiver:
         self.handoff = handoff
         self.eos_token_ids = eos_token_ids
         self.device = device
+        self.zero_draft = False  # test switch: received draft rows are written as zeros
 
-    def write(self, req: Req, token_start: int, token_end: int, staging: torch.Tensor) -> None:
+    def write(
+        self,
+        req: Req,
+        token_start: int,
+        token_end: int,
+        staging: torch.Tensor,
+        draft: torch.Tensor | None = None,
+    ) -> None:
         """Write received KV of tokens [token_start, token_end) into the pages this request
         reserved. `staging` is this rank's heads and layers in the unified order, one head
         per group (`KVHandOff._pack_export`), its first page at `token_start` (aligned), of
-        every page of the chunk: a CP-sharded rank writes those it owns."""
+        every page of the chunk: a CP-sharded rank writes those it owns. `draft`: the same
+        pages of the draft's KV, in its own unified shape (an engine with a draft, which is
+        never CP-sharded, needs it; one without refuses it)."""
         remote, ps = req.remote, self.cache.page_size
+        draft_pool = self.cache.pools.draft
+        if (draft is None) != (draft_pool is None):
+            raise ValueError(
+                f"KV chunk {'without' if draft is None else 'with'} the draft's KV for an "
+                f"engine {'with' if draft is None else 'without'} a speculative draft"
+            )
         if remote is None or req.state not in (ReqState.LOADING, ReqState.RECEIVING):
             raise ValueError(f"request {req.rid} is not waiting for KV")
         if token_start != remote.received_end or token_end > req.prompt_len:
@@ -58,6 +79,15 @@ class RemoteKVReceiver:
                 torch.tensor(mine.positions, dtype=torch.int64, device=self.device),
                 torch.tensor(mine.rows, dtype=torch.int64, device=self.device),
             )
+        if draft is not None and draft_pool is not None:
+            if self.zero_draft:
+                draft = torch.zeros_like(draft)
+            move_pages(
+                RunView.unified(draft.to(self.device)),
+                draft_pool.run_view(1),
+                torch.arange(num_pages, dtype=torch.int64, device=self.device),
+                torch.tensor(dst, dtype=torch.int64, device=self.device),
+            )
         remote.received_end = token_end  # on every rank, whether it owns a page or not
 
     def finish_received(self, running: list[Req]) -> list[Req]:
@@ -76,6 +106,8 @@ class RemoteKVReceiver:
             ):
                 continue
             req.lens.computed_len = req.prompt_len
+            if self.cache.pools.draft is not None:  # received (or held) with the target's
+                req.draft_len = req.prompt_len
             req.state = ReqState.DECODE
             self.handoff.cache_prompt(req)
             req.append_outputs([remote.first_token], self.eos_token_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -92,6 +93,14 @@ class KVExport:
     ranks), the layout a decode engine cuts from. Each shard holds every page, except under
     sharded CP (`cp_size` > 1): page `i` is then on CP rank `(rotation + i) % cp_size` only,
     and `stagings[i]` holds the pages of CP rank `cp_ranks[i]`, in order (`shard_rows`).
+
+    With speculative decoding, `draft_stagings[i]` is the same rank's shard of the draft
+    model's KV of the same pages, in its own shape: the decode engine needs the draft's
+    state of the prompt too, and writes it into its draft pool at the same page ids. On the
+    wire each page of a shard carries the target's rows, then the draft's (`shard_bytes`):
+    the draft's layers follow the target's within the page, so a chunk of whole pages holds
+    both and frames need no other marking; `draft` names the draft (`Engine.draft_id`), and
+    a decode engine refuses a chunk whose draft is not its own.
     """
 
     stagings: tuple[torch.Tensor, ...]
@@ -103,6 +112,8 @@ class KVExport:
     cp_size: int = 1  # sharded CP: the CP ranks the pages are spread over
     rotation: int = 0  # sharded CP: the CP rank that owns the first page
     cp_ranks: tuple[int, ...] = ()  # sharded CP: each staging's CP rank
+    draft_stagings: tuple[torch.Tensor, ...] = ()  # speculative decoding: the draft's shards
+    draft: str = ""  # the draft's identity (`Engine.draft_id`); "" without one
 
     @property
     def num_pages(self) -> int:
@@ -124,6 +135,22 @@ class KVExport:
             return slice(lo, hi)
         n, first = self.cp_size, (self.cp_ranks[i] - self.rotation) % self.cp_size
         return slice(-(-(lo - first) // n), -(-(hi - first) // n))  # rows j: lo <= first+jn < hi
+
+    def page_bytes(self, i: int) -> int:
+        """Bytes of one page of shard `i` on the wire (the target's and the draft's)."""
+        shards = [self.stagings[i], *self.draft_stagings[i : i + 1]]
+        return sum(math.prod(s.shape[1:]) * s.element_size() for s in shards)
+
+    def shard_bytes(self, i: int, rows: slice) -> bytes:
+        """Rows `rows` of shard `i` as sent: page by page, the target's rows then the
+        draft's (just the target's without a draft)."""
+        target = self.stagings[i][rows]
+        if not self.draft_stagings:
+            return target.contiguous().numpy().tobytes()
+        draft = self.draft_stagings[i][rows]
+        n = target.shape[0]
+        both = torch.cat([target.reshape(n, -1), draft.reshape(n, -1)], dim=1)
+        return both.contiguous().numpy().tobytes()
 
 
 @dataclass(slots=True)

@@ -124,11 +124,17 @@ class Scheduler:
             self.cache.storage.stop(rid)
 
     def write_remote_kv(
-        self, req: Req, token_start: int, token_end: int, staging: torch.Tensor
+        self,
+        req: Req,
+        token_start: int,
+        token_end: int,
+        staging: torch.Tensor,
+        draft: torch.Tensor | None = None,
     ) -> None:
         """P/D decode: write received KV of tokens [token_start, token_end) into the pages
-        `req` reserved (`RemoteKVReceiver.write` says what `staging` holds)."""
-        self.remote_kv.write(req, token_start, token_end, staging)
+        `req` reserved (`RemoteKVReceiver.write` says what `staging` and the draft's
+        `draft` hold)."""
+        self.remote_kv.write(req, token_start, token_end, staging, draft)
 
     # ----------------------------------------------------------------- step
 

@@ -99,11 +99,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         _draft_quantization(args),
         args.speculative_draft_host_mode,
     )
-    if spec.enabled and args.disaggregation_mode != "null":
-        raise ValueError(
-            "--speculative-algorithm does not support --disaggregation-mode yet (the draft's "
-            "KV frames and decode-side draft state are still to come)"
-        )
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,

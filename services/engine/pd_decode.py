@@ -224,6 +224,7 @@ class DecodeSide:
             header.rank,
             sender,
             header.rotation,
+            header.draft,
         )
         # ACKed once written, off this callback: NATS delivers a subscription's messages one
         # at a time, and a multi-rank chunk is written only when its other ranks' frames came

@@ -31,10 +31,9 @@ big messages: the window keeps well below both).
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass, field
 
-from bus_schemas.kv_frame import HEADER_SIZE, KVFrameHeader, encode_frame
+from bus_schemas.kv_frame import HEADER_SIZE, KVFrameHeader, draft_digest, encode_frame
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.request import CachedTokens, KVExport
 
@@ -84,7 +83,7 @@ def cut_frames(
     replicated latent once per stage; a decode engine of any layout cuts its ranks' shards
     from them; under sharded CP only the ranks owning a page of the chunk, each with its
     pages), a shard over `limit` in parts."""
-    page_bytes = max(math.prod(s.shape[1:]) * s.element_size() for s in export.stagings)
+    page_bytes = max(export.page_bytes(i) for i in range(len(export.stagings)))
     cp = export.cp_size
     per = max(1, limit // page_bytes) * cp  # sharded: a rank holds `per // cp` pages of it
     ps, num_pages = export.page_size, export.num_pages
@@ -94,11 +93,11 @@ def cut_frames(
         hi = min(lo + per, num_pages)
         last = hi == num_pages
         parts = []  # (rank, shard, offset) per part, by rank
-        for i, (rank, staging) in enumerate(zip(export.ranks, export.stagings, strict=True)):
+        for i, rank in enumerate(export.ranks):
             rows = export.shard_rows(i, lo, hi)
             if rows.start >= rows.stop:  # a CP rank owning none of the chunk's pages
                 continue
-            shard = memoryview(staging[rows].contiguous().numpy().tobytes())
+            shard = memoryview(export.shard_bytes(i, rows))  # with a draft: its rows too
             parts.append([(rank, shard, off) for off in range(0, len(shard), limit)])
         # every rank's earlier parts one by one, then the last parts of all ranks as one unit
         order = [p for rank_parts in parts for p in rank_parts[:-1]]
@@ -123,6 +122,7 @@ def cut_frames(
                 len(shard),
                 cp,
                 (export.rotation + lo) % cp,
+                draft_digest(export.draft),
             )
             frames.append(encode_frame(header, shard[off : off + limit]))
     return FramePlan(frames, units, len(export.stagings), per)

@@ -180,10 +180,12 @@ class EngineRunner:
         rank: int = 0,
         sender: ParallelConfig | None = None,
         rotation: int = 0,
+        draft: int = 0,
     ) -> Future[int]:
         """P/D decode: write world rank `rank`'s shard of a received KV chunk from a prefill
         engine of layout `sender` (at the step after every rank's shard of it came; from a
-        CP-sharded sender, the chunk's page 0 is CP rank `rotation`'s); the future gives
+        CP-sharded sender, the chunk's page 0 is CP rank `rotation`'s; `draft`: its
+        speculative draft's digest, `Engine.write_kv`); the future gives
         this shard's bytes, or fails with ValueError if the chunk does not fit the
         request."""
         done: Future[int] = Future()
@@ -195,7 +197,15 @@ class EngineRunner:
                 if rid is None:
                     raise ValueError(f"unknown request {request_id}")
                 cmd = self.engine.write_kv(
-                    rid, token_start, token_end, payload, first_token, rank, sender, rotation
+                    rid,
+                    token_start,
+                    token_end,
+                    payload,
+                    first_token,
+                    rank,
+                    sender,
+                    rotation,
+                    draft,
                 )
             except ValueError as e:
                 fail(done, e)
