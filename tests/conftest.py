@@ -54,3 +54,33 @@ def fresh_redis() -> Iterator[ServerProcess]:
     server = start_redis()
     yield server
     server.stop()
+
+
+# ---------------------------------------------------------------- scheduling
+
+# The files whose rank worlds and meshes take the longest, longest first. `make test` runs
+# the suite with `--dist loadfile` (a file stays on one worker), and xdist hands files out
+# in collection order: a long file collected last would run alone at the end while the
+# other workers idle, so these are collected first (longest-processing-time-first).
+HEAVY_FIRST = (
+    "test_cp_engine.py",
+    "test_fault_matrix.py",
+    "test_real_model_chat.py",
+    "test_cp_pd.py",
+    "test_cp_stress.py",
+    "test_multirank_oracle.py",
+    "test_multirank_storage.py",
+    "test_multirank_consensus.py",
+    "test_spec_pd.py",
+    "test_cp_split.py",
+    "test_cp_host.py",
+    "test_cp_admission.py",
+    "test_cp_storage.py",
+    "test_spec_multirank.py",
+    "test_spec_tiers.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep order

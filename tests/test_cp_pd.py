@@ -100,7 +100,7 @@ def cold() -> list[tuple[list[int], torch.Tensor]]:
 
 
 @pytest.mark.parametrize(
-    ("prefill", "decode"), [(2, 1), (1, 2), (2, 2)], ids=["CP2-CP1", "CP1-CP2", "CP2-CP2"]
+    ("prefill", "decode"), [(2, 1), (1, 2)], ids=["CP2-CP1", "CP1-CP2"]
 )
 def test_pd_between_cp_engines_equals_cold(
     cold: list[tuple[list[int], torch.Tensor]], prefill: int, decode: int, tmp_path: Path
@@ -254,13 +254,11 @@ def expected_frames(
     [
         ((2, True, 1, 1), (1, False, 1, 1)),
         ((1, False, 1, 1), (2, True, 1, 1)),
-        ((2, True, 1, 1), (2, True, 1, 1)),
         ((4, True, 1, 1), (2, True, 1, 1)),
-        ((2, True, 1, 1), (2, False, 1, 1)),
         ((2, True, 1, 1), (1, False, 2, 1)),
         ((2, True, 1, 2), (2, True, 1, 1)),
     ],
-    ids=["CP2s-CP1", "CP1-CP2s", "CP2s-CP2s", "CP4s-CP2s", "CP2s-CP2r", "CP2s-TP2", "CP2sPP2-CP2s"],
+    ids=["CP2s-CP1", "CP1-CP2s", "CP4s-CP2s", "CP2s-TP2", "CP2sPP2-CP2s"],
 )
 def test_pd_with_sharded_engines_equals_cold(
     cold_gathered: list[tuple[list[int], torch.Tensor]],

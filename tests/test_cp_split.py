@@ -218,7 +218,7 @@ def cp1_run(model: str, gather: bool) -> Run:
     ("cp", "sharded", "split", "model"),
     [
         (2, True, "none", "tiny"),
-        (4, False, "interleave", "tiny"),
+        (2, False, "interleave", "tiny"),
         (2, True, "zigzag", "tiny-mla"),  # the gathered rows are latents
     ],
 )
