@@ -99,9 +99,7 @@ def cold() -> list[tuple[list[int], torch.Tensor]]:
     return [cold_traced(TURN1), cold_traced(TURN2)]
 
 
-@pytest.mark.parametrize(
-    ("prefill", "decode"), [(2, 1), (1, 2)], ids=["CP2-CP1", "CP1-CP2"]
-)
+@pytest.mark.parametrize(("prefill", "decode"), [(2, 1), (1, 2)], ids=["CP2-CP1", "CP1-CP2"])
 def test_pd_between_cp_engines_equals_cold(
     cold: list[tuple[list[int], torch.Tensor]], prefill: int, decode: int, tmp_path: Path
 ) -> None:
