@@ -43,9 +43,17 @@ PAGE = 4
 SP = SamplingParams(max_new_tokens=9, ignore_eos=True)
 
 
-def make_engine(draft: str | None, radix: bool = True, quant: str = "none") -> Engine:
+def make_engine(
+    draft: str | None, radix: bool = True, quant: str = "none", host: bool = False
+) -> Engine:
     spec = SpecConfig() if draft is None else SpecConfig("standalone", draft, 3, quant)
-    cache = CacheConfig(page_size=PAGE, num_device_pages=256, enable_radix_cache=radix)
+    cache = CacheConfig(
+        page_size=PAGE,
+        num_device_pages=256,
+        enable_radix_cache=radix,
+        enable_hierarchical_cache=host,
+        write_through_threshold=1,
+    )
     return Engine(EngineConfig(cache=cache, batch_invariant=True, spec=spec))
 
 
@@ -145,6 +153,32 @@ def test_pd_speculation_is_lossless_and_restores_the_draft_exactly(draft: str, r
         assert torch.equal(draft_rows(decode, prompt), draft_rows(prefill, prompt))
         if draft == "self":
             assert all(k == a for k, a in d.spec_rounds) and d.spec_rounds
+
+
+@pytest.mark.parametrize("draft", ["self", "tiny-draft"])  # packed / sidecar host rows
+def test_decode_reuse_restores_the_draft_from_decodes_host_tier(draft: str) -> None:
+    """Decode-side reuse from the decode engine's host tier: turn 1's KV (both models') is
+    backed up, the device evicted, and turn 2's hit is loaded back from the host, the draft's
+    rows in the same transfer as the target's: lossless, and every verify round as the
+    colocated run's."""
+    prompts = conversation()
+    off, on = colocated(None, prompts), colocated(draft, prompts)
+    prefill, decode = make_engine(draft), make_engine(draft, host=True)
+    for i, prompt in enumerate(prompts):
+        if i:
+            decode.drain()  # turn 1's backups land on the host
+            decode.evict_device(256)
+            draft_pool = decode.cache.pools.draft
+            assert draft_pool is not None and decode.cache.tree.num_device_pages == 0
+            for pool in (decode.cache.pools.device, draft_pool):
+                pool.kv.zero_()  # nothing on the device: only a load-back brings rows back
+        d, _ = run_pd(prefill, decode, prompt)
+        assert d.output_ids == off[i].output_ids
+        assert d.spec_rounds == on[i].spec_rounds
+        if i:
+            assert d.cached.host == len(prompts[0]) // PAGE * PAGE  # the hit came from the host
+    if draft == "self":
+        assert all(k == a for k, a in d.spec_rounds) and d.spec_rounds
 
 
 def test_zeroed_received_draft_rows_break_acceptance() -> None:
