@@ -38,11 +38,9 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from bus_schemas.page_hash import chain_hashes, root_hash
 from gpu_worker.cache.hicache import CacheConfig
 from gpu_worker.engine.driver import StepLoop
 from gpu_worker.engine.engine import Engine, EngineConfig
@@ -52,6 +50,10 @@ from gpu_worker.scheduler.request import GenerateOutput
 from gpu_worker.scheduler.scheduler import SchedulerConfig
 from gpu_worker.scheduler.spec_config import SpecConfig
 from router.chat import ChatMessage, ChatTemplate
+
+# the scripts beside this one (benchmarks/ is sys.path[0] when a script runs)
+from bench_spec import loadavg  # isort: skip
+from bench_storage import UpperBound  # isort: skip
 
 SYSTEM = (
     "You are a careful assistant inside a software team's workflow tool. You help engineers "
@@ -110,26 +112,6 @@ def serve(arm: Arm, prompt: list[int], sp: SamplingParams) -> GenerateOutput:
     arm.storage += out.cached.storage
     arm.outputs.append(out)
     return out
-
-
-class UpperBound:
-    """The offline upper bound: pages any earlier request left KV for (an infinite cache)."""
-
-    def __init__(self, page_size: int) -> None:
-        self.page_size = page_size
-        self.seen: set[bytes] = set()
-        self.root = root_hash("bound", "")
-
-    def hit(self, prompt: list[int]) -> int:
-        n = 0
-        for h in chain_hashes(self.root, prompt[:-1], self.page_size):
-            if h not in self.seen:
-                break
-            n += 1
-        return n * self.page_size
-
-    def add(self, tokens: list[int]) -> None:
-        self.seen.update(chain_hashes(self.root, tokens, self.page_size))
 
 
 def make_engine(args: argparse.Namespace, spec: bool, reuse: bool, l3_dir: str | None) -> Engine:
@@ -211,14 +193,6 @@ class Trace:
 def accept_len(outs: list[GenerateOutput]) -> float:
     rounds = [x for o in outs for x in o.spec_rounds]
     return (sum(a for _, a in rounds) + len(rounds)) / len(rounds)
-
-
-def loadavg() -> str:
-    """/proc/loadavg (the machine is shared: how busy it was around the measurement)."""
-    try:
-        return Path("/proc/loadavg").read_text().strip()
-    except OSError:
-        return "unknown"
 
 
 def main() -> None:
