@@ -1,24 +1,28 @@
 """Benchmark the CP gather (issue 22, acceptance 6b and 6c): its share of a prefill step at
 1K / 8K / 32K-token prefixes with the all-gather and one scratch buffer (the gather runs
 when its layer starts), with two (the next layer's gather runs while this layer attends),
-and with the shared-memory transport (`--cp-gather-transport shm`: each rank packs its
-peers' pages from their mapped rows, no collective per layer), side by side; and the
-device bytes per rank of a sharded pool against a replicated one.
+and with the shared-memory transport (`--cp-gather-transport shm`, what CPU ranks of one
+host use: every rank's rows in one shared file, attention reads each slot from its
+owner's rows, no collective per layer), side by side; and the device bytes per rank of a
+sharded pool against a replicated one.
 
     python benchmarks/bench_cp_gather.py                      # N = 2 and 4, CPU gloo
     python benchmarks/bench_cp_gather.py --cp-sizes 2 --prefixes 1024 --rounds 1
+    python benchmarks/bench_cp_gather.py --model-shape smollm2-135m --chunk 512  # served
 
 For each CP size one gloo world of N rank processes runs every case; within it, `--rounds`
 interleaved rounds (1 buffer, 2 buffers, shm, compute only; A B C D A B C D) so machine
 noise hits every case alike. One step is a prefill chunk of `--chunk` new tokens over the
 prefix (pages in owner-cycle order, so each rank owns 1/N of them), every layer:
 `before_attention` (the gather), the chunk's `set_kv`, `get_kv` of the whole sequence and
-causal SDPA. Figures are medians over rounds of the per-layer mean, on rank 0, with the
+SDPA, then the pass's `after_layers`. The step is attention alone (no projections, no MLP),
+so the gather's share is larger here than in a model's step. Figures are medians over rounds of the per-layer mean, on rank 0, with the
 spread (max - min over rounds, of the step) beside them.
 
 The gather table, per prefix, one row per arm (the all-gather with 1 or 2 buffers, shm):
 - gather ms: time inside `before_attention` (with two buffers, only the part the prefetch
-  did not hide; with shm, the packs and the pass's two barriers); share: gather / step;
+  did not hide; with shm, the pass's two barriers: its reads are `get_kv`'s one copy, as a
+  replicated pool's); share: gather / step;
 - step ms: the whole layer; compute ms: the same layer on a replicated pool (no gather);
 - overhead: step / compute - 1 (the goal, 6b: <= 10% at CP4 8K); vs 1 buf: what the arm
   takes off the one-buffer all-gather's step.
@@ -59,6 +63,11 @@ from gpu_worker.model.config import parse_dtype
 from gpu_worker.model.forward_batch import ForwardBatch
 
 ARMS = ("1 buffer", "2 buffers", "shm", "compute")
+# SmolLM2-135M-Instruct, the served default: 30 layers, 9 query heads over 3 KV heads of 64,
+# served in float32 on CPU
+MODEL_SHAPES = {
+    "smollm2-135m": {"layers": 30, "q_heads": 9, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
+}
 GATHER_ARMS = ARMS[:3]
 
 
@@ -73,8 +82,11 @@ def one_step(pool: DeviceKVPool | ShardedDeviceKVPool, batch: ForwardBatch, new_
         pool.set_kv(layer, new_slots, *kv)
         k, v = pool.get_kv(layer, batch.slot_ids[0])  # (S, H, D)
         F.scaled_dot_product_attention(
-            q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=False
+            q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=False, enable_gqa=True
         )
+    t = time.perf_counter()
+    pool.after_layers(batch)  # shm: the pass's closing barrier
+    gather += time.perf_counter() - t
     return gather, time.perf_counter() - start
 
 
@@ -110,7 +122,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out) -
         new_slots = slots[prefix:]
         shape = (args.chunk, args.kv_heads, args.head_dim)
         kv = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]
-        q = torch.randn((1, args.kv_heads, args.chunk, args.head_dim), generator=gen).to(dtype)
+        q_shape = (1, args.q_heads or args.kv_heads, args.chunk, args.head_dim)
+        q = torch.randn(q_shape, generator=gen).to(dtype)
         for pool in pools.values():  # the prefix's KV, written once
             for layer in range(spec.num_layers):
                 full = [torch.randn((seq_len, *shape[1:]), generator=gen).to(dtype)] * 2
@@ -223,12 +236,26 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--q-heads", type=int, default=0, help="query heads (GQA; default: as many as KV heads)"
+    )
+    parser.add_argument(
+        "--model-shape",
+        choices=sorted(MODEL_SHAPES),
+        default=None,
+        help="a served model's attention shape (layers, heads, head size, dtype on CPU) "
+        "instead of the flags",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     args = parser.parse_args()
+    if args.model_shape is not None:
+        for name, value in MODEL_SHAPES[args.model_shape].items():
+            setattr(args, name, value)
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; torch {torch.__version__}")
     print(
-        f"{args.layers} layers, {args.kv_heads} KV heads x {args.head_dim}, page "
+        f"{args.layers} layers, {args.q_heads or args.kv_heads} query heads over "
+        f"{args.kv_heads} KV heads x {args.head_dim}, page "
         f"{args.page_size}, {args.dtype}, chunk {args.chunk}, {args.rounds} rounds (median)"
     )
     results = {world: run_world(world, args) for world in args.cp_sizes}

@@ -42,7 +42,12 @@ def config(cp: int, budget_mb: float = 1024.0) -> EngineConfig:
         model="tiny",
         cache=CacheConfig(page_size=PAGE, num_device_pages=256),
         scheduler=SchedulerConfig(chunked_prefill_size=32, cp_gather_buffer_mb=budget_mb),
-        parallel=ParallelConfig(cp_size=cp, kv_sharding=cp > 1),
+        # the budget is the all-gather's scratch (transport shm has none: no budget)
+        parallel=ParallelConfig(
+            cp_size=cp,
+            kv_sharding=cp > 1,
+            cp_gather_transport="collective" if cp > 1 else "auto",
+        ),
         debug=DebugHooks(gather_reads=True, poison_kv=cp > 1),
         batch_invariant=True,  # a row's logits do not depend on what it is batched with
     )

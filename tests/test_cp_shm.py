@@ -60,7 +60,7 @@ def kv_of(layer: int, n: int) -> torch.Tensor:
 
 def ordered_reads(rank: int, world: int, group: Any) -> None:
     """Pass 1 writes an 8-token prefix (rank 1 writes late); pass 2 reads it back. Rank 0
-    must wait for rank 1's rows (its first pack), and rank 1, which overwrites its rows as
+    must wait for rank 1's rows (its first read), and rank 1, which overwrites its rows as
     soon as its pass is over (as a load into a reused page would), must wait for rank 0,
     which is slow to reach its last layer."""
     pool = ShardedDeviceKVPool(SPEC, 8, CPU, rank, world, group, 1, poison=True, transport="shm")
@@ -73,18 +73,20 @@ def ordered_reads(rank: int, world: int, group: Any) -> None:
         pool.before_attention(layer, prefill)
         kv = kv_of(layer, 8)
         pool.set_kv(layer, slots, kv[:, 0], kv[:, 1])
+    pool.after_layers(prefill)
     read = Batch([8], [0], [slots])
     for layer in range(SPEC.num_layers):
         if rank == 0 and layer == 1:
             time.sleep(LAG_S)  # a slow attention of layer 0
         pool.before_attention(layer, read)
-        if rank == 1 and layer == 1:
-            pool.kv.fill_(float("nan"))  # the owner reuses its rows at once
         k, v = pool.get_kv(layer, slots)
         want = kv_of(layer, 8)
         assert torch.equal(k, want[:, 0]) and torch.equal(v, want[:, 1]), (
             f"rank {rank} layer {layer}: read a peer's rows out of order"
         )
+    pool.after_layers(read)
+    if rank == 1:
+        pool.kv.fill_(float("nan"))  # the owner reuses its rows as soon as its pass is over
 
 
 def test_peer_reads_wait_for_the_owner_and_end_before_it_reuses_rows() -> None:
@@ -142,6 +144,8 @@ def engine_shm(engine: Engine) -> tuple[str, list[str], list[int]]:
     generation that reads peers' rows (a prefix of several pages)."""
     pool = engine.cache.device_pool
     assert isinstance(pool, ShardedDeviceKVPool)
+    # the gather budget is the all-gather's scratch: none to bound for shm
+    assert (engine.scheduler.admission.gather is None) == (pool.transport == "shm")
     out = engine.generate(list(range(3, 40)), SamplingParams(max_new_tokens=4))
     return pool.transport, shm_files(), out.output_ids
 

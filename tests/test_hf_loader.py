@@ -59,6 +59,9 @@ class DenseKVCache:
     def before_attention(self, layer: int, batch: object) -> None:
         pass
 
+    def after_layers(self, batch: object) -> None:
+        pass
+
     def kv_slice(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise AssertionError("a pool without contiguous slices is never sliced")
 

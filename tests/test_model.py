@@ -42,6 +42,9 @@ class DenseKVCache:
     def before_attention(self, layer: int, batch: ForwardBatch) -> None:
         self.hooked_layers.append(layer)
 
+    def after_layers(self, batch: ForwardBatch) -> None:
+        self.hooked_layers.append(-1)
+
     def kv_slice(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise AssertionError("a pool without contiguous slices is never sliced")
 
@@ -169,10 +172,11 @@ def test_slots_need_not_be_contiguous(model: LlamaModel) -> None:
 @torch.no_grad()
 def test_before_attention_runs_once_per_layer_and_pass(model: LlamaModel) -> None:
     """The per-layer hook (where a CP gather or a layer-wise load wait goes) precedes each
-    layer of every forward pass, in layer order."""
+    layer of every forward pass, in layer order, and `after_layers` (-1 here, where a CP
+    pool ends its reads of peers' rows) follows the pass's last layer."""
     cache = DenseKVCache(model, 32)
     run_chunks(model, cache, prompt(6), [4, 1, 1], torch.arange(6))
-    assert cache.hooked_layers == list(range(model.num_layers)) * 3
+    assert cache.hooked_layers == [*range(model.num_layers), -1] * 3
 
 
 class SlicingKVCache(DenseKVCache):

@@ -52,6 +52,9 @@ class DeviceKVPool:
     def before_attention(self, layer: int, batch: object) -> None:
         """Every page of this pool is local and written in place: nothing to prepare."""
 
+    def after_layers(self, batch: object) -> None:
+        """Nothing read from elsewhere: nothing to end."""
+
     def set_kv(self, layer: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv[layer, 0, slot_ids] = k
         self.kv[layer, 1, slot_ids] = v

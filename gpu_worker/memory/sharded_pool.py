@@ -34,35 +34,37 @@ with that buffer). Every gather is consumed by exactly one `before_attention`.
 Transport (`--cp-gather-transport`). `collective` is the all-gather above. `shm` (what
 `auto` picks on CPU when every CP rank is a process on this host, as `engine/rank.py`
 spawns them; GPUs keep the collective) is the CPU analogue of peer-to-peer reads over
-NVLink: the ranks' rows live in shared memory (`memory/shm_rows.py`, each rank maps its
-peers' read-only) and a rank packs every owner's pages of the layer straight from that
-owner's rows into the owner's chunk of its buffer, in `pack_owned`'s layout (an owner's
-pages first in its chunk, in plan order; one `index_select` per owner and K/V, torch on
-CPU whatever `backend`), so the buffer is the all-gather's and the rest of the pool is
-unchanged. No collective per layer, no async work (`prefetch` packs at once); instead two
-barriers per pass that reads a peer's pages (a plan with `chunk_pages > 0`; none for a
-cold prefill), taken on every rank at the same calls (they depend only on the batch, like
-the all-gathers). Why a read of a peer's rows is sound:
+NVLink: every rank's rows live in one shared-memory file (`memory/shm_rows.py`, each rank's
+region writable by it alone, the whole file mapped read-only by every rank), and `get_kv`
+reads a layer's K/V of any logical slots straight from their owners' rows: one
+`index_select` over every rank's rows (`SharedRows.flat`), the one copy a replicated pool's
+read makes. Nothing is packed and no scratch buffer is used; `set_kv` keeps the pass's new
+K/V of the layer (`PeerReads.stage`), which `get_kv` puts over the rows it read for this
+pass's new slots (an owner may be writing those rows now). Instead of a collective per
+layer, two barriers per pass that reads a peer's pages (a plan with `chunk_pages > 0`; none
+for a cold prefill), taken on every rank at the same calls (they depend only on the batch,
+like the all-gathers): one in the pass's first `before_attention`, one in `after_layers`.
+Why a read of a peer's rows is sound:
 - the owner wrote the page before: a prefix page's rows were written by passes (or loads)
-  that came before this pass on its owner. `_PeerReads.open`, before the pass's first read,
+  that came before this pass on its owner. `PeerReads.open`, before the pass's first read,
   waits for this rank's loads into the plan's pages (every layer: `wait_layer`) and then
   holds a barrier: past it, every owner has finished its earlier passes and its loads into
   those pages. The step's own agreement does not order it (a steady decode step has no
   collective: rank 0 sends its commands without waiting). New tokens of this pass are
-  staged locally by `set_kv`, never read from a peer; an owner writing this pass's new
-  slots of a page a peer packs (the page of a prefix's last, partial page) changes rows the
-  peer's staging overwrites in its buffer before attention reads them.
+  taken from the rank's own staged K/V, never from a peer's rows; an owner writing this
+  pass's new slots of a page a peer reads (the page of a prefix's last, partial page)
+  changes rows whose values the peer replaces with its staged ones.
 - host loads: a load in flight is waited for by its owner before the barrier (the host
-  tier's `wait_layer` waits for its copy), so restore -> gather -> attend holds for every
-  owner's loads, even for a gather started before the load's ACK is consumed (the
+  tier's `wait_layer` waits for its copy), so restore -> read -> attend holds for every
+  owner's loads, even for a read started before the load's ACK is consumed (the
   scheduler today consumes a batch's loads before it runs it, and the agreement that
   consumes them is after every rank's copy ended).
 - eviction and reuse: a page of a running batch's prefix is locked by its request (the
   tree and the request table are identical on every rank), so its owner cannot evict it
-  during the pass; `_PeerReads.close`, after the pass's last read (the pack of the last
-  layer), holds a barrier, so no owner goes on to the next step (frees the page, reuses it,
-  loads into it) while a peer still packs it. A pass that stopped before its last layer
-  is closed by the next plan's first pack.
+  during the pass; `PeerReads.close`, in `after_layers` (after the pass's last read, the
+  last layer's attention), holds a barrier, so no owner goes on to the next step (frees the
+  page, reuses it, loads into it) while a peer still reads it. A pass that stopped before
+  its last layer is closed by the next plan's first `before_attention`.
 
 Memory: `device_bytes()` is the owned rows plus one scratch page for the writes a rank
 drops; `scratch_bytes()` is every buffer's current size (buffers grow to the largest plan
@@ -85,6 +87,7 @@ from gpu_worker.kernels.cp_gather import gather_map, pack_owned
 from gpu_worker.kernels.page_transfer import PageView
 from gpu_worker.memory.allocator import PageAllocator, PageId
 from gpu_worker.memory.kv_spec import KVSpec
+from gpu_worker.memory.peer_reads import PeerReads
 from gpu_worker.memory.shm_rows import SharedRows, share_rows
 from gpu_worker.parallel.config import CP_GATHER_TRANSPORTS
 from gpu_worker.parallel.cp_layout import CPLayout
@@ -218,7 +221,7 @@ class ShardedDeviceKVPool:
         self._buffers = [_Buffer(empty) for _ in range(num_buffers)]
         self._batch: AttendedBatch | None = None
         self._plan: CPGatherPlan | None = None
-        self._peer_reads = None if self._peers is None else _PeerReads(self, self._peers)
+        self._peer_reads = None if self._peers is None else PeerReads(self, self._peers)
 
     # -- KVCache protocol (the model's view)
 
@@ -226,6 +229,9 @@ class ShardedDeviceKVPool:
         """Gather `layer`'s pages of `batch` (or finish its prefetched gather), then start
         the next layer's gather into the other buffer."""
         plan = self.plan(batch)
+        if self._peer_reads is not None:
+            self._peer_reads.begin(plan)
+            return
         buf = self._buffers[layer % len(self._buffers)]
         if buf.consumed or buf.layer != layer or buf.plan is not plan:
             self._start(layer, plan)
@@ -236,7 +242,10 @@ class ShardedDeviceKVPool:
 
     def prefetch(self, layer: int, batch: AttendedBatch) -> None:
         """Start `layer`'s gather of `batch` into its buffer unless it is already there
-        unconsumed. The buffer's previous layer must be done with (read by its attention)."""
+        unconsumed. The buffer's previous layer must be done with (read by its attention).
+        Nothing to start with transport shm (attention reads the owners' rows)."""
+        if self._peer_reads is not None:
+            return
         plan = self.plan(batch)
         buf = self._buffers[layer % len(self._buffers)]
         if buf.consumed or buf.layer != layer or buf.plan is not plan:
@@ -247,6 +256,9 @@ class ShardedDeviceKVPool:
         rows = self._local_rows(slot_ids)
         self.kv[layer, 0, rows] = k
         self.kv[layer, 1, rows] = v
+        if self._peer_reads is not None:
+            self._peer_reads.stage(layer, slot_ids, (k, v))
+            return
         staged = self._scratch_rows(layer, slot_ids, for_write=True)
         if staged is not None:
             rows, flat = staged
@@ -254,8 +266,12 @@ class ShardedDeviceKVPool:
             flat[rows + self.spec.page_size] = v
 
     def get_kv(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of logical slots from `layer`'s gathered buffer: (n, num_kv_heads, head_dim)."""
-        rows, flat = self._read_rows(layer, slot_ids)
+        """K/V of logical slots from `layer`'s gathered buffer (transport shm: from their
+        owners' rows): (n, num_kv_heads, head_dim)."""
+        if self._peer_reads is not None:
+            k, v = self._peer_reads.read(layer, slot_ids, 2)
+            return k, v
+        rows, flat = _gathered(self._scratch_rows(layer, slot_ids, for_write=False), layer)
         return flat.index_select(0, rows), flat.index_select(0, rows + self.spec.page_size)
 
     def kv_slice(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,14 +279,25 @@ class ShardedDeviceKVPool:
 
     def set_latent(self, layer: int, slot_ids: torch.Tensor, latent: torch.Tensor) -> None:
         self.kv[layer, 0, self._local_rows(slot_ids)] = latent
+        if self._peer_reads is not None:
+            self._peer_reads.stage(layer, slot_ids, (latent,))
+            return
         staged = self._scratch_rows(layer, slot_ids, for_write=True)
         if staged is not None:
             rows, flat = staged
             flat[rows] = latent
 
     def get_latent(self, layer: int, slot_ids: torch.Tensor) -> torch.Tensor:
-        rows, flat = self._read_rows(layer, slot_ids)
+        if self._peer_reads is not None:
+            return self._peer_reads.read(layer, slot_ids, 1)[0]
+        rows, flat = _gathered(self._scratch_rows(layer, slot_ids, for_write=False), layer)
         return flat.index_select(0, rows)  # (n, 1, latent_dim)
+
+    def after_layers(self, batch: AttendedBatch) -> None:
+        """The pass's last layer has attended: transport shm ends its reads of peers' rows
+        (a barrier, see the module doc); nothing to do for the all-gather."""
+        if self._peer_reads is not None and self._peer_reads.reading is not None:
+            self._peer_reads.close()
 
     # -- the plan and memory
 
@@ -330,9 +357,6 @@ class ShardedDeviceKVPool:
         m, rank = plan.chunk_pages, self.cp_rank
         buf.work = None
         buf.layer, buf.plan, buf.consumed = layer, plan, False
-        if self._peer_reads is not None:
-            self._peer_reads.pack(layer, plan, pages)
-            return
         send = pages[rank * m : (rank + 1) * m]  # (M, num_kv, p, H, D): this rank's chunk
         if self.wait_layer is not None:
             self.wait_layer(layer, plan.gather_page_ids)
@@ -383,12 +407,6 @@ class ShardedDeviceKVPool:
         flat = buf.data[:numel].view(-1, s.num_kv_heads, s.head_dim)
         return page * (s.num_kv * p) + slot_ids % p, flat
 
-    def _read_rows(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self._scratch_rows(layer, slot_ids, for_write=False)
-        if rows is None:
-            raise RuntimeError(f"layer {layer} was read before before_attention gathered it")
-        return rows
-
     def scratch_pages_within(self, budget_bytes: int) -> int:
         """The most scratch pages (`CPGatherPlan.num_scratch_pages`) a plan may have for
         every buffer sized for it to fit `budget_bytes`: what admission holds a batch to
@@ -398,56 +416,13 @@ class ShardedDeviceKVPool:
         return budget_bytes // (len(self._buffers) * self._page_block_bytes())
 
 
-class _PeerReads:
-    """Transport shm: the pool's reads of its peers' mapped rows, pass by pass, between two
-    barriers (the module doc's conditions)."""
-
-    def __init__(self, pool: ShardedDeviceKVPool, peers: SharedRows) -> None:
-        self.pool, self.peers = pool, peers
-        self.reading: CPGatherPlan | None = None  # the plan whose peer reads are open
-        self.owned: list[torch.Tensor] = []  # each owner's local pages of that plan
-
-    def pack(self, layer: int, plan: CPGatherPlan, pages: torch.Tensor) -> None:
-        """Pack every owner's pages of `layer` from that owner's mapped rows into its chunk
-        of `pages` (the layout an all-gather would give)."""
-        if self.reading is not None and self.reading is not plan:
-            self.close()  # a pass that stopped before its last layer
-        m = plan.chunk_pages
-        if m == 0:
-            return
-        if self.reading is None:
-            self.open(plan)
-        s = self.pool.spec
-        for owner, rows in enumerate(self.peers.rows):
-            local = self.owned[owner]  # (k,) the owner's local pages, in plan order
-            if local.numel() == 0:
-                continue
-            src = rows[layer].view(s.num_kv, -1, s.page_numel)  # (num_kv, local pages, p*H*D)
-            chunk = pages[owner * m : owner * m + local.numel()].view(-1, s.num_kv, s.page_numel)
-            for kv in range(s.num_kv):
-                chunk[:, kv] = src[kv].index_select(0, local)
-        if layer == s.num_layers - 1:
-            self.close()
-
-    def open(self, plan: CPGatherPlan) -> None:
-        """Before a plan's first read of a peer's rows: this rank's loads into the plan's
-        pages land (every layer), then a barrier, so every owner's have landed and every
-        owner finished the passes that wrote the pages."""
-        pool = self.pool
-        if pool.wait_layer is not None:
-            for layer in range(pool.spec.num_layers):
-                pool.wait_layer(layer, plan.gather_page_ids)
-        dist.barrier(group=pool.group)
-        self.reading = plan
-        # `gather_map` puts owner r's pages first in its chunk, in their order in the plan
-        ids, n = plan.gather_page_ids, pool.cp_size
-        self.owned = [ids[ids % n == r] // n for r in range(n)]
-
-    def close(self) -> None:
-        """After a plan's last read of a peer's rows: a barrier, so no owner writes the
-        pages (a load into a reused page, the next pass) while a peer still reads them."""
-        dist.barrier(group=self.pool.group)
-        self.reading = None
+def _gathered(
+    rows: tuple[torch.Tensor, torch.Tensor] | None, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_scratch_rows` of a read: the layer must have been gathered."""
+    if rows is None:
+        raise RuntimeError(f"layer {layer} was read before before_attention gathered it")
+    return rows
 
 
 def _finish(buf: _Buffer) -> None:

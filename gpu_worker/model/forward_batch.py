@@ -15,7 +15,8 @@ class KVReader(Protocol):
 
     `before_attention` is where a pool makes a layer's KV readable: a context-parallel pool
     gathers the pages other ranks own, a layer-wise load waits for that layer's copy. The
-    model calls it once per layer of every forward pass, before the layer runs.
+    model calls it once per layer of every forward pass, before the layer runs, and
+    `after_layers` once after its last layer.
     """
 
     @property
@@ -26,6 +27,10 @@ class KVReader(Protocol):
 
     def before_attention(self, layer: int, batch: ForwardBatch) -> None:
         """Make `layer`'s KV of `batch`'s sequences readable (no-op where it always is)."""
+        ...
+
+    def after_layers(self, batch: ForwardBatch) -> None:
+        """The pass's last layer has attended (a CP pool ends its reads of peers' rows)."""
         ...
 
     def kv_slice(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

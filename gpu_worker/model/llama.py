@@ -202,6 +202,7 @@ class LlamaModel(nn.Module):
             kv_cache.before_attention(layer_id, batch)
             h = layer(h, rope, plan, kv_cache)
             self.progress.layers_run += 1
+        kv_cache.after_layers(batch)
         if not self.last_stage:
             return h  # (T, hidden)
         assert self.norm is not None

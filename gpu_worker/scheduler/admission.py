@@ -205,9 +205,10 @@ class Admission:
 
 
 def _gather_budget(config: SchedulerConfig, cache: PrefixCache) -> GatherBudget | None:
-    """The gather scratch budget of a sharded CP pool; None for any other pool."""
+    """The gather scratch budget of a sharded CP pool that all-gathers; None for any other
+    pool (transport shm reads the owners' rows and has no scratch buffer)."""
     pool = cache.device_pool
-    if not isinstance(pool, ShardedDeviceKVPool) or pool.cp_size == 1:
+    if not isinstance(pool, ShardedDeviceKVPool) or pool.cp_size == 1 or pool.transport == "shm":
         return None
     budget_bytes = int(config.cp_gather_buffer_mb * 2**20)
     return GatherBudget(

@@ -1,6 +1,8 @@
 """The CP gather's scratch buffers in the admission budget (issue 22, build 4).
 
-A sharded pool all-gathers, before each layer's attention, every prefix page of the step's
+A sharded pool whose transport is the collective (`--cp-gather-transport collective`, and
+every GPU; the CPU `shm` transport reads the owners' rows and has no scratch buffer, so no
+budget) all-gathers, before each layer's attention, every prefix page of the step's
 batch into one of its scratch buffers (`memory/sharded_pool.py`, `CPGatherPlan`): `N * M`
 gathered pages (`M`: the most prefix pages one rank owns), the pages that hold only the
 step's new tokens, and one trash page, in each of its buffers. The buffers grow to the

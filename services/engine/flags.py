@@ -188,9 +188,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--cp-gather-buffer-mb",
         type=float,
         default=1024.0,
-        help="with --enable-kv-cache-sharding: MiB per rank for the two gather scratch "
-        "buffers together; a request waits until the running batch's gathers leave room for "
-        "its pages, and one that could never fit fails with an error",
+        help="with --enable-kv-cache-sharding and the collective gather: MiB per rank for the "
+        "two gather scratch buffers together; a request waits until the running batch's "
+        "gathers leave room for its pages, and one that could never fit fails with an error "
+        "(the shm transport reads the owners' rows and has no scratch buffer)",
     )
     p.add_argument(
         "--cp-gather-transport",
