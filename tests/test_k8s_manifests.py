@@ -57,6 +57,7 @@ K8S_VERSION = "1.31"
 NOT_YET_MERGED = {
     "--redis-sentinel": 1,
     "--redis-sentinel-master": 1,
+    "--redis-sentinel-credentials": 1,  # the Redis build's, for Sentinels that require a user
     "--dist-init-addr": 1,
     "--nnodes": 1,
     "--node-rank": 1,
@@ -277,6 +278,8 @@ def test_every_command_parses_with_its_service_parser(name: str) -> None:
             assert flag(argv, "--redis-sentinel").split(",") == redis_sentinels(), where
             assert flag(argv, "--redis-sentinel-master") == redis_values()["sentinel"]["masterSet"]
             assert "--redis-url" not in argv, where  # Sentinel names the primary
+            # the chart puts the ACL users on the Sentinels too: the same user logs in there
+            assert flag(argv, "--redis-sentinel-credentials") == flag(argv, "--redis-credentials")
 
 
 def test_the_unmerged_flags_are_only_dropped_while_unknown() -> None:
@@ -389,7 +392,7 @@ def test_credential_files_are_the_credentials_cli_makes(name: str, tmp_path: Pat
     for obj in (o for o in objs if pod_spec(o) is not None):
         for c in containers(obj):
             argv = c["command"]
-            for f in ("--nats-credentials", "--redis-credentials"):
+            for f in ("--nats-credentials", "--redis-credentials", "--redis-sentinel-credentials"):
                 if f in argv:
                     secret_file(obj, c, flag(argv, f), secrets)
             for e in c.get("env", []):
@@ -424,6 +427,18 @@ def test_probes_point_at_real_endpoints(name: str) -> None:
         assert get["path"] in routes
         assert ports.get(get["port"], get["port"]) == port
     assert by_kind(objs, "Service")["router"]["spec"]["ports"][0]["port"] == port
+    (index,) = [c for o in [by_kind(objs, "Deployment")["index"]] for c in containers(o)]
+    cmd = index["livenessProbe"]["exec"]["command"]
+    assert cmd[:3] == ["python", "-m", "services.healthcheck"]
+    args = probe_parser().parse_args(cmd[3:])
+    assert args.probe == "nats-client" and args.name == "hicache-index"  # the index's client name
+    monitor = nats_values()["config"]["monitor"]
+    monitors = [
+        u.replace("nats://", "http://").replace(":4222", f":{monitor['port']}")
+        for u in nats_servers()
+    ]
+    assert monitor["enabled"] is True and args.monitor_url.split(",") == monitors
+    assert index["livenessProbe"]["timeoutSeconds"] > args.timeout * len(monitors)
     for where, module, argv, c in service_commands(objs):
         if module != "services.engine":
             continue
