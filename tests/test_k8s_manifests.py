@@ -464,6 +464,21 @@ def test_every_container_requests_cpu_memory_and_engines_a_gpu(name: str) -> Non
             assert "--device" in c["command"] and flag(c["command"], "--device") == "cuda"
 
 
+@pytest.mark.parametrize("name", IDS)
+def test_the_grace_period_outlasts_the_drain(name: str) -> None:
+    """SIGTERM stops a process within its drain deadline (DESIGN.md 7a): the kubelet must
+    not kill it before (its default grace is 30 s)."""
+    drains = {"router": "shutdown_timeout", "services.engine": "shutdown_grace"}
+    for obj in (o for o in RENDERED[name] if pod_spec(o) is not None):
+        grace = (pod_spec(obj) or {}).get("terminationGracePeriodSeconds", 30)
+        for c in containers(obj):
+            module, argv = c["command"][2], c["command"][3:]
+            if module in drains:
+                parser = parser_of(module)
+                args = parser.parse_args(without_unmerged(parser, argv))
+                assert grace > getattr(args, drains[module]), obj["metadata"]["name"]
+
+
 # ---------------------------------------------------------------- credentials stay files
 
 SECRET_DEST = re.compile(r"(^|_)(key|password|passwd|secret|auth_token|api_token)$")
