@@ -6,8 +6,9 @@ and a veth pair whose root end is in the bridge and whose other end holds the ho
 (`ip_of`). Each name carries the test process's pid, so parallel runs never collide.
 `run_in(host, argv)` starts a process inside a host (`ip netns exec` execs it: the pid is the
 process's own); `cut(host)` takes the host's link down (packets vanish: TCP connections hang
-rather than reset, like a pulled cable); `close()` kills what `run_in` started and removes
-every namespace, link and the bridge, also after a failed test (use it as a context manager).
+rather than reset, like a pulled cable), `restore(host)` brings it back; `close()` kills
+what `run_in` started and removes every namespace, link and the bridge, also after a failed
+test (use it as a context manager).
 Tests skip only where not root or without `ip` (CI runs as root).
 """
 
@@ -92,6 +93,11 @@ class Hosts:
         """Take host `name`'s link down (both ends): nothing crosses it any more."""
         _ip("link", "set", self.veth(name), "down")
         _ip("-n", self.ns(name), "link", "set", "eth0", "down")
+
+    def restore(self, name: str) -> None:
+        """Bring host `name`'s link back up."""
+        _ip("link", "set", self.veth(name), "up")
+        _ip("-n", self.ns(name), "link", "set", "eth0", "up")
 
     def close(self) -> None:
         for proc in self._procs:

@@ -78,6 +78,14 @@ class Mesh:
         with (self.logs / f"{name}.log").open("ab") as log:
             return self.hosts.run_in(host, argv, stdout=log, stderr=subprocess.STDOUT)
 
+    def start_tp2(self) -> None:
+        """Engine `tp2`: node 0 in host `node0`, node 1 in host `node1` (a new world)."""
+        rendezvous = f"{self.hosts.ip_of('node0')}:{free_port_on(self.hosts.bridge_ip)}"
+        nodes = ("--tp-size", "2", "--dist-init-addr", rendezvous, "--nnodes", "2")
+        node0 = self.start("node0", "tp2-node0", self.engine_argv("tp2", *nodes))
+        node1_argv = self.engine_argv("tp2", *nodes, "--node-rank", "1")
+        self.tp2 = (node0, self.start("node1", "tp2-node1", node1_argv))
+
     def wait_ready(self, engines: set[str], timeout_s: float = 60.0) -> None:
         wait_ready(self.url, engines, self.router_pid, timeout_s, lambda: False)
 
@@ -113,14 +121,10 @@ def mesh(hosts: Hosts, bus: Bus, tmp_path_factory: pytest.TempPathFactory) -> Me
     router = [py, "-m", "router", "--host", front, "--port", str(port)]
     router += ["--nats-url", bus.nats_url, "--redis-url", bus.redis_url]
     index = [py, "-m", "services.index", "--nats-url", bus.nats_url, "--redis-url", bus.redis_url]
-    rendezvous = f"{hosts.ip_of('node0')}:{free_port_on(hosts.bridge_ip)}"
-    nodes = ("--tp-size", "2", "--dist-init-addr", rendezvous, "--nnodes", "2")
     m = Mesh(hosts, bus, f"http://{front}:{port}", 0, logs, None)  # type: ignore[arg-type]
     m.router_pid = m.start("front", "router", router).pid
     m.start("index", "index", index)
-    node0 = m.start("node0", "tp2-node0", m.engine_argv("tp2", *nodes))
-    node1 = m.start("node1", "tp2-node1", m.engine_argv("tp2", *nodes, "--node-rank", "1"))
-    m.tp2 = (node0, node1)
+    m.start_tp2()
     m.wait_ready({"tp2"})
     return m
 
@@ -206,6 +210,26 @@ async def test_cut_link_ends_the_engine_and_requests_fail_over(mesh: Mesh) -> No
     assert {a.engine for a in answers} == {"solo"}
     assert [a.tokens for a in answers] == [expected[r] for r in reqs]
     assert solo.poll() is None
+
+
+async def test_a_node_killed_ends_the_engine(mesh: Mesh) -> None:
+    """After the cut: node 1's link back, a new tp2 world; node 1 killed (its connections
+    reset) mid-stream: the stream ends with an error within the bound, node 0 exits."""
+    mesh.hosts.restore("node1")
+    mesh.start_tp2()
+    mesh.wait_ready({"tp2", "solo"})
+    node0, node1 = mesh.tp2
+    async with aiohttp.ClientSession() as http:
+        held, _ = await held_stream(http, mesh.url, LONG_PROMPT, "tp2", max_tokens=4000)
+        killed_at = time.monotonic()
+        node1.kill()
+        end = await finish_stream(held)
+    ended, node0_s = time.monotonic() - killed_at, _exited_within(node0, killed_at)
+    print(f"\n[multihost] node 1 killed: the held stream ended in {ended:.2f}s")
+    assert end.kind == "error", f"the held stream must end with a clear error: {end}"
+    assert ended < FAILURE_BOUND_S and node0_s < FAILURE_BOUND_S and node0.returncode == 1
+    answers = await send_all(mesh.url, workload(2))
+    assert {(a.kind, a.engine) for a in answers} == {("ok", "solo")}
 
 
 def _exited_within(proc: subprocess.Popen[bytes], since: float) -> float:

@@ -239,7 +239,7 @@ class NodeWatch:
         self._store = store
         self._layout = layout
         self._world_size = world_size
-        self._lost_s = lost_s
+        self.lost_s = lost_s
         now = time.monotonic()
         self._seen: dict[int, tuple[int, float]] = {n: (0, now) for n in range(1, layout.nnodes)}
         self._remote = [
@@ -263,6 +263,6 @@ class NodeWatch:
             beats = self._store.add(BEAT_KEY.format(node), 0)
             if beats != count:
                 self._seen[node] = (beats, now)
-            elif now - since >= self._lost_s:
+            elif now - since >= self.lost_s:
                 out.append(node * self._layout.ranks_per_node(self._world_size))
         return out

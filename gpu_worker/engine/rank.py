@@ -44,6 +44,7 @@ from gpu_worker.consensus.checker import consensus_enabled
 from gpu_worker.engine.draft import check_draft_layout
 from gpu_worker.engine.engine import Engine, EngineConfig
 from gpu_worker.engine.nodes import (
+    NODE_BEAT_S,
     ONE_NODE,
     NodeBeat,
     NodeLayout,
@@ -142,7 +143,11 @@ class RankProcesses:
         """The child exit that ended the world, or None when no child has exited within
         `wait_s`. Ranks that only lost a peer are symptoms: their peer's own exit is
         waited for (up to `wait_s`) and named instead; of several causes, a rank killed by a
-        signal comes first (its siblings' collectives broke because of it)."""
+        signal comes first (its siblings' collectives broke because of it). Over several
+        nodes it waits at least as long as a silent node takes to count as lost: a node whose
+        process died cannot report it, and rank 0's failed collective shows first."""
+        if self._nodes is not None:
+            wait_s = max(wait_s, self._nodes.lost_s + NODE_BEAT_S)
         deadline = time.monotonic() + wait_s
         settle: float | None = None
         while True:
