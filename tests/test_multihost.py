@@ -202,6 +202,7 @@ async def test_cut_link_ends_the_engine_and_requests_fail_over(mesh: Mesh) -> No
     )
     assert engine == "tp2"
     assert end.kind == "error", f"the held stream must end with a clear error: {end}"
+    assert "engine rank 1's node stopped answering" in end.detail, end
     assert ended < FAILURE_BOUND_S, f"the held stream took {ended:.1f}s to end"
     assert node0_s < FAILURE_BOUND_S and node0.returncode == 1
     assert node1_s < FAILURE_BOUND_S and node1.returncode == 3  # it lost node 0
@@ -227,6 +228,7 @@ async def test_a_node_killed_ends_the_engine(mesh: Mesh) -> None:
     ended, node0_s = time.monotonic() - killed_at, _exited_within(node0, killed_at)
     print(f"\n[multihost] node 1 killed: the held stream ended in {ended:.2f}s")
     assert end.kind == "error", f"the held stream must end with a clear error: {end}"
+    assert "node stopped answering" in end.detail, end  # lost, not a request's crash
     assert ended < FAILURE_BOUND_S and node0_s < FAILURE_BOUND_S and node0.returncode == 1
     answers = await send_all(mesh.url, workload(2))
     assert {(a.kind, a.engine) for a in answers} == {("ok", "solo")}
