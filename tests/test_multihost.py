@@ -234,6 +234,18 @@ async def test_a_node_killed_ends_the_engine(mesh: Mesh) -> None:
     assert {(a.kind, a.engine) for a in answers} == {("ok", "solo")}
 
 
+async def test_sigterm_to_node_0_stops_every_node(mesh: Mesh) -> None:
+    """A stopped engine (SIGTERM to the service) stops its world: node 1 exits 0 too."""
+    mesh.start_tp2()
+    mesh.wait_ready({"tp2", "solo"})
+    node0, node1 = mesh.tp2
+    stopped_at = time.monotonic()
+    node0.terminate()
+    node0_s, node1_s = _exited_within(node0, stopped_at), _exited_within(node1, stopped_at)
+    assert (node0.returncode, node1.returncode) == (0, 0)
+    assert node0_s < FAILURE_BOUND_S and node1_s < FAILURE_BOUND_S
+
+
 def _exited_within(proc: subprocess.Popen[bytes], since: float) -> float:
     """Seconds from `since` until `proc` exited (waits up to twice the bound)."""
     try:
