@@ -129,6 +129,21 @@ def mesh(hosts: Hosts, bus: Bus, tmp_path_factory: pytest.TempPathFactory) -> Me
     return m
 
 
+def cold_logprobs(prompt: tuple[int, ...], max_tokens: int) -> list[float | None]:
+    """Each greedy output token's logprob from an in-process TP1 engine, cache off."""
+    from gpu_worker.cache.hicache import CacheConfig
+    from gpu_worker.engine.engine import Engine, EngineConfig
+    from gpu_worker.model.sampling import SamplingParams
+
+    eng = Engine(EngineConfig(model="tiny", cache=CacheConfig(PAGE, enable_radix_cache=False)))
+    try:
+        req = eng.submit(prompt, SamplingParams(max_tokens, ignore_eos=True, logprobs=2))
+        eng.run([req])
+        return [logprob for logprob, _ in req.logprobs]
+    finally:
+        eng.close()
+
+
 def branching_trace() -> list[list[tuple[int, ...]]]:
     """Turns of a conversation tree: a shared root, then two branches of two turns each
     (each turn's user tokens; the prompt of a turn is its parent's prompt, answer and
@@ -156,6 +171,16 @@ async def test_tp2_across_hosts_equals_tp1(mesh: Mesh) -> None:
     assert {a.engine for a in answers} == {"tp2"}
     cold = cold_reference(reqs)
     assert [a.tokens for a in answers] == [cold[r] for r in reqs]
+    prompt = reqs[0].prompt
+    body = {"prompt": list(prompt), "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{mesh.url}/v1/completions", json=body | {"logprobs": 2}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        got = (await r.json())["choices"][0]["logprobs"]["token_logprobs"]
+    want = cold_logprobs(prompt, 6)
+    assert got == pytest.approx(want, rel=0, abs=1e-9)  # float64: TP2's sums in another order
 
 
 async def test_branching_trace_through_the_bus_passes_the_oracle(mesh: Mesh) -> None:
