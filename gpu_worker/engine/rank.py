@@ -14,6 +14,13 @@ because a peer went away exits 3 (`EXIT_PEER_LOST`: a symptom, not a cause).
 `RankProcesses.dead()` lets the caller see a dead rank at once, and `exit_cause()` names the
 rank whose exit ended the world and whether a request can have caused it (`RankExit`). Every child asks the kernel to kill it when the thread that started it ends
 (PR_SET_PDEATHSIG), so no rank outlives its engine.
+
+Across hosts (`NodeLayout`, `gpu_worker/engine/nodes.py`): node 0 hosts the rendezvous on
+`--dist-init-addr` and runs its own ranks as above; `run_node` is a node of rank > 0 (the
+engine service started with `--node-rank R`): it checks its config against node 0's, runs
+its first rank itself and its other ranks as children, beats to node 0, and exits with its
+rank's status when the world ends (0 when rank 0 stopped it). Node 0 sees a remote rank's
+exit through the rendezvous and a silent node as `EXIT_NODE_LOST`.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -35,6 +43,16 @@ import torch.distributed as dist
 from gpu_worker.consensus.checker import consensus_enabled
 from gpu_worker.engine.draft import check_draft_layout
 from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.engine.nodes import (
+    NODE_BEAT_S,
+    ONE_NODE,
+    NodeBeat,
+    NodeLayout,
+    NodeWatch,
+    check_same_config,
+    report_exit,
+    use_interface_toward,
+)
 from gpu_worker.model.shard import ModelShard
 from gpu_worker.model.weights import model_config_of
 from gpu_worker.parallel.groups import (
@@ -49,6 +67,7 @@ RENDEZVOUS_HOST = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
 EXIT_FAILED = 1  # the rank raised: its own work failed (a request may be the cause)
 EXIT_PEER_LOST = 3  # a collective failed because a peer rank went away first
+EXIT_NODE_LOST = 4  # node 0's view of a node > 0 that stopped beating (host or link down)
 # Killed from outside: an operator, a supervisor, the kernel's OOM killer. A crash signal
 # (SIGSEGV, SIGABRT, SIGBUS, SIGFPE) is the rank's own fault and may be a request's doing.
 EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
@@ -66,7 +85,7 @@ class RankExit:
     def external(self) -> bool:
         """Nothing the rank computed can have caused it: it was killed from outside or lost
         a peer. The requests its engine held may be served elsewhere."""
-        if self.status == EXIT_PEER_LOST:
+        if self.status in (EXIT_PEER_LOST, EXIT_NODE_LOST):
             return True
         return self.status < 0 and -self.status in EXTERNAL_SIGNALS
 
@@ -79,6 +98,8 @@ class RankExit:
             return f"engine rank {self.rank} was killed by {name}"
         if self.status == EXIT_PEER_LOST:
             return f"engine rank {self.rank} lost its connection to a peer rank"
+        if self.status == EXIT_NODE_LOST:
+            return f"engine rank {self.rank}'s node stopped answering (its host or link is down)"
         return f"engine rank {self.rank} exited with status {self.status}"
 
 
@@ -88,27 +109,45 @@ class RankSpec:
 
     config: EngineConfig
     rank: int
+    host: str  # the rendezvous
     port: int
     parent_pid: int
     timeout_s: float
+    report: bool = False  # on a node > 0: tell node 0 how it ended (`report_exit`)
 
 
 class RankProcesses:
-    """The child ranks of one engine (world ranks 1..N-1)."""
+    """The other ranks of one engine (world ranks 1..N-1): node 0's as child processes,
+    the other nodes' through the rendezvous (`nodes`)."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen[bytes]], store: dist.TCPStore) -> None:
+    def __init__(
+        self,
+        procs: dict[int, subprocess.Popen[bytes]],
+        store: dist.TCPStore,
+        nodes: NodeWatch | None = None,
+    ) -> None:
         self.procs = procs
         self._store = store  # rank 0 hosts the rendezvous: kept alive with the world
+        self._nodes = nodes
 
     def dead(self) -> list[tuple[int, int]]:
-        """(rank, exit status) of every child that has exited."""
-        return [(r, p.returncode) for r, p in self.procs.items() if p.poll() is not None]
+        """(rank, exit status) of every child that has exited, every remote rank that
+        reported its exit, and the first rank of every silent node (`EXIT_NODE_LOST`)."""
+        out = [(r, p.returncode) for r, p in self.procs.items() if p.poll() is not None]
+        if self._nodes is not None:
+            out += self._nodes.exits()
+            out += [(r, EXIT_NODE_LOST) for r in self._nodes.silent()]
+        return out
 
     def exit_cause(self, wait_s: float) -> RankExit | None:
         """The child exit that ended the world, or None when no child has exited within
         `wait_s`. Ranks that only lost a peer are symptoms: their peer's own exit is
         waited for (up to `wait_s`) and named instead; of several causes, a rank killed by a
-        signal comes first (its siblings' collectives broke because of it)."""
+        signal comes first (its siblings' collectives broke because of it). Over several
+        nodes it waits at least as long as a silent node takes to count as lost: a node whose
+        process died cannot report it, and rank 0's failed collective shows first."""
+        if self._nodes is not None:
+            wait_s = max(wait_s, self._nodes.lost_s + NODE_BEAT_S)
         deadline = time.monotonic() + wait_s
         settle: float | None = None
         while True:
@@ -154,17 +193,52 @@ def check_layout(config: EngineConfig) -> None:
         check_draft_layout(config.spec, config.model, config.parallel, config.context_len)
 
 
-def launch_engine(
-    config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> tuple[Engine, RankProcesses | None]:
-    """Rank 0's Engine of a new world of `config.parallel` ranks (see the module doc)."""
+def _spawn(
+    config: EngineConfig, ranks: range, host: str, port: int, timeout_s: float, report: bool
+) -> dict[int, subprocess.Popen[bytes]]:
+    """One child process per rank of `ranks`, each told where the rendezvous is."""
     world = config.parallel.world_size
-    if world == 1:
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    try:
+        for rank in ranks:
+            spec = RankSpec(config, rank, host, port, os.getpid(), timeout_s, report)
+            argv = [sys.executable, "-m", "gpu_worker.engine.rank", "--rank", str(rank)]
+            proc = subprocess.Popen([*argv, "--world-size", str(world)], stdin=subprocess.PIPE)
+            procs[rank] = proc
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(spec))
+            proc.stdin.close()
+    except BaseException:
+        _kill(procs)
+        raise
+    return procs
+
+
+def _kill(procs: dict[int, subprocess.Popen[bytes]]) -> None:
+    for p in procs.values():
+        p.kill()
+        p.wait()
+
+
+def launch_engine(
+    config: EngineConfig,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    layout: NodeLayout = ONE_NODE,
+) -> tuple[Engine, RankProcesses | None]:
+    """Rank 0's Engine of a new world of `config.parallel` ranks (see the module doc); with
+    `layout` over several nodes, this is node 0 and only its own ranks start here."""
+    world = config.parallel.world_size
+    if world == 1 and not layout.multi:
         return Engine(config), None
+    local = layout.local_ranks(world)
     check_layout(config)
+    host, port = RENDEZVOUS_HOST, 0
+    if layout.multi:
+        host, port = layout.host, layout.port
+        use_interface_toward(host)
     store = dist.TCPStore(
-        RENDEZVOUS_HOST,
-        0,
+        host,
+        port,
         world,
         is_master=True,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -172,14 +246,9 @@ def launch_engine(
     )
     procs: dict[int, subprocess.Popen[bytes]] = {}
     try:
-        for rank in range(1, world):
-            spec = RankSpec(config, rank, store.port, os.getpid(), timeout_s)
-            argv = [sys.executable, "-m", "gpu_worker.engine.rank", "--rank", str(rank)]
-            proc = subprocess.Popen([*argv, "--world-size", str(world)], stdin=subprocess.PIPE)
-            assert proc.stdin is not None
-            proc.stdin.write(pickle.dumps(spec))
-            proc.stdin.close()
-            procs[rank] = proc
+        procs = _spawn(config, local[1:], host, store.port, timeout_s, report=False)
+        if layout.multi:
+            check_same_config(store, config, layout, timeout_s)
         device = torch.device(config.device)
         groups = init_parallel_groups(
             config.parallel,
@@ -192,17 +261,44 @@ def launch_engine(
         )
         engine = Engine(config, groups)
     except BaseException:
-        for p in procs.values():
-            p.kill()
-            p.wait()
+        _kill(procs)
         raise
     log.info(
-        "engine world %s up: ranks 1..%d are pids %s",
+        "engine world %s up on %d node(s): local ranks %s are pids %s",
         config.parallel.describe(),
-        world - 1,
+        layout.nnodes,
+        list(local[1:]),
         [p.pid for p in procs.values()],
     )
-    return engine, RankProcesses(procs, store)
+    nodes = NodeWatch(store, layout, world) if layout.multi else None
+    return engine, RankProcesses(procs, store, nodes)
+
+
+def run_node(
+    config: EngineConfig, layout: NodeLayout, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> NoReturn:
+    """A node of rank > 0: join node 0's world with this node's ranks and exit with the
+    first of them's status when the world ends (see the module doc). Bad flags or a config
+    that differs from node 0's raise ValueError before any rank joins."""
+    world = config.parallel.world_size
+    local = layout.local_ranks(world)
+    if layout.node_rank == 0:
+        raise ValueError("node 0 is the engine service itself: start it without --node-rank")
+    check_layout(config)
+    use_interface_toward(layout.host)
+    store = dist.TCPStore(
+        layout.host,
+        layout.port,
+        world,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    check_same_config(store, config, layout, timeout_s)
+    _spawn(config, local[1:], layout.host, layout.port, timeout_s, report=True)  # they report
+    spec = RankSpec(config, local.start, layout.host, layout.port, os.getpid(), timeout_s, True)
+    NodeBeat(layout, lambda: _leave(None, local.start, EXIT_PEER_LOST)).start()  # unreachable
+    log.info("node %d joins with ranks %s", layout.node_rank, list(local))
+    _run_rank(spec, store)  # the children die with this process (PR_SET_PDEATHSIG)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -223,6 +319,14 @@ def _peer_lost(error: Exception) -> bool:
     return isinstance(error, RuntimeError) and "gloo/transport/" in str(error)
 
 
+def _leave(store: dist.Store | None, rank: int, status: int) -> NoReturn:
+    """End this rank's process now (no teardown of gloo: a broken world's would hang),
+    telling node 0 first when this is a node > 0."""
+    report_exit(store, rank, status)
+    logging.shutdown()
+    os._exit(status)
+
+
 def main() -> None:
     spec: RankSpec = pickle.loads(sys.stdin.buffer.read())
     _die_with_parent(spec.parent_pid)
@@ -231,15 +335,20 @@ def main() -> None:
         level=logging.INFO,
         format=f"%(asctime)s rank{spec.rank} %(name)s %(levelname)s %(message)s",
     )
-    torch.set_num_threads(1)
-    config = spec.config
     store = dist.TCPStore(
-        RENDEZVOUS_HOST,
+        spec.host,
         spec.port,
-        config.parallel.world_size,
+        spec.config.parallel.world_size,
         is_master=False,
         timeout=datetime.timedelta(seconds=spec.timeout_s),
     )
+    _run_rank(spec, store)
+
+
+def _run_rank(spec: RankSpec, store: dist.TCPStore) -> NoReturn:
+    """Join the world as `spec.rank`, follow rank 0 until it stops the world, exit."""
+    torch.set_num_threads(1)
+    config = spec.config
     device = torch.device(config.device)
     try:
         groups = init_parallel_groups(
@@ -261,11 +370,9 @@ def main() -> None:
             log.error("rank %d of the engine lost a peer: %s", spec.rank, e)
         else:
             log.exception("rank %d of the engine failed", spec.rank)
-        logging.shutdown()
         # At once, without a teardown of gloo: rank 0 names the cause to every request.
-        os._exit(EXIT_PEER_LOST if lost else EXIT_FAILED)
-    logging.shutdown()
-    os._exit(0)  # done: the interpreter's teardown of torch would take another second or two
+        _leave(store if spec.report else None, spec.rank, EXIT_PEER_LOST if lost else EXIT_FAILED)
+    _leave(None, spec.rank, 0)  # done: the interpreter's teardown of torch takes seconds
 
 
 if __name__ == "__main__":

@@ -2,6 +2,11 @@
 
 Exit status: 0 after SIGTERM/SIGINT, 1 when the engine's step loop crashed (its supervisor
 restarts it), 2 for bad flags.
+
+With `--nnodes N` the engine's ranks span N hosts: node 0 (`--node-rank 0`) is this service;
+a node of rank > 0 runs only its ranks (`gpu_worker/engine/rank.py` `run_node`), never
+connects to NATS, and exits when the world ends: 0 when node 0 stopped it, 3 when it lost
+node 0 or a peer, 1 when its own rank failed, 2 for bad flags or a config unlike node 0's.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from bus_schemas.connection import add_tls_args, read_credentials, tls_ca_file
-from services.engine.config import engine_config_from_args
-from services.engine.flags import add_engine_args, add_pd_transfer_args
+from services.engine.config import engine_config_from_args, node_layout_from_args
+from services.engine.flags import add_engine_args, add_node_args, add_pd_transfer_args
 from services.engine.pd import PDConfig
 from services.engine.service import EngineService, EngineServiceConfig
 
@@ -67,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="test hook: the step loop dies when a running request's prompt holds this token",
     )
     add_engine_args(parser)
+    add_node_args(parser)
     return parser
 
 
@@ -96,6 +102,7 @@ async def serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or "",
         chat_template_file=Path(args.chat_template) if args.chat_template else None,
         debug_crash_on_prompt_token=args.debug_crash_on_prompt_token,
+        nodes=node_layout_from_args(args),
     )
     service = EngineService(config, engine_config_from_args(args))
     stop = asyncio.Event()
@@ -142,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     try:
+        if args.node_rank > 0:
+            return _run_node(args)
         import uvloop
 
         code = uvloop.run(serve(args))
@@ -153,6 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         os._exit(1)
     return code
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    """A node of rank > 0: its ranks only (never returns once they joined the world)."""
+    from gpu_worker.engine.rank import run_node
+
+    run_node(engine_config_from_args(args), node_layout_from_args(args))
+    return 0  # not reached: run_node ends the process with its rank's status
 
 
 if __name__ == "__main__":

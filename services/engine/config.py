@@ -10,6 +10,7 @@ from gpu_worker.cache.storage_io import StorageFaults
 from gpu_worker.cache.storage_tier import PrefetchTimeout
 from gpu_worker.cache.transfer import DelayInjection
 from gpu_worker.engine.engine import DebugHooks, EngineConfig
+from gpu_worker.engine.nodes import NodeLayout
 from gpu_worker.model.config import resolve_dtype
 from gpu_worker.parallel.config import ParallelConfig
 from gpu_worker.scheduler.scheduler import SchedulerConfig
@@ -26,6 +27,14 @@ def _rank_raise(value: str | None) -> tuple[int, int] | None:
     except ValueError:
         raise ValueError(f"--debug-rank-raise wants RANK:TOKEN, got {value!r}") from None
     return rank, token
+
+
+def node_layout_from_args(args: argparse.Namespace) -> NodeLayout:
+    """`--dist-init-addr`, `--nnodes`, `--node-rank` (`flags.add_node_args`), checked
+    against the engine's world (TP x PP x CP ranks split evenly over the nodes)."""
+    layout = NodeLayout(args.dist_init_addr, args.nnodes, args.node_rank)
+    layout.ranks_per_node(args.tp_size * args.pp_size * args.cp_size)
+    return layout
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -382,6 +382,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_node_args(parser: argparse.ArgumentParser) -> None:
+    """SGLang's multi-node flags: an engine whose ranks span hosts (the engine service only:
+    every node is started with the same engine flags plus its own `--node-rank`)."""
+    n = parser.add_argument_group("engines across hosts")
+    n.add_argument(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --nnodes above 1: node 0's address, where it hosts the ranks' rendezvous "
+        "(gloo binds to the interface toward HOST unless GLOO_SOCKET_IFNAME is set)",
+    )
+    n.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="hosts the engine's ranks are split over, evenly and contiguously",
+    )
+    n.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this host's index: 0 serves (NATS, the API), above 0 only runs its ranks and "
+        "exits when the world ends",
+    )
+
+
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags of `args` as a command line (only those not at their default).
 

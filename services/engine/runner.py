@@ -44,6 +44,7 @@ from typing import Any
 from gpu_worker.engine.commands import WriteKV
 from gpu_worker.engine.driver import IdlePolicy, StepLoop
 from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.engine.nodes import ONE_NODE, NodeLayout
 from gpu_worker.engine.rank import RankExit, RankProcesses, launch_engine
 from gpu_worker.model.sampling import SamplingParams
 from gpu_worker.parallel.config import ParallelConfig
@@ -98,15 +99,18 @@ class EngineRunner:
         outbox: Outbox,
         idle_wait_s: float = 0.02,
         debug_crash_on_token: int | None = None,
+        nodes: NodeLayout = ONE_NODE,
     ) -> None:
         """`idle_wait_s`: the step loop's longest sleep; `debug_crash_on_token`: a test hook
         (`--debug-crash-on-prompt-token`): a step with a request whose prompt holds the
-        token raises, as a bug in the batched forward would."""
+        token raises, as a bug in the batched forward would; `nodes`: the hosts the world
+        spans (this runner is node 0's rank 0)."""
         self._config = config
         self._loop = loop
         self._outbox = outbox
         self._policy = IdlePolicy(idle_wait_s, input_rings=True)
         self._debug_crash_on_token = debug_crash_on_token
+        self._nodes = nodes
 
         def ring() -> None:  # a queued command wakes the step loop (once the engine exists)
             if self.engine is not None:
@@ -268,7 +272,7 @@ class EngineRunner:
 
     def _main(self) -> None:
         try:
-            self.engine, self.ranks = launch_engine(self._config)
+            self.engine, self.ranks = launch_engine(self._config, layout=self._nodes)
         except Exception as e:
             self._ready.set_exception(e)
             return

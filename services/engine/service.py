@@ -39,6 +39,7 @@ from bus_schemas.connection import Credentials
 from bus_schemas.messages import MAX_HEARTBEAT_INTERVAL_S, MIN_HEARTBEAT_INTERVAL_S
 from gpu_worker.cache.kv_events import KVEventRecord
 from gpu_worker.engine.engine import Engine, EngineConfig
+from gpu_worker.engine.nodes import NodeLayout
 from gpu_worker.scheduler.request import CachedTokens, KVExport
 from gpu_worker.storage import StorageBackend
 from services.engine.bus import STOP_STEP_TIMEOUT_S, EngineBus, bounded
@@ -71,6 +72,9 @@ class EngineServiceConfig:
     served_model_name: str = ""  # default: the engine's --model value
     chat_template_file: Path | None = None  # --chat-template: instead of the model's own
     debug_crash_on_prompt_token: int | None = None  # test hook: the step loop dies on it
+    nodes: NodeLayout = field(
+        default_factory=NodeLayout
+    )  # the hosts the engine's ranks span (this is node 0)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -123,6 +127,7 @@ class EngineService:
             loop,
             self,
             debug_crash_on_token=cfg.debug_crash_on_prompt_token,
+            nodes=cfg.nodes,
         )
         await asyncio.wrap_future(runner.start())
         engine = self._engine_now()
