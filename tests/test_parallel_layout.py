@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pickle
 
 import pytest
 import torch
@@ -10,10 +11,13 @@ import torch
 from gpu_worker.cache.hicache import HOST_LAYOUTS, LOAD_POLICIES, WRITE_POLICIES
 from gpu_worker.cache.storage_tier import PREFETCH_POLICIES
 from gpu_worker.cache.storage_writes import STORAGE_WRITE_POLICIES
+from gpu_worker.engine import rank as rank_module
+from gpu_worker.engine.engine import EngineConfig
+from gpu_worker.engine.rank import RankSpec
 from gpu_worker.model.config import PRESETS
 from gpu_worker.model.shard import ModelShard
 from gpu_worker.parallel.config import ParallelConfig, stage_layers
-from gpu_worker.parallel.groups import rank_device
+from gpu_worker.parallel.groups import ParallelGroups, rank_device
 from gpu_worker.storage import BACKENDS
 from gpu_worker.storage.layout import KEY_SCHEMES, ShardNames, shard_names
 from services.engine import flags
@@ -92,6 +96,33 @@ def test_cuda_ranks_take_one_gpu_each() -> None:
     assert rank_device("cpu", 3) == torch.device("cpu")
     assert rank_device("cuda", 2) == torch.device("cuda", 2)
     assert rank_device("cuda:4", 1) == torch.device("cuda", 5)
+
+
+def test_a_rank_on_another_host_takes_its_hosts_gpus_from_0(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over `--nnodes` hosts a rank's GPU is its index among its host's ranks, not its world
+    rank: node 1 of a 4-rank world over 2 hosts runs ranks 2 and 3 on cuda:0 and cuda:1."""
+    specs: list[RankSpec] = []
+
+    class Popen:
+        def __init__(self, argv: list[str], stdin: object) -> None:
+            self.stdin = self
+
+        def write(self, data: bytes) -> None:
+            specs.append(pickle.loads(data))
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(rank_module.subprocess, "Popen", Popen)
+    config = EngineConfig(model="tiny", parallel=ParallelConfig(tp_size=4))
+    rank_module._spawn(config, range(3, 4), "10.0.0.1", 29500, 5.0, report=True)  # node 1
+    rank_module._spawn(config, range(1, 2), "10.0.0.1", 29500, 5.0, report=False)  # node 0
+    assert [(s.rank, s.device_index) for s in specs] == [(3, 1), (1, 1)]
+    groups = ParallelGroups(ParallelConfig(tp_size=4), 3, device_index=1)
+    assert rank_device("cuda", groups.local_index) == torch.device("cuda", 1)
+    assert ParallelGroups(ParallelConfig(tp_size=4), 1).local_index == 1  # one host
 
 
 def test_torch_free_flags_match_the_engine() -> None:

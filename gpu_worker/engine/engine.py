@@ -75,7 +75,7 @@ class Engine:
         self.config = config
         self.groups = groups
         self.rank = groups.rank
-        self.device = rank_device(config.device, self.rank)
+        self.device = rank_device(config.device, groups.local_index)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dtype = parse_dtype(config.dtype)

@@ -114,6 +114,7 @@ class RankSpec:
     parent_pid: int
     timeout_s: float
     report: bool = False  # on a node > 0: tell node 0 how it ended (`report_exit`)
+    device_index: int | None = None  # its index among its host's ranks (its GPU)
 
 
 class RankProcesses:
@@ -201,7 +202,9 @@ def _spawn(
     procs: dict[int, subprocess.Popen[bytes]] = {}
     try:
         for rank in ranks:
-            spec = RankSpec(config, rank, host, port, os.getpid(), timeout_s, report)
+            spec = RankSpec(
+                config, rank, host, port, os.getpid(), timeout_s, report, rank - ranks.start + 1
+            )
             argv = [sys.executable, "-m", "gpu_worker.engine.rank", "--rank", str(rank)]
             proc = subprocess.Popen([*argv, "--world-size", str(world)], stdin=subprocess.PIPE)
             procs[rank] = proc
@@ -295,7 +298,7 @@ def run_node(
     )
     check_same_config(store, config, layout, timeout_s)
     _spawn(config, local[1:], layout.host, layout.port, timeout_s, report=True)  # they report
-    spec = RankSpec(config, local.start, layout.host, layout.port, os.getpid(), timeout_s, True)
+    spec = RankSpec(config, local.start, layout.host, layout.port, os.getpid(), timeout_s, True, 0)
     NodeBeat(layout, lambda: _leave(None, local.start, EXIT_PEER_LOST)).start()  # unreachable
     log.info("node %d joins with ranks %s", layout.node_rank, list(local))
     _run_rank(spec, store)  # the children die with this process (PR_SET_PDEATHSIG)
@@ -359,6 +362,7 @@ def _run_rank(spec: RankSpec, store: dist.TCPStore) -> NoReturn:
             spec.timeout_s,
             consensus=consensus_enabled(),
             storage=config.cache.hicache_storage_backend is not None,
+            device_index=spec.device_index,
         )
         engine = Engine(config, groups)
         engine.follow()

@@ -51,6 +51,13 @@ class ParallelGroups:
     storage_hit: dist.ProcessGroup | None = None
     storage_progress: dist.ProcessGroup | None = None
     storage_write: dist.ProcessGroup | None = None
+    # this rank's index among its host's ranks (its GPU; `--nnodes`): None for the world rank
+    device_index: int | None = None
+
+    @property
+    def local_index(self) -> int:
+        """This rank's index among its host's ranks: the GPU it takes (`rank_device`)."""
+        return self.rank if self.device_index is None else self.device_index
 
     @classmethod
     def single(cls) -> ParallelGroups:
@@ -115,12 +122,14 @@ def init_parallel_groups(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     consensus: bool = False,
     storage: bool = False,
+    device_index: int | None = None,
 ) -> ParallelGroups:
     """Join the world as `rank` through `store` and build every group.
 
     On CPU everything is gloo; on CUDA tensors go over nccl and control over gloo groups.
     `consensus` must be the same on every rank (it comes from the environment they share);
     `storage` (external storage is on: the same config on every rank) adds its three groups.
+    `device_index`: the rank's index among its host's ranks, where a world spans hosts.
     """
     if config.world_size == 1:
         return ParallelGroups.single()
@@ -155,6 +164,7 @@ def init_parallel_groups(
         storage_hit,
         storage_progress,
         storage_write,
+        device_index=device_index,
     )
 
 
