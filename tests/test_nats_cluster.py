@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import logging
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -45,6 +49,13 @@ from fault_helpers import (
     send,
     workload,
 )
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from bus_schemas.connection import Credentials, connect_nats
+from services.launch.nats_cluster import NatsCluster, start_nats_cluster
+from services.launch.servers import free_port, nats_argv, nats_kind
+from services.launch.tls import make_tls
 
 pytestmark = pytest.mark.timeout(300)  # a hang guard only: the module takes ~30 s
 
@@ -188,3 +199,87 @@ def _routes(monitor_port: int) -> int:
         return int(monitor(monitor_port, "routez")["num_routes"])
     except OSError:
         return -1
+
+
+# ------------------------------------------------------------------ the cluster alone
+
+
+def test_nats_url_takes_a_list_comma_separated_or_repeated() -> None:
+    from router.__main__ import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["--nats-url", "nats://a:1,nats://b:2", "--nats-url", "nats://c:3"])
+    assert args.nats_url == "nats://a:1,nats://b:2,nats://c:3"
+    assert parser.parse_args([]).nats_url == "nats://127.0.0.1:4222"  # the default alone
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--nats-url", " , "])
+
+
+async def test_tls_cluster_fails_over_and_refuses_a_route_without_the_password(
+    tmp_path: Path,
+) -> None:
+    """`start_nats_cluster` with TLS (clients and routes): a reply crosses a route between two
+    clients on different members; the connected member dies and the client fails over to the
+    next in its list; a server dialing a member's route port with a wrong route password
+    never joins."""
+    tls = make_tls(tmp_path / "tls")
+    cluster, servers = start_nats_cluster(3, kind=nats_kind(tls=tls), tls=tls)
+    try:
+        urls = cluster.urls()
+        assert all(u.startswith("tls://") for u in urls)
+        log = logging.getLogger("test")
+        ca = str(tls.ca_file)
+        asker = await connect_nats(",".join(urls), name="asker", log=log, tls_ca_file=ca)
+        answerer = await connect_nats(urls[2], name="answerer", log=log, tls_ca_file=ca)
+
+        async def answer(msg: Msg) -> None:
+            await msg.respond(b"pong")
+
+        await answerer.subscribe("ping", cb=answer)
+        await answerer.flush()
+        assert await _ask(asker) == b"pong"
+        assert asker.connected_url is not None and asker.connected_url.port == cluster.ports[0]
+        servers[0].kill()  # what the asker wrote to it before it saw the EOF is lost
+        await wait_for(lambda: _port(asker) == cluster.ports[1], 5, "failover to member 1")
+        assert await _ask(asker) == b"pong"
+        await asker.close()
+        await answerer.close()
+        intruder = _intruder(cluster, tmp_path, password="wrong")
+        try:
+            await asyncio.sleep(1.5)  # a route attempt each second: well past the first
+            assert cluster.routes(1) == 1 and cluster.routes(2) == 1  # each other, not it
+        finally:
+            intruder.kill()
+            intruder.wait()
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def _ask(nc: NATS, timeout_s: float = 10.0) -> bytes:
+    """A reply to "ping": asked again while the answerer's interest has not yet crossed
+    the routes to the asker's server (no responders), within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return bytes((await nc.request("ping", b"", timeout=1)).data)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+def _port(nc: NATS) -> int | None:
+    url = nc.connected_url if nc.is_connected else None
+    return None if url is None else url.port
+
+
+def _intruder(cluster: NatsCluster, tmp: Path, password: str) -> subprocess.Popen[bytes]:
+    """A nats-server routing to member 1 as the route user with `password`."""
+    wrong = dataclasses.replace(cluster, route=Credentials(cluster.route.user, password))
+    workdir = tmp / "intruder"
+    workdir.mkdir()
+    port, route_port = free_port(cluster.ports), free_port(cluster.route_ports)
+    block = wrong.block(0).replace(f':{cluster.route_ports[0]}"', f':{route_port}"', 1)
+    argv = nats_argv(port, str(workdir), tls=cluster.tls, cluster=block)
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

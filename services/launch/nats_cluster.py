@@ -19,7 +19,7 @@ import secrets
 import time
 import urllib.request
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bus_schemas.connection import Credentials
 from services.launch.servers import (
@@ -49,7 +49,7 @@ class NatsCluster:
     (a 0.0.0.0 listener advertises every interface; a container its internal address; a
     certificate may name neither)."""
 
-    kind: ServerKind
+    kind: ServerKind = field(repr=False)  # its argv holds the users' passwords
     ports: tuple[int, ...]
     route_ports: tuple[int, ...]
     monitor_ports: tuple[int, ...]
