@@ -12,16 +12,20 @@ rejoins on its own (a member retries its routes forever).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
 import secrets
+import sys
 import time
 import urllib.request
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bus_schemas.connection import Credentials
+from services.launch.credentials import write_private
 from services.launch.servers import (
     NATS,
     PortTakenError,
@@ -106,31 +110,47 @@ class NatsCluster:
         """Member `i`'s `cluster {}` config block: it listens for routes on its route port,
         requires the route identity, and routes to every other member (retried forever, so
         a restarted member rejoins)."""
-        r = self.route
-        routes = [
-            f'"nats-route://{r.user}:{r.password}@{self.host}:{p}"'
-            for j, p in enumerate(self.route_ports)
-            if j != i
-        ]
-        tls = ""
-        if self.tls is not None:  # mutual: the dialing member shows its certificate too
-            client = nats_tls_block(self.tls).replace("\n", "\n  ").rstrip(" ")
-            ca = f'  ca_file: "{self.tls.ca_file}"\n    verify: true\n  }}\n'
-            tls = "  " + client.replace("}\n", ca)
-        return (
-            f'cluster {{\n  name: "{CLUSTER_NAME}"\n'
-            f'  listen: "{self.host}:{self.route_ports[i]}"\n'
-            f'  authorization {{ user: "{r.user}", password: "{r.password}", timeout: 2 }}\n'
-            f"  routes: [{', '.join(routes)}]\n  no_advertise: true\n{tls}}}\n"
-        )
+        others = [f"{self.host}:{p}" for j, p in enumerate(self.route_ports) if j != i]
+        return cluster_block(self.route, others, f"{self.host}:{self.route_ports[i]}", self.tls)
 
     def routes(self, i: int) -> int:
-        """How many routes member `i` has now (-1: its monitoring did not answer)."""
-        try:
-            with urllib.request.urlopen(f"{self.monitor_url(i)}/routez", timeout=2.0) as r:
-                return int(json.loads(r.read())["num_routes"])
-        except (OSError, ValueError, KeyError):
-            return -1
+        """How many other members member `i` routes to now (-1: its monitoring did not
+        answer)."""
+        return route_peers(self.monitor_url(i))
+
+
+def route_peers(monitor_url: str) -> int:
+    """How many other servers the server with monitoring at `monitor_url` routes to (nats
+    2.10+ pools several connections per peer: peers, not connections); -1 when it did not
+    answer."""
+    try:
+        with urllib.request.urlopen(f"{monitor_url}/routez", timeout=2.0) as r:
+            routez = json.loads(r.read())
+        return len({route["remote_id"] for route in routez.get("routes") or []})
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def cluster_block(
+    route: Credentials, routes: Sequence[str], listen: str = "", tls: ServerTLS | None = None
+) -> str:
+    """A nats-server `cluster {}` block: routes authenticated as `route` to the `routes`
+    (host:port; a member's own is ignored), listening on `listen` ("": given by the
+    command line, `--cluster nats://HOST:PORT`); `tls`: routes over mutual TLS."""
+    for text in (route.password, *routes, listen):
+        if any(c in text for c in '"\\\n@/ '):
+            raise ValueError(
+                "a NATS cluster route password or address holds a quote, backslash, @, / or space"
+            )
+    urls = ", ".join(f'"nats-route://{route.user}:{route.password}@{r}"' for r in routes)
+    out = f'cluster {{\n  name: "{CLUSTER_NAME}"\n'
+    out += f'  listen: "{listen}"\n' if listen else ""
+    out += f'  authorization {{ user: "{route.user}", password: "{route.password}", timeout: 2 }}\n'
+    out += f"  routes: [{urls}]\n  no_advertise: true\n"
+    if tls is not None:  # mutual: the dialing member shows its certificate too
+        client = nats_tls_block(tls).replace("\n", "\n  ").rstrip(" ")
+        out += "  " + client.replace("}\n", f'  ca_file: "{tls.ca_file}"\n    verify: true\n  }}\n')
+    return out + "}\n"
 
 
 def start_nats_cluster(
@@ -174,3 +194,46 @@ def wait_for_routes(cluster: NatsCluster, timeout_s: float = 15.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the NATS cluster's routes did not form within {timeout_s}s")
             time.sleep(0.05)
+
+
+ROUTES_FILE = "nats-routes.conf"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.launch.nats_cluster DIR --routes nats:6222,nats-1:6222,...`: write
+    DIR/nats-routes.conf (mode 0600), the `cluster {}` block every member of a compose or
+    other multi-host cluster includes: a fresh route password and the routes to every
+    member (each member's own listen address comes from its `--cluster` flag)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m services.launch.nats_cluster", description=main.__doc__
+    )
+    parser.add_argument("dir", type=Path, help="where to write nats-routes.conf")
+    parser.add_argument(
+        "--routes",
+        required=True,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="every member's route listener, comma-separated",
+    )
+    parser.add_argument("--force", action="store_true", help="replace an existing file")
+    args = parser.parse_args(argv)
+    path = args.dir / ROUTES_FILE
+    if path.exists() and not args.force:
+        print(f"error: {path} exists (--force replaces it)", file=sys.stderr)
+        return 1
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    if len(routes) < 2:
+        print("error: --routes: a cluster has at least 2 members", file=sys.stderr)
+        return 2
+    try:
+        block = cluster_block(Credentials(ROUTE_USER, secrets.token_urlsafe(32)), routes)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_private(path, block)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
