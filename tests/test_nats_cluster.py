@@ -53,7 +53,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from bus_schemas.connection import Credentials, connect_nats
-from services.launch.nats_cluster import NatsCluster, start_nats_cluster
+from services.launch.nats_cluster import NatsCluster, route_peers, start_nats_cluster
 from services.launch.servers import free_port, nats_argv, nats_kind
 from services.launch.tls import make_tls
 
@@ -138,7 +138,7 @@ async def test_every_process_gets_every_server_and_the_same_auth(mesh: UpMesh) -
         MESH_CLIENTS, ports[0]
     )  # the first of the list, for every process: one server, no hop over a route
     for port, (_, mon) in members(mesh).items():
-        assert monitor(mon, "routez")["num_routes"] == SERVERS - 1, port
+        assert route_peers(f"http://127.0.0.1:{mon}") == SERVERS - 1, port
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):
             await nats.connect(f"nats://127.0.0.1:{port}", allow_reconnect=False)
 
@@ -191,14 +191,9 @@ async def _kill_connected(
     assert {n: where.get(n) for n in MESH_CLIENTS} == dict.fromkeys(MESH_CLIENTS, successor)
     # the supervisor restarted the lost member on its ports, and it rejoined the cluster
     await wait_for(lambda: members(mesh).get(victim, (pid,))[0] != pid, 15, "member restart")
-    await wait_for(lambda: _routes(mon) == SERVERS - 1, 15, "routes of the restarted member")
-
-
-def _routes(monitor_port: int) -> int:
-    try:
-        return int(monitor(monitor_port, "routez")["num_routes"])
-    except OSError:
-        return -1
+    await wait_for(
+        lambda: route_peers(f"http://127.0.0.1:{mon}") == SERVERS - 1, 15, "the member's routes"
+    )
 
 
 # ------------------------------------------------------------------ the cluster alone
