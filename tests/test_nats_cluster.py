@@ -10,8 +10,11 @@ that one under 8 concurrent clients must leave every request answered within the
 (a 200 with the cold greedy tokens, or a clean 5xx / SSE error), the mesh serving again
 within 10 s from the kill, every process on the NEXT server of its list (not back on the
 restarted first one: failover, not waiting out a restart), and the killed member restarted
-by the supervisor and routed again. The oracle: answers before and after the failover equal
-a cold in-process float64 run of the same prompts.
+by the supervisor and routed again; then the same for the second server (the list is walked
+on), and once in a P/D mesh (KV frames and ACKs on the bus). The oracle: answers before and
+after the failover equal a cold in-process float64 run of the same prompts. The cluster
+alone: a TLS cluster (client and route TLS) fails over, and a server with a wrong route
+password never joins.
 """
 
 from __future__ import annotations
@@ -163,11 +166,12 @@ async def _kill_connected(
     successor: int,
     expected: dict[Req, tuple[int, ...]],
     fresh_tokens: tuple[int, ...],
+    clients: tuple[str, ...] = MESH_CLIENTS,
 ) -> None:
     """SIGKILL member `victim` (every process connected to it) under 8 clients: every
     answer clean, served again within the bound, every process on `successor`, `victim`
     restarted and routed again."""
-    assert {n: connected(mesh).get(n) for n in MESH_CLIENTS} == dict.fromkeys(MESH_CLIENTS, victim)
+    assert {n: connected(mesh).get(n) for n in clients} == dict.fromkeys(clients, victim)
     pid, mon = members(mesh)[victim]
     async with Load(mesh.url, workload(), expected) as load, aiohttp.ClientSession() as http:
         await load.wait_answers(8)
@@ -188,12 +192,31 @@ async def _kill_connected(
     assert recovered_s < RECOVERY_BOUND_S
     # failed over to the next server of the list, not back to the restarted victim
     where = connected(mesh)
-    assert {n: where.get(n) for n in MESH_CLIENTS} == dict.fromkeys(MESH_CLIENTS, successor)
+    assert {n: where.get(n) for n in clients} == dict.fromkeys(clients, successor)
     # the supervisor restarted the lost member on its ports, and it rejoined the cluster
     await wait_for(lambda: members(mesh).get(victim, (pid,))[0] != pid, 15, "member restart")
     await wait_for(
         lambda: route_peers(f"http://127.0.0.1:{mon}") == SERVERS - 1, 15, "the member's routes"
     )
+
+
+@pytest.fixture(scope="module")
+def pd_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpMesh]:
+    spec = MeshSpec(pd=True, extra=("--nats-cluster", str(SERVERS)))
+    with running_mesh(spec, tmp_path_factory, "nats-cluster-pd") as m:
+        yield m
+
+
+async def test_pd_survives_losing_the_connected_server(
+    pd_mesh: UpMesh, cold: dict[Req, tuple[int, ...]]
+) -> None:
+    """P/D (KV frames and their ACKs on the bus): the same failover, the same oracle."""
+    expected = {r: cold[r] for r in workload()}
+    await full_round(pd_mesh.url, expected)
+    first, second = url_list(pd_mesh)[:2]
+    names = ("hicache-router", "hicache-index", "engine-prefill-0", "engine-decode-0")
+    await _kill_connected(pd_mesh, first, second, expected, cold[FRESH], names)
+    await full_round(pd_mesh.url, expected)
 
 
 # ------------------------------------------------------------------ the cluster alone
