@@ -301,3 +301,29 @@ def _intruder(cluster: NatsCluster, tmp: Path, password: str) -> subprocess.Pope
     block = wrong.block(0).replace(f':{cluster.route_ports[0]}"', f':{route_port}"', 1)
     argv = nats_argv(port, str(workdir), tls=cluster.tls, cluster=block)
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_reconnects_walk_the_list_never_the_lost_server_first() -> None:
+    """`next_server`: the lost server is tried after the others, at once while one has not
+    been tried; a failed attempt counts against its server; with one server, the wait is
+    the backoff (as before a cluster)."""
+    from urllib.parse import urlparse
+
+    from nats.aio.client import Server
+
+    from bus_schemas.connection import Backoff, next_server
+
+    def pool(*reconnects: int) -> list[Server]:
+        return [Server(urlparse(f"nats://h{i}:4222"), n) for i, n in enumerate(reconnects)]
+
+    backoff = Backoff(0.1, 5.0)
+    chosen, wait = next_server(pool(0, 0, 0), "h0:4222", backoff)
+    assert (chosen.uri.netloc, wait) == ("h1:4222", 0.0)  # the next, at once
+    chosen, wait = next_server(pool(0, 1, 0), "h1:4222", backoff)
+    assert (chosen.uri.netloc, wait) == ("h0:4222", 0.0)  # walks around the list
+    chosen, wait = next_server(pool(0, 1, 1), "h0:4222", backoff)
+    assert (chosen.uri.netloc, wait) == ("h0:4222", 0.1)  # every other one failed
+    chosen, wait = next_server(pool(2, 1, 1), "h0:4222", backoff)
+    assert (chosen.uri.netloc, wait) == ("h1:4222", 0.2)  # fewest failures, backing off
+    chosen, wait = next_server(pool(0), "h0:4222", backoff)
+    assert (chosen.uri.netloc, wait) == ("h0:4222", 0.1)  # one server: as before
