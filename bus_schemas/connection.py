@@ -189,6 +189,40 @@ def server_list(url: str) -> list[str]:
     return servers
 
 
+class NatsUrls(argparse.Action):
+    """`--nats-url`: one server, a comma-separated list, or the flag repeated (a NATS
+    cluster); the value is the comma-separated list of every server given, in order (the
+    first given replaces the default)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        try:
+            given = server_list(str(values))
+        except ValueError as e:
+            parser.error(f"{option_string}: {e}")
+        current = getattr(namespace, self.dest, None)
+        earlier = [] if current is None or current is self.default else server_list(current)
+        setattr(namespace, self.dest, ",".join(earlier + given))
+
+
+def add_nats_url_arg(parser: argparse.ArgumentParser, default: str | None, help: str = "") -> None:
+    """The `--nats-url` flag every process on the bus takes (`NatsUrls`)."""
+    parser.add_argument(
+        "--nats-url",
+        action=NatsUrls,
+        default=default,
+        metavar="URL[,URL...]",
+        help=help
+        or "the NATS server, or the servers of a NATS cluster: comma-separated or the flag "
+        "repeated; connects to the first that answers, fails over to the others in order",
+    )
+
+
 async def wait_for_server(url: str, backoff: Backoff, log: logging.Logger) -> None:
     """Return once a TCP connect to one of `url`'s servers succeeds; one log line per failed
     round."""
@@ -232,22 +266,55 @@ async def connect_nats(
     over TLS verified against `tls_ca_file` when given (raises TLSConfigError at once for a
     CA file that cannot be read).
 
+    A cluster (`url` lists several servers): the client connects to the first server that
+    answers, in the order given (no shuffle: a mesh whose processes share one server keeps
+    its traffic off the routes; an operator spreads load by listing servers in another order
+    per process), and on losing it fails over at once to the next one (`next_server`).
+
     `options` go to `nats.connect` (error_cb, disconnected_cb, reconnected_cb, ...).
     """
+    nc: NATS | None = None
+    last = ""  # the server connected to last (netloc): during a reconnect, the one lost
+    callback = options.pop("reconnected_cb", None)
 
-    def next_server(servers: list[Server], _info: dict[str, Any]) -> tuple[None, float]:
-        tries = max((s.reconnects for s in servers), default=0)
-        return None, backoff.delay(tries)
+    def remember() -> None:
+        nonlocal last
+        if nc is not None and nc.connected_url is not None:
+            last = nc.connected_url.netloc
+
+    async def reconnected() -> None:
+        remember()
+        if callback is not None:
+            await callback()
 
     if tls_ca_file is not None:
         tls_context(tls_ca_file)  # a bad file is an error now, not a retry forever
     await wait_for_server(url, backoff, log)
-    return await open_nats(
+    options.setdefault("dont_randomize", True)
+    nc = await open_nats(
         server_list(url),
         credentials=credentials,
         tls_ca_file=tls_ca_file,
         name=name,
         max_reconnect_attempts=-1,
-        reconnect_to_server_handler=next_server,
+        reconnect_to_server_handler=lambda pool, _info: next_server(pool, last, backoff),
+        reconnected_cb=reconnected,
         **options,
     )
+    remember()
+    return nc
+
+
+def next_server(pool: list[Server], lost: str, backoff: Backoff) -> tuple[Server, float]:
+    """The server a reconnect tries next, and the wait before: the one with the fewest failed
+    attempts, the server just lost (netloc `lost`) last among equals, then in list order.
+
+    nats.py calls this before every attempt and, given no server, retries the pool's FIRST
+    server forever: a client listing a dead server first would never fail over. Here a
+    failed attempt counts against its server, so the next attempt goes to another one; a
+    server never tried since the loss is tried at once, one already tried after
+    `backoff.delay(its failures)` (a single server: as before, 0.1 s, then doubling)."""
+    best = min(range(len(pool)), key=lambda i: (pool[i].reconnects, pool[i].uri.netloc == lost, i))
+    chosen = pool[best]
+    fresh = chosen.reconnects == 0 and chosen.uri.netloc != lost
+    return chosen, 0.0 if fresh else backoff.delay(chosen.reconnects)

@@ -29,7 +29,13 @@ from typing import Any
 
 from aiohttp import web
 
-from bus_schemas.connection import Credentials, add_tls_args, read_credentials, tls_ca_file
+from bus_schemas.connection import (
+    Credentials,
+    add_nats_url_arg,
+    add_tls_args,
+    read_credentials,
+    tls_ca_file,
+)
 from router.app import init
 from router.auth import PROBE_AUTH, load_tenant_keys
 from router.buckets import DEFAULT, parse_bucket
@@ -56,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    add_nats_url_arg(p, "nats://127.0.0.1:4222")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument(
         "--nats-credentials",

@@ -30,7 +30,7 @@ from router.errors import ApiError, bad_request
 from router.generation import Generation
 from router.models import ServedModel
 from router.outcome import Timings
-from router.probes import health, models, prometheus, ready, unavailable
+from router.probes import bus_settled, health, models, prometheus, ready, unavailable
 from router.protocol import (
     CHARS_PER_TOKEN,
     MAX_SEED,
@@ -111,9 +111,11 @@ async def _serve(request: web.Request, endpoint: str, parse: Parser) -> web.Stre
 
     try:
         body = await read_json(request)
+        await bus_settled(app)
         model = _served_model(app, body)
         encoded = await _encode(app, endpoint, body, model)
         spec = _tenancy(request, _seeded(parse(body, model, config.max_stop_strings, encoded)))
+        await bus_settled(app)  # again: the bus may have been lost while tokenizing
         choices = _choices(app, spec, model, timings)
     except ApiError as e:
         if body is None:

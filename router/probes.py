@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from aiohttp import web
@@ -15,6 +16,7 @@ from router.readiness import bucket_readiness
 
 REDIS_DOWN = "redis is down: cache-aware routing is off, routing by load"
 BUS_DOWN = "message bus (NATS) unavailable"
+BUS_FAILOVER_WAIT_S = 0.5  # a NATS cluster's failover takes milliseconds: wait that out
 
 
 async def models(request: web.Request) -> web.Response:
@@ -88,6 +90,18 @@ def _ready(app: web.Application, engines: list[EngineView]) -> list[EngineView]:
     """The engines whose model card the router holds (it can parse requests for them)."""
     cards = app[keys.MODELS]
     return [e for e in engines if cards.get(e.card_digest) is not None]
+
+
+async def bus_settled(app: web.Application) -> None:
+    """Return at once with NATS connected; while it is reconnecting (its server was lost: a
+    cluster's client moves to the next server in milliseconds), once it is back or after
+    `BUS_FAILOVER_WAIT_S`, whichever is first: a request that arrives during a failover is
+    served, not refused (a lone server's restart still answers 503 after the wait)."""
+    nc = app[keys.NATS]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + BUS_FAILOVER_WAIT_S
+    while nc.is_reconnecting and loop.time() < deadline:
+        await asyncio.sleep(0.005)
 
 
 def unavailable(app: web.Application, bucket: str) -> ApiError:

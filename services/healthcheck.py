@@ -7,8 +7,9 @@ The image (python:3.11-slim) has no curl or wget, so compose healthchecks run th
         NATS_URL ENGINE_ID
         # answers a stats request (as the engine's own NATS user where the bus has users:
         # an engine may ask itself for stats)
-    python -m services.healthcheck nats-client MONITOR_URL NAME
-        # a client named NAME is connected to NATS (the index: it serves no request)
+    python -m services.healthcheck nats-client MONITOR_URL[,MONITOR_URL...] NAME
+        # a client named NAME is connected to NATS (the index: it serves no request); a
+        # cluster: to any of its members
 
 Exit 0 when healthy, 1 when not (with one line saying why on stderr), 2 on bad usage.
 """
@@ -45,16 +46,22 @@ def check_http(url: str, timeout_s: float) -> str | None:
 
 
 def check_nats_client(monitor_url: str, name: str, timeout_s: float) -> str | None:
-    """None when nats-server's monitoring endpoint lists a connection named `name`."""
-    url = f"{monitor_url.rstrip('/')}/connz?limit=100000"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            conns = json.loads(resp.read()).get("connections") or []
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        return f"{url}: {e}"
-    if any(c.get("name") == name for c in conns):
-        return None
-    return f"no NATS client named {name!r}"
+    """None when nats-server's monitoring endpoint lists a connection named `name`; with
+    several comma-separated endpoints (a NATS cluster: the client may be on any member),
+    when one of them does."""
+    why = []
+    for monitor in server_list(monitor_url):
+        url = f"{monitor.rstrip('/')}/connz?limit=100000"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+                conns = json.loads(resp.read()).get("connections") or []
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            why.append(f"{url}: {e}")
+            continue
+        if any(c.get("name") == name for c in conns):
+            return None
+        why.append(f"no NATS client named {name!r} at {monitor}")
+    return "; ".join(why)
 
 
 async def check_engine(

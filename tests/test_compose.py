@@ -21,6 +21,7 @@ import importlib
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from fake_engine import FakeEngine
 
 from services.launch.servers import (
     ServerProcess,
+    find_nats_server,
     free_port,
     identify_nats,
     nats_argv,
@@ -490,3 +492,67 @@ async def test_healthcheck_probes_against_real_servers(monitored_nats: tuple[str
     assert named.returncode == 0, named.stderr
     assert answered.returncode == 0, answered.stderr
     assert engine.stats_requests == 1
+
+
+# ---------------------------------------------------------------- the NATS cluster variant
+
+CLUSTER_FILE = ROOT / "compose" / "docker-compose.nats-cluster.yml"
+
+
+def test_nats_cluster_compose_gives_every_process_every_member() -> None:
+    svc = services(CLUSTER_FILE)
+    members = [n for n, s in svc.items() if s.get("image", "").startswith("nats:")]
+    assert members == ["nats", "nats-1", "nats-2"]
+    for name in members:  # the same config, users and routes on each; its own name
+        cmd = svc[name]["command"]
+        assert svc[name]["volumes"] == ["./nats-cluster.conf:/etc/nats/nats.conf:ro"]
+        assert cmd[cmd.index("--cluster") + 1] == "nats://0.0.0.0:6222"
+        assert cmd[cmd.index("--server_name") + 1] == name
+        targets = {s["source"]: s["target"] for s in svc[name]["secrets"]}
+        assert targets == {
+            "nats-auth": "/etc/nats/auth.conf",
+            "nats-routes": "/etc/nats/routes.conf",
+        }
+    urls = ",".join(f"nats://{m}:4222" for m in members)
+    for name, module, argv in python_services(CLUSTER_FILE):
+        assert argv[argv.index("--nats-url") + 1] == urls, (name, module)
+    for name in ("engine-0", "engine-1"):
+        assert urls in svc[name]["healthcheck"]["test"]
+    monitors = ",".join(f"http://{m}:8222" for m in members)
+    assert svc["index"]["healthcheck"]["test"][-2:] == [monitors, "hicache-index"]
+
+
+def test_nats_cluster_compose_config_forms_a_cluster(tmp_path: Path) -> None:
+    """compose/nats-cluster.conf with the routes file the generator writes, run as the
+    compose members run (`--cluster` per member; here on loopback ports): every member
+    routes to both others, and the generator's file is private."""
+    from services.launch.nats_cluster import route_peers
+
+    ports = [free_port() for _ in range(9)]
+    client, route, monitor = ports[:3], ports[3:6], ports[6:]
+    routes = ",".join(f"127.0.0.1:{p}" for p in route)
+    gen = [sys.executable, "-m", "services.launch.nats_cluster", str(tmp_path), "--routes", routes]
+    done = subprocess.run(gen, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "nats-routes.conf").stat().st_mode & 0o777 == 0o600
+    (tmp_path / "routes.conf").write_bytes((tmp_path / "nats-routes.conf").read_bytes())
+    (tmp_path / "auth.conf").write_text("")  # the users: not what this test is about
+    conf = tmp_path / "nats.conf"
+    conf.write_text((ROOT / "compose" / "nats-cluster.conf").read_text())
+    nats_server = find_nats_server()
+    procs = []
+    for i, (c, r, m) in enumerate(zip(client, route, monitor, strict=True)):
+        argv = [nats_server, "-c", str(conf), "-a", "127.0.0.1", "-p", str(c), "-m", str(m)]
+        argv += ["--cluster", f"nats://127.0.0.1:{r}", "--server_name", f"n{i}"]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        deadline = time.monotonic() + 15
+        while any(route_peers(f"http://127.0.0.1:{m}") != 2 for m in monitor):
+            assert time.monotonic() < deadline, "the compose cluster config formed no cluster"
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+    again = subprocess.run(gen, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert again.returncode == 1 and "--force" in again.stderr  # never overwritten silently

@@ -22,7 +22,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from bus_schemas.connection import add_tls_args, read_credentials, tls_ca_file
+from bus_schemas.connection import add_nats_url_arg, add_tls_args, read_credentials, tls_ca_file
 from services.engine.config import engine_config_from_args, node_layout_from_args
 from services.engine.flags import add_engine_args, add_node_args, add_pd_transfer_args
 from services.engine.pd import PDConfig
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.engine", description=__doc__)
     parser.add_argument("--engine-id", required=True, help="unique id: letters, digits, - and _")
     parser.add_argument("--bucket", default="default")
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    add_nats_url_arg(parser, "nats://127.0.0.1:4222")
     parser.add_argument(
         "--nats-credentials",
         default=None,

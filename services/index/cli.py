@@ -11,7 +11,13 @@ import sys
 
 import nats.errors
 
-from bus_schemas.connection import Credentials, add_tls_args, read_credentials, tls_ca_file
+from bus_schemas.connection import (
+    Credentials,
+    add_nats_url_arg,
+    add_tls_args,
+    read_credentials,
+    tls_ca_file,
+)
 from services.index.config import IndexConfig
 from services.index.service import IndexService
 
@@ -24,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The index service: KV events and heartbeats from NATS -> Redis.",
     )
     defaults = IndexConfig()
-    parser.add_argument("--nats-url", default=defaults.nats_url)
+    add_nats_url_arg(parser, defaults.nats_url)
     parser.add_argument("--redis-url", default=defaults.redis_url)
     parser.add_argument(
         "--nats-credentials",

@@ -89,8 +89,9 @@ def wait_for_port(
     proc: subprocess.Popen[bytes],
     timeout_s: float = 15.0,
     identify: Identify | None = None,
+    host: str = "127.0.0.1",
 ) -> None:
-    """Block until `proc` serves on 127.0.0.1:`port`. With `identify`, a listener that is not
+    """Block until `proc` serves on `host`:`port`. With `identify`, a listener that is not
     `proc` raises PortTakenError instead of passing for it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -98,7 +99,7 @@ def wait_for_port(
             raise RuntimeError(f"server exited with code {proc.returncode} before listening")
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.settimeout(0.2)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex((host, port)) == 0:
                 s.settimeout(2.0)
                 answer = True if identify is None else _identified(identify, s)
                 if answer:
@@ -106,11 +107,11 @@ def wait_for_port(
                 if answer is None:  # slow to answer (a loaded machine): ask again
                     continue
                 raise PortTakenError(
-                    f"127.0.0.1:{port} answers, but not as the server just started "
+                    f"{host}:{port} answers, but not as the server just started "
                     f"(pid {proc.pid}): another process holds the port"
                 )
         time.sleep(0.02)
-    raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout_s}s")
+    raise TimeoutError(f"nothing listened on {host}:{port} within {timeout_s}s")
 
 
 def _identified(identify: Identify, conn: socket.socket) -> bool | None:
@@ -221,13 +222,14 @@ class ServerKind:
     url: str  # format string of the port
     identify: Callable[[str, subprocess.Popen[bytes]], Identify]  # (workdir, proc)
     exit_hint: str = ""  # why the server may exit before listening, for the error
+    host: str = "127.0.0.1"  # where it listens (the readiness probe connects there)
 
     def ready(self, port: int, workdir: str) -> Callable[[subprocess.Popen[bytes]], None]:
         """The check that a just-started `proc` serves on `port` (and is what answers)."""
 
         def check(proc: subprocess.Popen[bytes]) -> None:
             try:
-                wait_for_port(port, proc, identify=self.identify(workdir, proc))
+                wait_for_port(port, proc, identify=self.identify(workdir, proc), host=self.host)
             except PortTakenError:
                 raise
             except RuntimeError as e:
@@ -269,17 +271,21 @@ def nats_argv(
     max_payload: int = NATS_MAX_PAYLOAD,
     authorization: str = "",
     tls: ServerTLS | None = None,
+    cluster: str = "",
+    host: str = "127.0.0.1",
 ) -> list[str]:
     """The nats-server command line (writes its config file into `workdir`, mode 0600:
     `authorization`, a config block of users and their permissions, holds passwords; with
-    `tls`, clients must connect over TLS)."""
+    `tls`, clients must connect over TLS; `cluster`: a `cluster {}` block, see
+    `nats_cluster.NatsCluster.block`), listening on `host`."""
     conf = Path(workdir) / "nats.conf"
     fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(f"max_payload: {max_payload}\nserver_name: {nats_server_name(workdir)}\n")
         f.write(authorization)
         f.write("" if tls is None else nats_tls_block(tls))
-    argv = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-c", str(conf)]
+        f.write(cluster)
+    argv = [find_nats_server(), "-a", host, "-p", str(port), "-c", str(conf)]
     if monitor_port is not None:
         argv += ["-m", str(monitor_port)]
     return argv

@@ -111,7 +111,7 @@ def make_tls(root: Path, hosts: Sequence[str] = LOOPBACK_HOSTS, days: int = DAYS
             f"subjectAltName={san}\n"
             "basicConstraints=critical,CA:FALSE\n"
             "keyUsage=critical,digitalSignature,keyEncipherment\n"
-            "extendedKeyUsage=serverAuth\n"
+            "extendedKeyUsage=serverAuth,clientAuth\n"  # clientAuth: NATS cluster routes (mutual TLS)
             "subjectKeyIdentifier=hash\n"
             "authorityKeyIdentifier=keyid\n"
         )

@@ -39,6 +39,7 @@ from services.engine.flags import engine_argv, pd_transfer_argv
 from services.launch import credentials as creds
 from services.launch import tls as tls_files
 from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
+from services.launch.nats_cluster import NatsCluster, wait_for_routes
 from services.launch.readiness import StartupStopped, wait_ready
 from services.launch.router_flags import router_flags_argv
 from services.launch.servers import ServerKind, free_port, nats_kind, redis_kind
@@ -95,6 +96,10 @@ class Mesh:
                 f"--heartbeat-interval: engines show their progress on a request once per "
                 "heartbeat interval"
             )
+        if getattr(args, "nats_cluster", 1) < 1:
+            raise ValueError(f"--nats-cluster must be at least 1, got {args.nats_cluster}")
+        if getattr(args, "nats_cluster", 1) > 1 and args.nats_url:
+            raise ValueError("--nats-cluster starts servers: give it or --nats-url, not both")
         if args.api_key and args.api_key_file:
             raise ValueError("give the API key once: --api-key or --api-key-file, not both")
         self.declared = bool(declared)  # else one bucket "default" of the shared flags
@@ -131,7 +136,7 @@ class Mesh:
         url = f"http://{a.host}:{a.port}"
         self.supervisor.extra_status["url"] = url
         self.supervisor.extra_status["credentials_dir"] = str(self.creds_dir)
-        nats_url = a.nats_url or self.start_server(self.nats)
+        nats_url = a.nats_url or self.start_nats()
         redis_url = a.redis_url or self.start_server(self.redis)
         py = sys.executable
         index = [py, "-m", "services.index", "--nats-url", nats_url, "--redis-url", redis_url]
@@ -149,10 +154,11 @@ class Mesh:
         self._wait_healthy(url, a.startup_timeout, stopping)
         return url
 
-    def start_server(self, kind: ServerKind) -> str:
-        """Start nats/redis on a free port that stays its port across restarts."""
-        port = self.hooks.free_port(self._ports)  # not the router's, nor the other server's
-        self._ports.add(port)
+    def start_server(self, kind: ServerKind, port: int | None = None) -> str:
+        """Start nats/redis on `port` or a free port, which stays its port across restarts."""
+        if port is None:
+            port = self.hooks.free_port(self._ports)  # not the router's, nor another server's
+            self._ports.add(port)
         workdir = Path(self.workdir.name) / kind.name
         workdir.mkdir()
         url = kind.url.format(port)
@@ -160,6 +166,23 @@ class Mesh:
         argv, ready = kind.argv(port, str(workdir)), kind.ready(port, str(workdir))
         self._start_child(ChildSpec(kind.name, argv, SERVER_TIER, port, ready, quiet=True))
         return url
+
+    def start_nats(self) -> str:
+        """One nats-server, or with `--nats-cluster N` N of them clustered (`NatsCluster`):
+        children `nats-0`..`nats-{N-1}`, each restarted on its own ports; the URL list."""
+        n = getattr(self.args, "nats_cluster", 1)
+        if n == 1:
+            return self.start_server(self.nats)
+        cluster = NatsCluster.plan(n, self.nats, tls=self.tls, free_port=self.hooks.free_port,
+                                   avoid=self._ports)  # fmt: skip
+        self._ports.update(cluster.ports + cluster.route_ports + cluster.monitor_ports)
+        for i, port in enumerate(cluster.ports):
+            self.start_server(cluster.member(i), port)
+        wait_for_routes(cluster)
+        self.supervisor.extra_status["nats_url"] = cluster.url()
+        monitors = [cluster.monitor_url(i) for i in range(n)]
+        self.supervisor.extra_status["nats_monitor_urls"] = monitors
+        return cluster.url()
 
     def router_argv(self, nats_url: str, redis_url: str) -> list[str]:
         a = self.args

@@ -7,6 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
+from bus_schemas.connection import add_nats_url_arg
 from services.engine.flags import add_engine_args, add_pd_transfer_args
 from services.launch.router_flags import add_router_flags
 from services.launch.servers import NATS_MAX_PAYLOAD
@@ -16,7 +17,11 @@ from services.launch.supervisor import RestartPolicy
 def add_up_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
+    add_nats_url_arg(
+        parser,
+        None,
+        "use this NATS (or these servers of a NATS cluster: comma-separated or repeated) instead of starting one",
+    )
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     parser.add_argument(
         "--credentials-dir",
@@ -64,6 +69,15 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="device KV pool of decode engines (default: --max-total-tokens)",
+    )
+    parser.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=1,
+        metavar="N",
+        help="start N nats-servers clustered with routes (N >= 2; 1: one server): the same "
+        "users, permissions and TLS on each, routes authenticated (and over TLS with --tls); "
+        "every child gets all N URLs and fails over between them",
     )
     parser.add_argument(
         "--nats-max-payload",
