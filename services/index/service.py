@@ -45,6 +45,7 @@ import logging
 
 import nats
 import nats.errors
+import redis.asyncio as aioredis
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from redis.exceptions import RedisError
@@ -59,7 +60,7 @@ from services.index.config import IndexConfig, IndexStats
 from services.index.lanes import EngineLanes
 from services.index.maintenance import Maintenance, RedisHealth
 from services.index.records import EngineRecords
-from services.index.store import IndexStore, connect
+from services.index.store import IndexStore, connect, connect_sentinel
 
 log = logging.getLogger("hicache.index")
 
@@ -86,11 +87,7 @@ class IndexService:
     async def start(self) -> None:
         """Connect, subscribe, start maintenance. Raises if NATS cannot be reached."""
         cfg = self.config
-        self._store = IndexStore(
-            connect(
-                cfg.redis_url, cfg.redis_timeout_s, cfg.redis_credentials, cfg.redis_tls_ca_file
-            )
-        )
+        self._store = IndexStore(self._redis_client())
         self._records = EngineRecords(cfg, self.stats, self._store, self._publish)
         self._maintenance = Maintenance(
             cfg, self.stats, self._store, self._records, self._lanes, self._health
@@ -111,7 +108,27 @@ class IndexService:
         await self._nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         await self._nc.flush()
         self._maintenance.start()
-        log.info("index ready (nats %s, redis %s)", cfg.nats_url, cfg.redis_url)
+        where = cfg.redis_url
+        if cfg.redis_sentinels:
+            where = f"primary {cfg.redis_sentinel_master!r} of sentinels {cfg.redis_sentinels}"
+        log.info("index ready (nats %s, redis %s)", cfg.nats_url, where)
+
+    def _redis_client(self) -> aioredis.Redis:
+        """The Redis client: of the primary Sentinel names, or of `redis_url`'s server."""
+        cfg = self.config
+        if cfg.redis_sentinels:
+            return connect_sentinel(
+                cfg.redis_url,
+                cfg.redis_sentinels,
+                cfg.redis_sentinel_master,
+                cfg.redis_timeout_s,
+                cfg.redis_credentials,
+                cfg.redis_sentinel_credentials,
+                cfg.redis_tls_ca_file,
+            )
+        return connect(
+            cfg.redis_url, cfg.redis_timeout_s, cfg.redis_credentials, cfg.redis_tls_ca_file
+        )
 
     async def stop(self) -> None:
         """Stop maintenance, drain NATS, finish the work already queued, close Redis."""

@@ -47,6 +47,9 @@ from bus_schemas.connection import (
 )
 
 ROUTER, INDEX = "router", "index"
+# with replicas (`up --redis-replicas`): the users replicas and sentinels log in as on the data
+# nodes, and the password the sentinels require of everyone (their user `default`)
+REPLICA, SENTINEL, SENTINELS = "replica", "sentinel", "sentinels"
 MODES = ("colocated", "prefill", "decode")
 NATS_AUTH_FILE = "nats-auth.conf"
 REDIS_ACL_FILE = "redis-users.acl"
@@ -137,14 +140,20 @@ class MeshCredentials:
     engines: tuple[EngineGrant, ...]
 
     @classmethod
-    def fresh(cls, engines: Sequence[EngineGrant]) -> MeshCredentials:
+    def fresh(cls, engines: Sequence[EngineGrant], replicated: bool = False) -> MeshCredentials:
+        """New credentials; `replicated`: also those of a replicated Redis with Sentinel."""
+
         def new(user: str) -> Credentials:
             return Credentials(user, secrets.token_urlsafe(PASSWORD_BYTES))
 
         users = [ROUTER, INDEX, *(engine_user(e.engine_id) for e in engines)]
         if len(set(users)) != len(users):
             raise ValueError("engine ids must be distinct")
-        return cls({u: new(u) for u in users}, {u: new(u) for u in (ROUTER, INDEX)}, tuple(engines))
+        redis = {u: new(u) for u in (ROUTER, INDEX)}
+        if replicated:
+            redis |= {u: new(u) for u in (REPLICA, SENTINEL)}
+            redis[SENTINELS] = Credentials("default", new(SENTINELS).password)
+        return cls({u: new(u) for u in users}, redis, tuple(engines))
 
     def nats_file(self, root: Path, user: str) -> Path:
         return root / "nats" / user
@@ -184,13 +193,25 @@ class MeshCredentials:
         def digest(user: str) -> str:
             return "#" + hashlib.sha256(self.redis[user].password.encode()).hexdigest()
 
-        router_reads = "+ping +select +evalsha +script|load +exists +hget +hgetall"
-        return (
+        # +get +info: the router reads the index's resync marker and the server's run id
+        router_reads = "+ping +select +evalsha +script|load +exists +hget +hgetall +get +info"
+        acl = (
             "user default off resetkeys resetchannels -@all\n"
             f"user {INDEX} on {digest(INDEX)} resetchannels ~hc:* "
             "+@all -@admin -@dangerous +info\n"
             f"user {ROUTER} on {digest(ROUTER)} resetchannels %R~hc:* -@all {router_reads}\n"
         )
+        if REPLICA in self.redis:  # a replica's link to its primary
+            acl += (
+                f"user {REPLICA} on {digest(REPLICA)} resetchannels -@all +psync +replconf +ping\n"
+            )
+        if SENTINEL in self.redis:  # what a sentinel needs of the nodes it watches
+            acl += (
+                f"user {SENTINEL} on {digest(SENTINEL)} resetchannels &__sentinel__:hello "
+                "-@all +multi +slaveof +replicaof +ping +exec +subscribe +config|rewrite +role "
+                "+publish +info +client|setname +client|kill +script|kill\n"
+            )
+        return acl
 
 
 def load(root: Path, engines: Iterable[EngineGrant]) -> MeshCredentials:
@@ -198,9 +219,11 @@ def load(root: Path, engines: Iterable[EngineGrant]) -> MeshCredentials:
     CredentialsError naming a missing or unsafe file."""
     grants = tuple(engines)
     nats_users = [ROUTER, INDEX, *(engine_user(e.engine_id) for e in grants)]
+    redis_users = [ROUTER, INDEX]
+    redis_users += [u for u in (REPLICA, SENTINEL, SENTINELS) if (root / "redis" / u).exists()]
     return MeshCredentials(
         {u: read_credentials(root / "nats" / u) for u in nats_users},
-        {u: read_credentials(root / "redis" / u) for u in (ROUTER, INDEX)},
+        {u: read_credentials(root / "redis" / u) for u in redis_users},
         grants,
     )
 
@@ -240,6 +263,13 @@ def add_credentials_args(parser: argparse.ArgumentParser) -> None:
         "--force", action="store_true", help="overwrite credentials already in DIR (rotate)"
     )
     parser.add_argument(
+        "--redis-replicas",
+        action="store_true",
+        help="also the credentials of a replicated Redis with Sentinel: the users replicas "
+        "and sentinels log in as (in the ACL file) and the sentinels' password "
+        "(redis/sentinels)",
+    )
+    parser.add_argument(
         "--tls-hosts",
         default=None,
         metavar="HOST,...",
@@ -257,7 +287,7 @@ def run_credentials(args: argparse.Namespace) -> int:
             raise ValueError("--engines names no engine")
         if (args.dir / NATS_AUTH_FILE).exists() and not args.force:
             raise ValueError(f"{args.dir} already holds credentials: --force replaces them")
-        creds = MeshCredentials.fresh(grants)
+        creds = MeshCredentials.fresh(grants, replicated=args.redis_replicas)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,257 @@
+"""A replicated index (issue 24, build 2): `up --redis-replicas 1` runs a Valkey primary, a
+replica and 3 sentinels; the index and the router find the primary through Sentinel.
+
+One mesh (nats-server, the Sentinel set, index, router, 2 tiny engines), one scenario:
+- a prompt A is cached on one engine E, and its index entries have reached the replica;
+- the index is stopped (SIGSTOP) and every engine flushes its cache: the removals are on
+  the bus, not in Redis. Then, under load, the primary is killed: Sentinel promotes the
+  replica, which lists A's pages for E although E no longer holds them;
+- while the index has not resynced, the router reads a Redis whose `INDEX_SYNCED` marker
+  names another server: it routes by load (`index_resync`), so A is never predicted as
+  cached on E (`prefix_predictions{result="over"}` stays 0: a stale score would predict
+  A's prefix and E would deliver none);
+- the index resumes, re-fences and resyncs from snapshots, marks the new primary, and
+  routing by prefix comes back: A, cached again, is predicted exactly;
+- no request of the load fails, and every answer has the tokens of the cold run;
+- the killed primary, restarted by `up`'s supervisor, comes back as a replica of the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from bus_helpers import credentials_of
+from fault_helpers import (
+    Load,
+    MeshSpec,
+    Req,
+    UpMesh,
+    baseline,
+    body_of,
+    prompts,
+    running_mesh,
+    workload,
+)
+from redis.exceptions import RedisError
+
+from bus_schemas import redis_keys as rk
+from bus_schemas.sentinel import DEFAULT_MASTER, INDEX_SYNCED
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT_A = Req(prompts(12)[11], 4, False)  # shares no page with the load's prompts
+
+
+@pytest.fixture(scope="module")
+def status_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sentinel") / "status.json"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, status_file: Path) -> Iterator[UpMesh]:
+    spec = MeshSpec(extra=("--redis-replicas", "1", "--status-file", str(status_file)))
+    with running_mesh(spec, tmp_path_factory, "sentinel") as m:
+        yield m
+
+
+def children(status_file: Path) -> dict[str, dict[str, Any]]:
+    return dict(json.loads(status_file.read_text())["children"])
+
+
+class Set:
+    """The test's view of the Sentinel set: the index's Redis user on each node, the
+    sentinels' password on sentinel 1."""
+
+    def __init__(self, mesh: UpMesh, status_file: Path) -> None:
+        self.status_file = status_file
+        self.index_creds = credentials_of(mesh.credentials_dir(), "redis", "index")
+        sentinel_creds = credentials_of(mesh.credentials_dir(), "redis", "sentinels")
+        port = children(status_file)["redis-sentinel-1"]["port"]
+        self.sentinel = aioredis.Redis(
+            port=port,
+            username=sentinel_creds.user,
+            password=sentinel_creds.password,
+            decode_responses=True,
+        )
+        self.nodes: dict[int, aioredis.Redis] = {}
+
+    def node(self, port: int) -> aioredis.Redis:
+        if port not in self.nodes:
+            self.nodes[port] = aioredis.Redis(
+                port=port,
+                username=self.index_creds.user,
+                password=self.index_creds.password,
+                decode_responses=True,
+                socket_timeout=1.0,
+            )
+        return self.nodes[port]
+
+    async def primary_port(self) -> int:
+        _host, port = await self.sentinel.execute_command(
+            "SENTINEL", "get-master-addr-by-name", DEFAULT_MASTER
+        )
+        return int(port)
+
+    async def aclose(self) -> None:
+        await self.sentinel.aclose()
+        for client in self.nodes.values():
+            await client.aclose()
+
+
+@pytest.fixture
+async def sentinel_set(mesh: UpMesh, status_file: Path) -> AsyncIterator[Set]:
+    s = Set(mesh, status_file)
+    yield s
+    await s.aclose()
+
+
+async def metric(http: aiohttp.ClientSession, url: str, name: str, label: str) -> float:
+    async with http.get(f"{url}/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        plain = not label and line.startswith(f"{name} ")  # a counter without labels
+        if plain or (line.startswith(f"{name}{{") and f'"{label}"' in line):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+COLD_A: list[tuple[int, ...]] = []  # A's greedy tokens on its first (cold) send
+
+
+async def send_a(http: aiohttp.ClientSession, url: str) -> int:
+    """A, plain: the cached tokens the engine reports. Its tokens must be the cold run's."""
+    async with http.post(f"{url}/v1/completions", json=body_of(PROMPT_A)) as r:
+        assert r.status == 200, await r.text()
+        data = await r.json()
+    tokens = tuple(data["choices"][0]["token_ids"])
+    if not COLD_A:
+        COLD_A.append(tokens)
+    assert tokens == COLD_A[0], "a cache hit changed A's output"
+    return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def until(check: Any, timeout_s: float, what: str, step_s: float = 0.1) -> float:
+    """Poll the coroutine function `check` until it returns true; the seconds it took."""
+    start = time.monotonic()
+    while not await check():
+        assert time.monotonic() - start < timeout_s, f"not within {timeout_s}s: {what}"
+        await asyncio.sleep(step_s)
+    return time.monotonic() - start
+
+
+async def test_failover_routes_by_load_until_resynced_and_serves_no_stale_hit(
+    mesh: UpMesh, sentinel_set: Set, status_file: Path
+) -> None:
+    url, s = mesh.url, sentinel_set
+    over = "hicache_router_prefix_predictions_total"
+    routing = "hicache_router_routing_decisions_total"
+    reqs = workload(4)
+    async with aiohttp.ClientSession() as http:
+        # A cached on engine E, predicted exactly; its entries reach the replica
+        await send_a(http, url)
+
+        async def a_cached() -> bool:
+            cached = await send_a(http, url)
+            return cached > 0 and await metric(http, url, routing, "cache") > 0
+
+        await until(a_cached, 10, "A served from the cache, routed by prefix")
+        primary = await s.primary_port()
+        replica = children(status_file)["redis-replica-1"]["port"]
+        assert primary == children(status_file)["redis"]["port"]
+        held = {e: await s.node(primary).scard(rk.engine_pages(e)) for e in mesh.spec.engine_ids}
+        engine_a = max(held, key=lambda e: held[e])
+        assert held[engine_a] > 0, held
+
+        async def replicated() -> bool:
+            return bool(await s.node(replica).scard(rk.engine_pages(engine_a)) == held[engine_a])
+
+        await until(replicated, 10, "A's entries on the replica")
+        over_before = await metric(http, url, over, "over")
+        resync_before = await metric(http, url, routing, "index_resync")
+
+        # the index stops; every engine drops A: the removals never reach Redis
+        index_pid = mesh.pid_of("index")
+        os.kill(index_pid, signal.SIGSTOP)
+        try:
+
+            async def flushed() -> bool:
+                async with http.post(f"{url}/flush_cache") as r:
+                    return r.status == 200
+
+            await until(flushed, 10, "/flush_cache")
+            # the load's cold answers, now: the old primary never hears of these prompts
+            expected = await baseline(url, reqs)
+            async with Load(url, reqs, expected, clients=4) as load:
+                await load.wait_answers(4)
+                errors_before = await metric(http, url, "hicache_router_store_errors_total", "")
+                os.kill(children(status_file)["redis"]["pid"], signal.SIGKILL)
+                started = time.monotonic()
+
+                async def promoted() -> bool:
+                    return await s.primary_port() == replica
+
+                await until(promoted, 20, "Sentinel promotes the replica")
+                stale = await s.node(replica).scard(rk.engine_pages(engine_a))
+                assert stale == held[engine_a], "the new primary should list A's stale pages"
+                assert (
+                    await s.node(replica).get(INDEX_SYNCED)
+                    != ((await s.node(replica).info("server"))["run_id"])
+                )
+
+                async def reconnected() -> bool:
+                    errors = await metric(http, url, "hicache_router_store_errors_total", "")
+                    async with http.get(f"{url}/health") as r:
+                        health = await r.json()
+                    return errors > errors_before and bool(health["redis_connected"])
+
+                # the router lost the primary, then reached the new one: it routes A by load,
+                # never by the pages the new primary lists for E
+                await until(reconnected, 10, "the router reads the new primary", 0.2)
+                for _ in range(3):
+                    await send_a(http, url)
+                assert await metric(http, url, over, "over") == over_before, "a stale hit"
+                assert await metric(http, url, routing, "index_resync") > resync_before
+                await load.wait_answers(4)
+                os.kill(index_pid, signal.SIGCONT)
+
+                # the index resyncs; routing by prefix comes back (A cached, exact)
+                cache_before = await metric(http, url, routing, "cache")
+
+                async def by_prefix_again() -> bool:
+                    await send_a(http, url)
+                    return await metric(http, url, routing, "cache") > cache_before
+
+                recovery_s = await until(by_prefix_again, 20, "routing by prefix again", 0.2)
+                print(f"failover -> prefix routing again: {time.monotonic() - started:.2f}s")
+                await load.wait_answers(4)
+            assert not load.problems(frozenset({"ok"})), load.summary()
+        finally:
+            os.kill(index_pid, signal.SIGCONT)
+        assert await metric(http, url, over, "over") == over_before
+        assert (
+            await s.node(replica).get(INDEX_SYNCED)
+            == ((await s.node(replica).info("server"))["run_id"])
+        )
+        assert recovery_s < 20
+
+        # the killed primary comes back as a replica of the new one
+        old = children(status_file)["redis"]["port"]
+
+        async def demoted() -> bool:
+            try:
+                info = await s.node(old).info("replication")
+            except (RedisError, OSError):
+                return False
+            return info.get("role") == "slave" and int(info.get("master_port", 0)) == replica
+
+        await until(demoted, 20, "the old primary replicates the new one", 0.2)
