@@ -255,3 +255,33 @@ async def test_failover_routes_by_load_until_resynced_and_serves_no_stale_hit(
             return info.get("role") == "slave" and int(info.get("master_port", 0)) == replica
 
         await until(demoted, 20, "the old primary replicates the new one", 0.2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--redis-sentinel", "127.0.0.1:1", "--redis-url", "redis://h:6379/0"], "names a server"),
+        (["--redis-sentinel", "127.0.0.1"], "expects HOST:PORT"),
+        (["--redis-sentinel", "a:1,a:1"], "twice"),
+        (["--redis-sentinel", "a:1", "--redis-url", "unix:///tmp/r.sock"], "redis:// or rediss://"),
+    ],
+)
+@pytest.mark.parametrize("module", ["services.index", "router"])
+def test_contradictory_or_malformed_sentinel_flags_are_refused(
+    module: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bad input: exit 2 with a clear error, before connecting to anything."""
+    import importlib
+
+    main = importlib.import_module(f"{module}.__main__").main
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sentinel_flags_give_the_primary_from_sentinel_only() -> None:
+    from bus_schemas.sentinel import parse_sentinels, sentinel_redis_url
+
+    sentinels = parse_sentinels(["a:1,b:2", "[::1]:3"])
+    assert sentinels == (("a", 1), ("b", 2), ("::1", 3))
+    assert sentinel_redis_url(None, sentinels) == "redis:///0"
+    assert sentinel_redis_url("rediss://u:p@/2", sentinels) == "rediss://u:p@/2"

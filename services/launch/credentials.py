@@ -8,6 +8,9 @@ A credentials folder (mode 0700; every file 0600):
     redis/router  redis/index                         `user:password` of each Redis identity
     nats-auth.conf     the nats-server `authorization` block (include it, or `up` embeds it)
     redis-users.acl    the Redis/Valkey ACL file (`--aclfile`); `default` is off
+    with --redis-replicas: redis/sentinels (`default:password` the sentinels require),
+    redis/replica and redis/sentinel (users in the ACL file), redis-replication.conf
+    (a data node's masteruser/masterauth) and redis-sentinel.conf (compose's sentinels)
     tls/               with `--tls-hosts`: ca.pem, server.pem, server-key.pem for NATS and
                        Redis across hosts (services/launch/tls.py)
 
@@ -53,6 +56,8 @@ REPLICA, SENTINEL, SENTINELS = "replica", "sentinel", "sentinels"
 MODES = ("colocated", "prefill", "decode")
 NATS_AUTH_FILE = "nats-auth.conf"
 REDIS_ACL_FILE = "redis-users.acl"
+REDIS_REPLICATION_FILE = "redis-replication.conf"  # with replicas: masteruser / masterauth
+SENTINEL_CONF_FILE = "redis-sentinel.conf"  # with replicas: compose's sentinels start from it
 PASSWORD_BYTES = 32  # secrets.token_urlsafe: 43 characters
 
 
@@ -172,6 +177,29 @@ class MeshCredentials:
             write_credentials(self.redis_file(root, user), creds)
         write_private(root / NATS_AUTH_FILE, self.nats_authorization())
         write_private(root / REDIS_ACL_FILE, self.redis_acl())
+        if REPLICA in self.redis:  # compose's replicated Redis (compose/redis-sentinel.yml)
+            write_private(root / REDIS_REPLICATION_FILE, self.redis_replication_conf())
+            write_private(root / SENTINEL_CONF_FILE, self.sentinel_conf())
+
+    def redis_replication_conf(self) -> str:
+        """A data node's config file: the user it replicates its primary as (every node gets
+        it, since Sentinel may make any of them a replica)."""
+        r = self.redis[REPLICA]
+        return f"masteruser {r.user}\nmasterauth {r.password}\n"
+
+    def sentinel_conf(self, primary: str = "redis", port: int = 6379) -> str:
+        """A sentinel's initial config file for compose (it rewrites its own copy): watch
+        `primary` as `hicache` (a majority of 3), log in to the nodes as `sentinel`, require
+        the `sentinels` password of clients and of the other sentinels."""
+        m, user, client = "hicache", self.redis[SENTINEL], self.redis[SENTINELS]
+        return (
+            "sentinel resolve-hostnames yes\nsentinel announce-hostnames yes\n"
+            f"sentinel monitor {m} {primary} {port} 2\n"
+            f"sentinel down-after-milliseconds {m} 5000\n"
+            f"sentinel failover-timeout {m} 30000\nsentinel parallel-syncs {m} 1\n"
+            f"sentinel auth-user {m} {user.user}\nsentinel auth-pass {m} {user.password}\n"
+            f"requirepass {client.password}\nsentinel sentinel-pass {client.password}\n"
+        )
 
     def nats_authorization(self) -> str:
         """The nats-server config `authorization` block."""

@@ -42,16 +42,9 @@ from services.launch import credentials as creds
 from services.launch import tls as tls_files
 from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
 from services.launch.readiness import StartupStopped, wait_ready
+from services.launch.redis_sentinel import ReplicationAuth, redis_node_kind, sentinel_kind
 from services.launch.router_flags import router_flags_argv
-from services.launch.servers import (
-    ReplicationAuth,
-    ServerKind,
-    free_port,
-    nats_kind,
-    redis_kind,
-    redis_node_kind,
-    sentinel_kind,
-)
+from services.launch.servers import ServerKind, free_port, nats_kind, redis_kind
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
 from services.launch.up_flags import PROGRESS_ROUNDS, ROUTER_TIMEOUTS, add_up_args
 
