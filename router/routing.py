@@ -83,6 +83,7 @@ class Lookup:
     wait_s: float = 0.0  # from the lookup's send to its answer (the caller's `meanwhile` in it)
 
 
+RESYNC_PROBE_S = 0.2  # probe period while Redis answers but the index has not resynced it
 BUDGET_STRETCH = 10  # a lookup waits at most this many budgets, however busy the loop
 
 
@@ -215,7 +216,10 @@ class PrefixIndex:
 
     async def _run_probe(self) -> None:
         while True:
-            await asyncio.sleep(self.config.redis_probe_s)
+            period = self.config.redis_probe_s
+            if self.up and not self.synced:  # waiting for the index's resync: look often
+                period = min(period, RESYNC_PROBE_S)
+            await asyncio.sleep(period)
             await self.probe()
 
     async def lookup(

@@ -105,7 +105,7 @@ class Maintenance:
             return
         try:
             if health.ok and run_id == health.run_id:
-                await self._mark_if_synced()
+                await self.mark_if_synced()
                 return
             first = health.run_id is None and health.ok
             if first and same_server(await self.store.synced_marker(), run_id):
@@ -114,7 +114,7 @@ class Maintenance:
             health.synced = False
             resynced = await self._resync_all(count=not first)
             health.ok, health.run_id = True, run_id
-            await self._mark_if_synced()
+            await self.mark_if_synced()
         except RedisError as e:
             health.failed(e)
             return
@@ -123,7 +123,7 @@ class Maintenance:
                 "redis is new to the index (run id %s): resyncing %d engines", run_id, resynced
             )
 
-    async def _mark_if_synced(self) -> None:
+    async def mark_if_synced(self) -> None:
         """Write `INDEX_SYNCED` once no engine awaits its snapshot (engines that never answer
         expire with their alive key, so this comes)."""
         health = self.health

@@ -181,6 +181,8 @@ class IndexService:
             return
         try:
             await records.apply_batch(batch, epoch)
+            if batch.snapshot and self._maintenance is not None:
+                await self._maintenance.mark_if_synced()  # the last one awaited, maybe
         except RedisError as e:
             self._health.failed(e)
             records.out_of_sync(batch.engine_id, epoch, batch.bucket, batch.namespace)
