@@ -257,6 +257,96 @@ async def test_failover_routes_by_load_until_resynced_and_serves_no_stale_hit(
         await until(demoted, 20, "the old primary replicates the new one", 0.2)
 
 
+PROMPT_B = Req(prompts(12)[10], 4, False)
+
+
+async def test_removal_lost_with_the_primary_is_never_served_after_failover(
+    mesh: UpMesh, sentinel_set: Set, status_file: Path
+) -> None:
+    """The index applied a removal on the primary, but the replica never received it (the
+    replica frozen with SIGSTOP, and its link cut on the primary's side with `CLIENT KILL
+    TYPE replica`, as the sentinels' user may), then the primary dies and the replica,
+    resumed, is promoted: only the
+    index's resync after the failover can drop the stale entry (the removal event is gone),
+    and until then the router must not trust the new primary. Runs on the set the first test
+    left (it checks which node is the primary now)."""
+    url, s = mesh.url, sentinel_set
+    over = "hicache_router_prefix_predictions_total"
+    routing = "hicache_router_routing_decisions_total"
+    body = body_of(PROMPT_B)
+
+    async def send_b(http: aiohttp.ClientSession) -> int:
+        async with http.post(f"{url}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            data = await r.json()
+        return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    async with aiohttp.ClientSession() as http:
+        await send_b(http)
+        cache_before = await metric(http, url, routing, "cache")
+
+        async def b_by_prefix() -> bool:
+            return await send_b(http) > 0 and await metric(http, url, routing, "cache") > (
+                cache_before
+            )
+
+        await until(b_by_prefix, 10, "B routed by prefix")
+        primary = await s.primary_port()
+        names = {c["port"]: n for n, c in children(status_file).items() if n.startswith("redis")}
+        (replica,) = [p for p, n in names.items() if "sentinel" not in n and p != primary]
+        held = {e: await s.node(primary).scard(rk.engine_pages(e)) for e in mesh.spec.engine_ids}
+
+        async def replicated() -> bool:
+            return all(
+                [await s.node(replica).scard(rk.engine_pages(e)) == n for e, n in held.items()]
+            )
+
+        await until(replicated, 10, "B's entries on the replica")
+        replica_pid = children(status_file)[names[replica]]["pid"]
+        over_before = await metric(http, url, over, "over")
+        os.kill(replica_pid, signal.SIGSTOP)
+        try:
+            sentinel_user = credentials_of(mesh.credentials_dir(), "redis", "sentinel")
+            cutter = aioredis.Redis(
+                port=primary, username=sentinel_user.user, password=sentinel_user.password
+            )
+            try:  # the replica hears nothing more
+                assert await cutter.execute_command("CLIENT", "KILL", "TYPE", "replica") == 1
+            finally:
+                await cutter.aclose()
+
+            async def flushed() -> bool:
+                async with http.post(f"{url}/flush_cache") as r:
+                    return r.status == 200
+
+            await until(flushed, 10, "/flush_cache")
+
+            async def removed_on_primary() -> bool:
+                cards = [await s.node(primary).scard(rk.engine_pages(e)) for e in held]
+                return not any(cards)
+
+            await until(removed_on_primary, 10, "the index removes B's pages on the primary")
+            os.kill(children(status_file)[names[primary]]["pid"], signal.SIGKILL)
+        finally:
+            os.kill(replica_pid, signal.SIGCONT)
+        # the primary is gone with the removal: the replica, soon promoted, lists B's pages
+        assert any([await s.node(replica).scard(rk.engine_pages(e)) for e in held])
+
+        async def promoted() -> bool:
+            return await s.primary_port() == replica
+
+        await until(promoted, 20, "Sentinel promotes the replica")
+
+        # from now on B is sent until it is routed by prefix again: never a stale prediction
+        async def again() -> bool:
+            assert await metric(http, url, over, "over") == over_before, "a stale hit"
+            return await b_by_prefix()
+
+        cache_before = await metric(http, url, routing, "cache")
+        await until(again, 20, "B routed by prefix after the resync", 0.05)
+        assert await metric(http, url, over, "over") == over_before, "a stale hit"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
