@@ -347,6 +347,94 @@ async def test_removal_lost_with_the_primary_is_never_served_after_failover(
         assert await metric(http, url, over, "over") == over_before, "a stale hit"
 
 
+PROMPT_C = Req(prompts(12)[9], 4, False)
+
+
+async def test_an_index_restarted_across_the_failover_resyncs_what_redis_lists(
+    mesh: UpMesh, sentinel_set: Set, status_file: Path
+) -> None:
+    """The index is down (SIGSTOP) while the engines drop C and while the primary dies; then
+    it is killed and `up` restarts it. The new index knows no engine; it finds a primary whose
+    marker is not its own run id, so it drops the entries of every engine Redis lists
+    (`hc:engines`) and asks each for a snapshot before marking it: C is never predicted as
+    cached on the engine that dropped it. Runs on the set the tests before left."""
+    url, s = mesh.url, sentinel_set
+    over = "hicache_router_prefix_predictions_total"
+    routing = "hicache_router_routing_decisions_total"
+    body = body_of(PROMPT_C)
+
+    async def linked() -> bool:  # a replica in sync with the primary the sentinels name
+        primary = await s.primary_port()
+        for name, child in children(status_file).items():
+            if name in ("redis", "redis-replica-1") and child["port"] != primary:
+                try:
+                    info = await s.node(child["port"]).info("replication")
+                except (RedisError, OSError):
+                    return False
+                return (
+                    info.get("master_link_status") == "up"
+                    and int(info.get("master_port", 0)) == primary
+                )
+        return False
+
+    await until(linked, 30, "a replica linked to the primary", 0.2)
+
+    async def send_c(http: aiohttp.ClientSession) -> int:
+        async with http.post(f"{url}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            data = await r.json()
+        return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    async with aiohttp.ClientSession() as http:
+        await send_c(http)
+        cache_before = await metric(http, url, routing, "cache")
+
+        async def c_by_prefix() -> bool:
+            return await send_c(http) > 0 and await metric(http, url, routing, "cache") > (
+                cache_before
+            )
+
+        await until(c_by_prefix, 10, "C routed by prefix")
+        primary = await s.primary_port()
+        names = {c["port"]: n for n, c in children(status_file).items() if n.startswith("redis")}
+        (replica,) = [p for p, n in names.items() if "sentinel" not in n and p != primary]
+        held = {e: await s.node(primary).scard(rk.engine_pages(e)) for e in mesh.spec.engine_ids}
+
+        async def replicated() -> bool:
+            cards = [await s.node(replica).scard(rk.engine_pages(e)) for e in held]
+            return cards == list(held.values())
+
+        await until(replicated, 10, "C's entries on the replica")
+        over_before = await metric(http, url, over, "over")
+        index_pid = mesh.pid_of("index")
+        os.kill(index_pid, signal.SIGSTOP)
+        try:
+
+            async def flushed() -> bool:
+                async with http.post(f"{url}/flush_cache") as r:
+                    return r.status == 200
+
+            await until(flushed, 10, "/flush_cache")
+            os.kill(children(status_file)[names[primary]]["pid"], signal.SIGKILL)
+
+            async def promoted() -> bool:
+                return await s.primary_port() == replica
+
+            await until(promoted, 20, "Sentinel promotes the replica")
+            assert any([await s.node(replica).scard(rk.engine_pages(e)) for e in held])
+        finally:
+            os.kill(index_pid, signal.SIGKILL)  # `up` restarts it: a new index
+
+        async def again() -> bool:
+            assert await metric(http, url, over, "over") == over_before, "a stale hit"
+            return await c_by_prefix()
+
+        cache_before = await metric(http, url, routing, "cache")
+        await until(again, 30, "C routed by prefix after the new index resynced", 0.05)
+        assert await metric(http, url, over, "over") == over_before, "a stale hit"
+        assert mesh.pid_of("index") != index_pid
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -375,3 +463,20 @@ def test_sentinel_flags_give_the_primary_from_sentinel_only() -> None:
     assert sentinels == (("a", 1), ("b", 2), ("::1", 3))
     assert sentinel_redis_url(None, sentinels) == "redis:///0"
     assert sentinel_redis_url("rediss://u:p@/2", sentinels) == "rediss://u:p@/2"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--redis-replicas", "1", "--redis-url", "redis://127.0.0.1:1/0"], "not with --redis-url"),
+        (["--redis-replicas", "-1"], "must be >= 0"),
+    ],
+)
+def test_up_refuses_redis_replicas_it_cannot_start(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+    from services.launch.servers import free_port
+
+    assert main(["up", "--port", str(free_port()), "--model", "tiny", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -166,6 +166,16 @@ class Maintenance:
             self.stats.engines_expired += 1
             log.info("engine %s expired: %d pages dropped", eid, dropped)
 
+    async def request_pending_snapshots(self) -> None:
+        """Ask every engine that awaits a snapshot for it now (once NATS is connected: a
+        resync at the index's first Redis check could not send its requests)."""
+        engines = self.records.engines
+        for eid in list(engines):
+            async with self.lanes.lock(eid):
+                record = engines.get(eid)
+                if record is not None and record.fence.awaiting_snapshot:
+                    await self.records.request_snapshot(eid, record, "index lost redis state")
+
     async def _retry_snapshot_requests(self) -> None:
         """Under each engine's lock: a lane job that found a gap has sent its own request
         by the time the lock is free, so it is not doubled by a "repeated" one."""

@@ -37,6 +37,11 @@ forged: counted, dropped, and logged once per interval. While Redis fails, failu
 counted and logged
 and batches are dropped; once it answers again, every known engine's entries are cleared and
 each engine is asked for a snapshot, since the index no longer knows what Redis holds.
+
+With Sentinel (`--redis-sentinel`) the client follows the primary the sentinels name. A
+failover shows as a new run id, handled like a restarted Redis (the promoted replica may lack
+the last writes); when no engine awaits its snapshot any more, maintenance writes the run id
+under `INDEX_SYNCED` so routers trust that primary again (`bus_schemas/sentinel.py`).
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ class IndexService:
         await self._nc.subscribe(subjects.KV_EVENTS_ALL, cb=self._on_kv_events)
         await self._nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         await self._nc.flush()
+        await self._maintenance.request_pending_snapshots()  # a resync at the first check
         self._maintenance.start()
         where = cfg.redis_url
         if cfg.redis_sentinels:
@@ -150,7 +156,8 @@ class IndexService:
         log.info("index stopped: %s", self.stats)
 
     async def _publish(self, subject: str, data: bytes) -> None:
-        assert self._nc is not None
+        if self._nc is None:  # the first Redis check runs before NATS is connected
+            raise nats.errors.ConnectionClosedError()
         await self._nc.publish(subject, data)
 
     def _records_or_raise(self) -> EngineRecords:
