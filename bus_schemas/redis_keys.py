@@ -10,6 +10,9 @@ Layout (kept current by the index service from KV events):
 - `hc:engine:{id}:meta`      HASH  epoch, seq, bucket, namespace
 - `hc:engine:{id}:alive`     STRING epoch, with a TTL refreshed by heartbeats
 - `hc:engines`               SET   engine ids the index knows
+- `hc:index:synced`          STRING run id of the server the index last resynced
+                             (`bus_schemas/sentinel.py`: routers behind Sentinel trust a
+                             server only when it matches)
 Page hashes already cover namespace and cache_salt (see page_hash.py), so one key space
 serves every namespace without mixing them.
 """

@@ -36,6 +36,7 @@ from bus_schemas.connection import (
     read_credentials,
     tls_ca_file,
 )
+from bus_schemas.sentinel import add_sentinel_args, parse_sentinels, sentinel_redis_url
 from router.app import init
 from router.auth import PROBE_AUTH, load_tenant_keys
 from router.buckets import DEFAULT, parse_bucket
@@ -43,6 +44,7 @@ from router.config import RouterConfig
 from router.record import TOKEN_IDS
 from router.server import GUARD, GuardedSite, serve_kwargs
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 API_KEY_ENV = "HICACHE_ROUTER_API_KEY"
 API_KEY_FILE_ENV = "HICACHE_ROUTER_API_KEY_FILE"
 ADMIN_KEY_ENV = "HICACHE_ROUTER_ADMIN_API_KEY"
@@ -63,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     add_nats_url_arg(p, "nats://127.0.0.1:4222")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="the Redis server (default redis://127.0.0.1:6379/0); with --redis-sentinel only "
+        "scheme, credentials and db (default redis:///0)",
+    )
     p.add_argument(
         "--nats-credentials",
         metavar="FILE",
@@ -74,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-credentials", metavar="FILE", default=None, help="Redis `user:password` (0600)"
     )
     add_tls_args(p, redis=True)
+    add_sentinel_args(p)
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
@@ -313,9 +321,16 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         raise ValueError(f"--record-meta is not JSON: {e}") from None
     if not isinstance(meta, dict):
         raise ValueError("--record-meta must be a JSON object")
+    sentinels = parse_sentinels(args.redis_sentinel)
+    redis_url = args.redis_url or DEFAULT_REDIS_URL
+    if sentinels:
+        redis_url = sentinel_redis_url(args.redis_url, sentinels)
     return RouterConfig(
         nats_url=args.nats_url,
-        redis_url=args.redis_url,
+        redis_url=redis_url,
+        redis_sentinels=sentinels,
+        redis_sentinel_master=args.redis_sentinel_master,
+        redis_sentinel_credentials=_credentials(args.redis_sentinel_credentials),
         nats_credentials=_credentials(args.nats_credentials),
         redis_credentials=_credentials(args.redis_credentials),
         nats_tls_ca_file=tls_ca_file(args.nats_tls_ca_file),

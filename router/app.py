@@ -35,6 +35,7 @@ from router.record import Recorder, header
 from router.reply_hub import ReplyHub
 from router.resp import RespClient
 from router.routing import PrefixIndex, Router
+from router.sentinel import SentinelResolver
 from router.server import GUARD, ConnectionGuard
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,13 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[keys.CONFIG]
+    resolver = None
+    if config.redis_sentinels:  # the primary's address at each (re)connect
+        resolver = SentinelResolver(
+            config.redis_sentinels,
+            config.redis_sentinel_master,
+            config.redis_sentinel_credentials,
+        )
     # no retries: a lookup has a 50 ms budget, and Redis trouble only costs cache reuse
     client = RespClient(
         config.redis_url,
@@ -146,6 +154,7 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
         reply_timeout_s=1.0,
         credentials=config.redis_credentials,
         tls_ca_file=config.redis_tls_ca_file,
+        resolve=resolver,
     )
     app[keys.REDIS] = client
     index = PrefixIndex(client, config, app[keys.METRICS], asyncio.get_running_loop().time)
@@ -156,6 +165,8 @@ async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
     finally:
         await index.stop()
         await client.aclose()
+        if resolver is not None:
+            await resolver.aclose()
 
 
 async def recorder_ctx(app: web.Application) -> AsyncIterator[None]:

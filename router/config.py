@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from bus_schemas.connection import Credentials
+from bus_schemas.sentinel import DEFAULT_MASTER, Address, sentinel_redis_url
 from router.auth import PROBE_AUTH, TENANT_NAME, TenantKey
 from router.buckets import DEFAULT, Bucket, order
 from router.record import TOKEN_IDS
@@ -21,6 +22,12 @@ class RouterConfig:
     # CA files (PEM): connect over TLS only, verifying the server against them (None: plain)
     nats_tls_ca_file: str | None = None
     redis_tls_ca_file: str | None = None
+    # Sentinel (bus_schemas/sentinel.py): the primary comes from these, `redis_url` gives only
+    # scheme, credentials and db; prefix scores count only once the index marks that
+    # primary resynced (`INDEX_SYNCED`)
+    redis_sentinels: tuple[Address, ...] = ()
+    redis_sentinel_master: str = DEFAULT_MASTER
+    redis_sentinel_credentials: Credentials | None = None
     api_key: str | None = None  # when set, every endpoint but /health and /metrics needs it
     # when set, only it opens /flush_cache and /stats (router/auth.py); it opens the rest too
     admin_api_key: str | None = None
@@ -127,6 +134,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 < self.redis_breaker_ratio <= 1:
             raise ValueError("redis_breaker_ratio must be in (0, 1]")
+        if self.redis_sentinels:
+            sentinel_redis_url(self.redis_url, self.redis_sentinels)  # ValueError: contradicts
         if self.max_connections < 2:
             raise ValueError("max_connections must be >= 2")
         if self.max_body_bytes < 1024:

@@ -68,7 +68,7 @@ class RouterMetrics:
         )
         self.routing = Counter(
             f"{PREFIX}_routing_decisions",
-            "engine choices by reason (cache, load, redis_down, retry)",
+            "engine choices by reason (cache, load, redis_down, redis_timeout, index_resync, retry)",
             ["reason"],
             registry=r,
         )

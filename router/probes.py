@@ -15,6 +15,10 @@ from router.generation import no_engine_error
 from router.readiness import bucket_readiness
 
 REDIS_DOWN = "redis is down: cache-aware routing is off, routing by load"
+INDEX_RESYNC = (
+    "the Redis primary is not the one the index resynced (a failover): routing by load until "
+    "the index has rebuilt it from the engines"
+)
 BUS_DOWN = "message bus (NATS) unavailable"
 BUS_FAILOVER_WAIT_S = 0.5  # a NATS cluster's failover takes milliseconds: wait that out
 
@@ -42,7 +46,8 @@ async def health(request: web.Request) -> web.Response:
     for e in ready:
         buckets.setdefault(e.bucket, []).append(e)
     serving = any(can_serve(engines) for engines in buckets.values())
-    redis_up = request.app[keys.ROUTER].index.up
+    index = request.app[keys.ROUTER].index
+    redis_up = index.up
     state = {
         "nats_connected": nc.is_connected,
         "redis_connected": redis_up,
@@ -54,6 +59,7 @@ async def health(request: web.Request) -> web.Response:
     }
     if nc.is_connected and serving:
         reasons = [] if redis_up else [REDIS_DOWN]
+        reasons += [INDEX_RESYNC] if redis_up and not index.synced else []
         status = "degraded" if reasons else "ok"
         return json_response({"status": status, "reasons": reasons} | state)
     if not nc.is_connected:

@@ -215,8 +215,12 @@ class RespClient:
         clock: Callable[[], float] = time.monotonic,
         credentials: Credentials | None = None,
         tls_ca_file: str | None = None,
+        resolve: Callable[[], Awaitable[tuple[str, int]]] | None = None,
     ) -> None:
         self.address = parse_url(url)
+        # where each new connection goes (Sentinel: the current primary), else the URL's
+        self.resolve = resolve
+        self.generation = 0  # connections opened so far: a new one may be another server
         self._tls: ssl.SSLContext | None = None
         if tls_ca_file is not None and self.address.unix_path is not None:
             raise ValueError(f"a Redis TLS CA file with a unix socket URL: {url}")
@@ -282,6 +286,7 @@ class RespClient:
                     f"no connection to Redis within {self.connect_timeout_s:g} s"
                 ) from None
             self._conn = conn
+            self.generation += 1
             return conn
 
     async def _open(self) -> _Connection:
@@ -290,7 +295,8 @@ class RespClient:
         if a.unix_path is not None:
             await loop.create_unix_connection(lambda: conn, a.unix_path)
         else:
-            await loop.create_connection(lambda: conn, a.host, a.port, ssl=self._tls)
+            host, port = (a.host, a.port) if self.resolve is None else await self.resolve()
+            await loop.create_connection(lambda: conn, host, port, ssl=self._tls)
         hello: list[asyncio.Future[Any]] = []
         if a.password is not None:
             auth = (a.username, a.password) if a.username else (a.password,)

@@ -12,7 +12,9 @@ and the highest score wins (ties: less load, then round robin). A P/D request pi
 decode and its prefill engine this way from the same lookup (`choose_pd`), each by its own
 cache: two routing decisions. Redis trouble never fails a request: on an error or a lookup
 slower than `redis_timeout_s` the choice is by load alone, and the failure is counted apart
-as `redis_down` or `redis_timeout` (see `PrefixIndex`).
+as `redis_down` or `redis_timeout` (see `PrefixIndex`). With Sentinel, a Redis the index has
+not resynced (a replica promoted by a failover may list pages an engine dropped since) is
+not trusted either: the choice is by load, counted as `index_resync`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bus_schemas import redis_keys
+from bus_schemas.sentinel import INDEX_SYNCED, same_server
 from bus_schemas.token_ids import TokenIds
 from router import buckets
 from router.config import RouterConfig
@@ -55,7 +58,7 @@ class PrefixHit:
 @dataclass(frozen=True, slots=True)
 class RouteChoice:
     engine: EngineView
-    reason: str  # "cache" | "load" | "redis_down" | "redis_timeout" | "retry"
+    reason: str  # "cache" | "load" | "redis_down" | "redis_timeout" | "index_resync" | "retry"
     hit: PrefixHit  # what Redis said the engine holds (zero when unknown)
     known: bool = True  # whether `hit` is the index's answer (False: no lookup was made)
     lookup_s: float = 0.0  # the Redis round trip the choice waited for (`Lookup.wait_s`)
@@ -75,11 +78,12 @@ class Lookup:
     """The answer of one prefix lookup: hits per engine, or why there are none."""
 
     hits: dict[str, PrefixHit] | None  # None: Redis could not answer in time
-    failure: str = ""  # "redis_down" | "redis_timeout" when `hits` is None
+    failure: str = ""  # "redis_down" | "redis_timeout" | "index_resync" when `hits` is None
     made: bool = True  # False: one candidate, so the index was not asked
     wait_s: float = 0.0  # from the lookup's send to its answer (the caller's `meanwhile` in it)
 
 
+RESYNC_PROBE_S = 0.2  # probe period while Redis answers but the index has not resynced it
 BUDGET_STRETCH = 10  # a lookup waits at most this many budgets, however busy the loop
 
 
@@ -124,6 +128,12 @@ class PrefixIndex:
     it opens the breaker (route by load for `redis_retry_s`) only when at least
     `redis_breaker_ratio` of the last `redis_breaker_window` lookups timed out: a stopped
     Redis times out every lookup, a busy one a few, and those few say nothing about the next.
+
+    With Sentinel (`config.redis_sentinels`) the server behind the connection can change at
+    any reconnect, to a promoted replica whose entries may be stale. A connection's answers
+    count only once a probe found, on that very connection (`RespClient.generation`), the
+    index's marker naming the server (`INDEX_SYNCED` equal to `INFO server`'s run id);
+    until then every lookup is `index_resync` and the choice is by load.
     """
 
     def __init__(
@@ -142,7 +152,14 @@ class PrefixIndex:
         self._outcomes: deque[bool] = deque(maxlen=config.redis_breaker_window)  # True: timeout
         self._in_outage = False
         self._probe: asyncio.Task[None] | None = None
+        self.require_synced = bool(config.redis_sentinels)
+        self._synced_generation: int | None = None  # the connection found resynced
         metrics.redis_up.set(1)
+
+    @property
+    def synced(self) -> bool:
+        """Whether lookups may be trusted: no Sentinel, or the index resynced the server."""
+        return not self.require_synced or self._synced_generation == self.redis.generation
 
     async def start(self) -> None:
         """Probe Redis once, register the lookup script, start the background probe."""
@@ -170,6 +187,8 @@ class PrefixIndex:
         try:
             async with asyncio.timeout(self.config.redis_probe_timeout_s):
                 await self.redis.ping()
+                if self.require_synced:
+                    await self._check_synced()
         except (RedisError, OSError, TimeoutError) as e:
             self._set_down(e)
             return False
@@ -180,9 +199,27 @@ class PrefixIndex:
             self.metrics.redis_up.set(1)
         return True
 
+    async def _check_synced(self) -> None:
+        """Trust the current connection when the index's marker names its server."""
+        generation = self.redis.generation
+        info, marker = await asyncio.gather(
+            self.redis.execute("INFO", "server"), self.redis.execute("GET", INDEX_SYNCED)
+        )
+        run_id = _info_field(info, "run_id")
+        was = self.synced
+        ok = same_server(marker, run_id) and self.redis.generation == generation
+        self._synced_generation = generation if ok else None
+        if ok and not was:
+            log.info("the index resynced Redis (run id %s): routing by prefix resumes", run_id)
+        elif was and not ok:
+            log.warning("Redis is not the one the index resynced: routing by load meanwhile")
+
     async def _run_probe(self) -> None:
         while True:
-            await asyncio.sleep(self.config.redis_probe_s)
+            period = self.config.redis_probe_s
+            if self.up and not self.synced:  # waiting for the index's resync: look often
+                period = min(period, RESYNC_PROBE_S)
+            await asyncio.sleep(period)
             await self.probe()
 
     async def lookup(
@@ -228,6 +265,8 @@ class PrefixIndex:
             self._set_down(e)
             return Lookup(None, "redis_down")
         self._outcomes.append(False)
+        if not self.synced:  # answered by a connection opened since the last probe
+            return Lookup(None, "index_resync")
         try:
             hits = {
                 str(flat[i]): PrefixHit(int(flat[i + 1]), int(flat[i + 2]))
@@ -247,6 +286,8 @@ class PrefixIndex:
             return Lookup(None, "redis_down")
         if self.clock() < self._skip_until:
             return Lookup(None, "redis_timeout")
+        if not self.synced:
+            return Lookup(None, "index_resync")
         return None
 
     async def _evalsha(self, reply: Awaitable[Any], argv: list[str]) -> list[Any]:
@@ -281,6 +322,7 @@ class PrefixIndex:
         self.metrics.store_errors.inc()
         self.metrics.redis_up.set(0)
         self.up = False
+        self._synced_generation = None
         if not self._in_outage:
             self._in_outage = True
             log.warning("Redis prefix lookup failed (%r): routing by load until it answers", e)
@@ -398,6 +440,16 @@ class Router:
                 + cfg.storage_weight * hit.storage_pages
             )
         return cached - self.config.load_weight * engine.load
+
+
+def _info_field(info: object, name: str) -> str:
+    """One `field:value` line of an `INFO` reply ("" when absent)."""
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key == name:
+            return value.strip()
+    return ""
 
 
 def _hit(hits: dict[str, PrefixHit] | None, engine: EngineView) -> PrefixHit | None:

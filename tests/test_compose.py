@@ -556,3 +556,49 @@ def test_nats_cluster_compose_config_forms_a_cluster(tmp_path: Path) -> None:
             proc.wait(10)
     again = subprocess.run(gen, capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert again.returncode == 1 and "--force" in again.stderr  # never overwritten silently
+
+
+# ------------------------------------------------------------------ replicated index (Sentinel)
+
+SENTINEL_OVERRIDE = ROOT / "compose" / "redis-sentinel.yml"
+
+
+def test_sentinel_override_runs_what_up_redis_replicas_starts(tmp_path: Path) -> None:
+    """compose/redis-sentinel.yml: a primary, a replica of it and 3 sentinels; the index and
+    the router parse their commands into Sentinel configurations (3 sentinels, master
+    `hicache`, the sentinels' credentials); every file its secrets name is one that
+    `hicache-mesh credentials --redis-replicas` writes, and the sentinels' initial config
+    watches the `redis` service with the sentinel user and a majority quorum."""
+    from bus_schemas.sentinel import parse_sentinels, sentinel_redis_url
+    from router.__main__ import build_parser as router_parser
+    from services.index.cli import build_parser as index_parser
+    from services.launch.credentials import MeshCredentials, load
+
+    svc = services(SENTINEL_OVERRIDE)
+    assert {"redis", "redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"} <= set(svc)
+    assert svc["redis-replica"]["command"][-3:] == ["--replicaof", "redis", "6379"]
+    for node in ("redis", "redis-replica"):  # same ACL file on both; the replication user
+        cmd = svc[node]["command"]
+        assert cmd[1] == "/run/secrets/redis-replication-conf" and "--aclfile" in cmd
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        assert "--sentinel" in svc[name]["command"][-1] and svc[name]["volumes"]
+    for name, parser in {"index": index_parser, "router": router_parser}.items():
+        args = parser().parse_args([_defaults(a) for a in svc[name]["command"][3:]])
+        sentinels = parse_sentinels(args.redis_sentinel)
+        assert len(sentinels) == 3 and args.redis_sentinel_master == "hicache"
+        assert sentinel_redis_url(args.redis_url, sentinels) == "redis:///0"
+        assert args.redis_sentinel_credentials == "/run/secrets/redis-sentinels"
+        assert "redis-sentinels" in svc[name]["secrets"]
+    # the secrets it names are the files `credentials --redis-replicas` writes
+    root = tmp_path / "credentials"
+    creds = MeshCredentials.fresh([], replicated=True)
+    creds.write(root)
+    declared = yaml.safe_load(SENTINEL_OVERRIDE.read_text())["secrets"]
+    for secret in declared.values():
+        relative = secret["file"].split("}/", 1)[1]
+        assert (root / relative).exists(), relative
+    conf = (root / "redis-sentinel.conf").read_text()
+    assert "sentinel monitor hicache redis 6379 2" in conf
+    assert f"sentinel auth-user hicache {creds.redis['sentinel'].user}" in conf
+    assert "user replica on" in creds.redis_acl() and "user sentinel on" in creds.redis_acl()
+    assert set(load(root, []).redis) == {"router", "index", "replica", "sentinel", "sentinels"}

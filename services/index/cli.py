@@ -18,6 +18,7 @@ from bus_schemas.connection import (
     read_credentials,
     tls_ca_file,
 )
+from bus_schemas.sentinel import add_sentinel_args, parse_sentinels, sentinel_redis_url
 from services.index.config import IndexConfig
 from services.index.service import IndexService
 
@@ -31,7 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     defaults = IndexConfig()
     add_nats_url_arg(parser, defaults.nats_url)
-    parser.add_argument("--redis-url", default=defaults.redis_url)
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help=f"the Redis server (default {defaults.redis_url}); with --redis-sentinel only "
+        "scheme, credentials and db (default redis:///0)",
+    )
     parser.add_argument(
         "--nats-credentials",
         default=None,
@@ -42,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-credentials", default=None, metavar="FILE", help="Redis `user:password` (0600)"
     )
     add_tls_args(parser, redis=True)
+    add_sentinel_args(parser)
     parser.add_argument(
         "--sweep-interval",
         type=float,
@@ -73,9 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> IndexConfig:
+    sentinels = parse_sentinels(args.redis_sentinel)
+    redis_url = args.redis_url or IndexConfig().redis_url
+    if sentinels:
+        redis_url = sentinel_redis_url(args.redis_url, sentinels)
     return IndexConfig(
         nats_url=args.nats_url,
-        redis_url=args.redis_url,
+        redis_url=redis_url,
         sweep_interval_s=args.sweep_interval,
         snapshot_retry_s=args.snapshot_retry,
         redis_timeout_s=args.redis_timeout,
@@ -84,6 +95,9 @@ def config_from_args(args: argparse.Namespace) -> IndexConfig:
         redis_credentials=_credentials(args.redis_credentials),
         nats_tls_ca_file=tls_ca_file(args.nats_tls_ca_file),
         redis_tls_ca_file=tls_ca_file(args.redis_tls_ca_file),
+        redis_sentinels=sentinels,
+        redis_sentinel_master=args.redis_sentinel_master,
+        redis_sentinel_credentials=_credentials(args.redis_sentinel_credentials),
     )
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from bus_schemas import redis_keys
 from bus_schemas.connection import Credentials
+from bus_schemas.sentinel import DEFAULT_MASTER, Address, sentinel_redis_url
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,11 @@ class IndexConfig:
     # CA files (PEM): connect over TLS only, verifying the server against them (None: plain)
     nats_tls_ca_file: str | None = None
     redis_tls_ca_file: str | None = None
+    # Sentinel (bus_schemas/sentinel.py): find the primary through these; `redis_url` then
+    # gives only scheme, credentials and db
+    redis_sentinels: tuple[Address, ...] = ()
+    redis_sentinel_master: str = DEFAULT_MASTER
+    redis_sentinel_credentials: Credentials | None = None
 
     def __post_init__(self) -> None:
         for name in ("sweep_interval_s", "snapshot_retry_s", "redis_timeout_s", "drain_timeout_s"):
@@ -30,6 +36,8 @@ class IndexConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_engines < 1:
             raise ValueError(f"max_engines must be >= 1, got {self.max_engines}")
+        if self.redis_sentinels:
+            sentinel_redis_url(self.redis_url, self.redis_sentinels)  # ValueError: contradicts
 
 
 @dataclass(slots=True)
@@ -49,3 +57,4 @@ class IndexStats:
     engines_expired: int = 0
     engines_refused: int = 0  # messages of a new engine beyond max_engines
     resyncs_after_redis: int = 0
+    marked_synced: int = 0  # times the index wrote `INDEX_SYNCED` (a primary fully resynced)

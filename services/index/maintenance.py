@@ -1,9 +1,16 @@
 """The index's periodic work (`Maintenance`) and its view of Redis's health (`RedisHealth`).
 
-Every `sweep_interval_s`: notice a Redis that failed, came back or restarted (then clear
-every known engine's entries and ask each for a snapshot, since the index no longer knows
-what Redis holds); expire engines whose alive key is gone; repeat snapshot requests that
-were not answered. Each engine's Redis writes happen under its lane's lock.
+Every `sweep_interval_s`: notice a Redis that failed, came back, restarted or was replaced
+by its replica in a Sentinel failover (a new run id: then clear every engine's entries and
+ask each for a snapshot, since the index no longer knows what Redis holds); expire engines
+whose alive key is gone; repeat snapshot requests that were not answered. Each engine's
+Redis writes happen under its lane's lock.
+
+Once no engine awaits its snapshot after such a resync, the index writes the server's run id
+under `INDEX_SYNCED` (`bus_schemas/sentinel.py`): a router that finds Redis through Sentinel
+routes by load until the marker names the server it reads from. At first contact the index
+resyncs unless the marker already names this server (an index restarted beside the same
+Redis picks up where it stopped; one that meets a promoted replica does not trust it).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import time
 
 from redis.exceptions import RedisError
 
+from bus_schemas.sentinel import same_server
 from services.index.config import IndexConfig, IndexStats
 from services.index.fencing import Fence
 from services.index.lanes import EngineLanes
@@ -32,6 +40,7 @@ class RedisHealth:
         self.stats = stats
         self.ok = True
         self.run_id: str | None = None
+        self.synced = False  # `INDEX_SYNCED` names `run_id`: every engine resynced there
 
     def failed(self, error: RedisError) -> None:
         """Count a failed Redis call; log the first of a run of failures as an error."""
@@ -94,33 +103,56 @@ class Maintenance:
         except RedisError as e:
             health.failed(e)
             return
-        if health.ok and run_id == health.run_id:
-            return
-        if health.run_id is None and health.ok:
-            health.run_id = run_id  # first contact
-            return
         try:
-            await self._resync_all()
+            if health.ok and run_id == health.run_id:
+                await self.mark_if_synced()
+                return
+            first = health.run_id is None and health.ok
+            if first and same_server(await self.store.synced_marker(), run_id):
+                health.run_id, health.synced = run_id, True  # picks up where it stopped
+                return
+            health.synced = False
+            resynced = await self._resync_all(count=not first)
+            health.ok, health.run_id = True, run_id
+            await self.mark_if_synced()
         except RedisError as e:
             health.failed(e)
             return
-        health.ok, health.run_id = True, run_id
-        engines = self.records.engines
-        log.warning("redis is back (run id %s): resynced %d engines", run_id, len(engines))
+        if resynced or not first:
+            log.warning(
+                "redis is new to the index (run id %s): resyncing %d engines", run_id, resynced
+            )
 
-    async def _resync_all(self) -> None:
-        """Drop every known engine's entries and ask each for a snapshot."""
+    async def mark_if_synced(self) -> None:
+        """Write `INDEX_SYNCED` once no engine awaits its snapshot (engines that never answer
+        expire with their alive key, so this comes)."""
+        health = self.health
+        if health.synced or health.run_id is None:
+            return
+        if any(r.fence.awaiting_snapshot for r in self.records.engines.values()):
+            return
+        await self.store.mark_synced(health.run_id)
+        health.synced = True
+        self.stats.marked_synced += 1
+        log.info("index resynced on redis run id %s: routing by prefix may resume", health.run_id)
+
+    async def _resync_all(self, count: bool = True) -> int:
+        """Drop the entries of every engine, known to this index or listed in Redis, and ask
+        each for a snapshot; the number of engines."""
         store, engines = self.store, self.records.engines
-        for eid in list(engines):
+        for eid in sorted(set(engines) | set(await store.engine_ids())):
             async with self.lanes.lock(eid):
-                record = engines.get(eid)
-                if record is None:
+                record = engines.get(eid) or await self.records.load(eid)
+                if record is None:  # listed without meta: nothing to fence, only entries
+                    await store.expire(eid)
                     continue
                 record.fence = Fence(record.fence.epoch, None, True)
                 await store.apply(eid, record.meta(), clear=True, alive_ttl_ms=record.ttl_ms)
         for eid, record in list(engines.items()):
             await self.records.request_snapshot(eid, record, "index lost redis state")
-        self.stats.resyncs_after_redis += 1
+        if count or engines:
+            self.stats.resyncs_after_redis += 1
+        return len(engines)
 
     async def _expire_dead(self) -> None:
         store = self.store
@@ -133,6 +165,16 @@ class Maintenance:
             self.lanes.forget(eid)
             self.stats.engines_expired += 1
             log.info("engine %s expired: %d pages dropped", eid, dropped)
+
+    async def request_pending_snapshots(self) -> None:
+        """Ask every engine that awaits a snapshot for it now (once NATS is connected: a
+        resync at the index's first Redis check could not send its requests)."""
+        engines = self.records.engines
+        for eid in list(engines):
+            async with self.lanes.lock(eid):
+                record = engines.get(eid)
+                if record is not None and record.fence.awaiting_snapshot:
+                    await self.records.request_snapshot(eid, record, "index lost redis state")
 
     async def _retry_snapshot_requests(self) -> None:
         """Under each engine's lock: a lane job that found a gap has sent its own request

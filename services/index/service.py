@@ -37,6 +37,11 @@ forged: counted, dropped, and logged once per interval. While Redis fails, failu
 counted and logged
 and batches are dropped; once it answers again, every known engine's entries are cleared and
 each engine is asked for a snapshot, since the index no longer knows what Redis holds.
+
+With Sentinel (`--redis-sentinel`) the client follows the primary the sentinels name. A
+failover shows as a new run id, handled like a restarted Redis (the promoted replica may lack
+the last writes); when no engine awaits its snapshot any more, maintenance writes the run id
+under `INDEX_SYNCED` so routers trust that primary again (`bus_schemas/sentinel.py`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import logging
 
 import nats
 import nats.errors
+import redis.asyncio as aioredis
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from redis.exceptions import RedisError
@@ -59,7 +65,7 @@ from services.index.config import IndexConfig, IndexStats
 from services.index.lanes import EngineLanes
 from services.index.maintenance import Maintenance, RedisHealth
 from services.index.records import EngineRecords
-from services.index.store import IndexStore, connect
+from services.index.store import IndexStore, connect, connect_sentinel
 
 log = logging.getLogger("hicache.index")
 
@@ -86,11 +92,7 @@ class IndexService:
     async def start(self) -> None:
         """Connect, subscribe, start maintenance. Raises if NATS cannot be reached."""
         cfg = self.config
-        self._store = IndexStore(
-            connect(
-                cfg.redis_url, cfg.redis_timeout_s, cfg.redis_credentials, cfg.redis_tls_ca_file
-            )
-        )
+        self._store = IndexStore(self._redis_client())
         self._records = EngineRecords(cfg, self.stats, self._store, self._publish)
         self._maintenance = Maintenance(
             cfg, self.stats, self._store, self._records, self._lanes, self._health
@@ -110,8 +112,29 @@ class IndexService:
         await self._nc.subscribe(subjects.KV_EVENTS_ALL, cb=self._on_kv_events)
         await self._nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_heartbeat)
         await self._nc.flush()
+        await self._maintenance.request_pending_snapshots()  # a resync at the first check
         self._maintenance.start()
-        log.info("index ready (nats %s, redis %s)", cfg.nats_url, cfg.redis_url)
+        where = cfg.redis_url
+        if cfg.redis_sentinels:
+            where = f"primary {cfg.redis_sentinel_master!r} of sentinels {cfg.redis_sentinels}"
+        log.info("index ready (nats %s, redis %s)", cfg.nats_url, where)
+
+    def _redis_client(self) -> aioredis.Redis:
+        """The Redis client: of the primary Sentinel names, or of `redis_url`'s server."""
+        cfg = self.config
+        if cfg.redis_sentinels:
+            return connect_sentinel(
+                cfg.redis_url,
+                cfg.redis_sentinels,
+                cfg.redis_sentinel_master,
+                cfg.redis_timeout_s,
+                cfg.redis_credentials,
+                cfg.redis_sentinel_credentials,
+                cfg.redis_tls_ca_file,
+            )
+        return connect(
+            cfg.redis_url, cfg.redis_timeout_s, cfg.redis_credentials, cfg.redis_tls_ca_file
+        )
 
     async def stop(self) -> None:
         """Stop maintenance, drain NATS, finish the work already queued, close Redis."""
@@ -133,7 +156,8 @@ class IndexService:
         log.info("index stopped: %s", self.stats)
 
     async def _publish(self, subject: str, data: bytes) -> None:
-        assert self._nc is not None
+        if self._nc is None:  # the first Redis check runs before NATS is connected
+            raise nats.errors.ConnectionClosedError()
         await self._nc.publish(subject, data)
 
     def _records_or_raise(self) -> EngineRecords:
@@ -164,6 +188,8 @@ class IndexService:
             return
         try:
             await records.apply_batch(batch, epoch)
+            if batch.snapshot and self._maintenance is not None:
+                await self._maintenance.mark_if_synced()  # the last one awaited, maybe
         except RedisError as e:
             self._health.failed(e)
             records.out_of_sync(batch.engine_id, epoch, batch.bucket, batch.namespace)

@@ -14,12 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
 from bus_schemas import redis_keys
 from bus_schemas.connection import Credentials, tls_context
 from bus_schemas.messages import KVEvent
+from bus_schemas.sentinel import INDEX_SYNCED, Address
 
 PAGE_PREFIX = redis_keys.page("")
 HASH_LEN = 32  # 16-byte blake2b digests as hex (bus_schemas/page_hash.py)
@@ -158,6 +161,47 @@ def connect(
     )
 
 
+def connect_sentinel(
+    url: str,
+    sentinels: Sequence[Address],
+    master: str,
+    timeout_s: float,
+    credentials: Credentials | None = None,
+    sentinel_credentials: Credentials | None = None,
+    tls_ca_file: str | None = None,
+) -> aioredis.Redis:
+    """A client of the primary that `sentinels` name `master`, as `connect` makes one: each
+    (re)connect asks the sentinels where the primary is, so a failover is followed at the
+    next connection (a call on a lost connection fails, or is retried once on the new
+    primary). `url` gives scheme, credentials and db only (`bus_schemas.sentinel`)."""
+    options: dict[str, Any] = dict(parse_url(url))
+    options.pop("connection_class", None)  # rediss: the sentinel pool's own TLS connection
+    tls = tls_ca_file is not None or url.startswith("rediss://")
+    if tls_ca_file is not None:
+        tls_context(tls_ca_file)
+        options |= {"ssl_ca_certs": tls_ca_file, "ssl_cert_reqs": "required"}
+    if tls:
+        options |= {"ssl": True, "ssl_min_version": ssl.TLSVersion.TLSv1_2}
+    if credentials is not None:
+        options |= {"username": credentials.user, "password": credentials.password}
+    asking: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    if sentinel_credentials is not None:
+        asking |= {
+            "username": sentinel_credentials.user,
+            "password": sentinel_credentials.password,
+        }
+    finder = Sentinel(list(sentinels), sentinel_kwargs=asking)
+    client: aioredis.Redis = finder.master_for(
+        master,
+        **options,
+        decode_responses=True,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),
+    )
+    return client
+
+
 class IndexStore:
     """The index's Redis writes. Every method raises `redis.RedisError` when Redis fails."""
 
@@ -248,6 +292,20 @@ class IndexStore:
             await self._expire(keys=_engine_keys(engine_id), args=[engine_id, PAGE_PREFIX])
         )
         return None if dropped < 0 else dropped
+
+    async def engine_ids(self) -> list[str]:
+        """Every engine id in `hc:engines` (those a resync must clear, known to this index
+        or not)."""
+        return sorted(str(e) for e in await self.client.smembers(redis_keys.ENGINES))
+
+    async def synced_marker(self) -> str | None:
+        """The run id under `INDEX_SYNCED`: the server the index last finished a resync on."""
+        value = await self.client.get(INDEX_SYNCED)
+        return None if value is None else str(value)
+
+    async def mark_synced(self, run_id: str) -> None:
+        """Say that every engine's entries on the server `run_id` came from the engines."""
+        await self.client.set(INDEX_SYNCED, run_id)
 
     async def run_id(self) -> str:
         """The Redis server's run id: it changes when the server restarts (and lost its data)."""

@@ -8,6 +8,9 @@ A credentials folder (mode 0700; every file 0600):
     redis/router  redis/index                         `user:password` of each Redis identity
     nats-auth.conf     the nats-server `authorization` block (include it, or `up` embeds it)
     redis-users.acl    the Redis/Valkey ACL file (`--aclfile`); `default` is off
+    with --redis-replicas: redis/sentinels (`default:password` the sentinels require),
+    redis/replica and redis/sentinel (users in the ACL file), redis-replication.conf
+    (a data node's masteruser/masterauth) and redis-sentinel.conf (compose's sentinels)
     tls/               with `--tls-hosts`: ca.pem, server.pem, server-key.pem for NATS and
                        Redis across hosts (services/launch/tls.py)
 
@@ -47,9 +50,14 @@ from bus_schemas.connection import (
 )
 
 ROUTER, INDEX = "router", "index"
+# with replicas (`up --redis-replicas`): the users replicas and sentinels log in as on the data
+# nodes, and the password the sentinels require of everyone (their user `default`)
+REPLICA, SENTINEL, SENTINELS = "replica", "sentinel", "sentinels"
 MODES = ("colocated", "prefill", "decode")
 NATS_AUTH_FILE = "nats-auth.conf"
 REDIS_ACL_FILE = "redis-users.acl"
+REDIS_REPLICATION_FILE = "redis-replication.conf"  # with replicas: masteruser / masterauth
+SENTINEL_CONF_FILE = "redis-sentinel.conf"  # with replicas: compose's sentinels start from it
 PASSWORD_BYTES = 32  # secrets.token_urlsafe: 43 characters
 
 
@@ -137,14 +145,20 @@ class MeshCredentials:
     engines: tuple[EngineGrant, ...]
 
     @classmethod
-    def fresh(cls, engines: Sequence[EngineGrant]) -> MeshCredentials:
+    def fresh(cls, engines: Sequence[EngineGrant], replicated: bool = False) -> MeshCredentials:
+        """New credentials; `replicated`: also those of a replicated Redis with Sentinel."""
+
         def new(user: str) -> Credentials:
             return Credentials(user, secrets.token_urlsafe(PASSWORD_BYTES))
 
         users = [ROUTER, INDEX, *(engine_user(e.engine_id) for e in engines)]
         if len(set(users)) != len(users):
             raise ValueError("engine ids must be distinct")
-        return cls({u: new(u) for u in users}, {u: new(u) for u in (ROUTER, INDEX)}, tuple(engines))
+        redis = {u: new(u) for u in (ROUTER, INDEX)}
+        if replicated:
+            redis |= {u: new(u) for u in (REPLICA, SENTINEL)}
+            redis[SENTINELS] = Credentials("default", new(SENTINELS).password)
+        return cls({u: new(u) for u in users}, redis, tuple(engines))
 
     def nats_file(self, root: Path, user: str) -> Path:
         return root / "nats" / user
@@ -163,6 +177,29 @@ class MeshCredentials:
             write_credentials(self.redis_file(root, user), creds)
         write_private(root / NATS_AUTH_FILE, self.nats_authorization())
         write_private(root / REDIS_ACL_FILE, self.redis_acl())
+        if REPLICA in self.redis:  # compose's replicated Redis (compose/redis-sentinel.yml)
+            write_private(root / REDIS_REPLICATION_FILE, self.redis_replication_conf())
+            write_private(root / SENTINEL_CONF_FILE, self.sentinel_conf())
+
+    def redis_replication_conf(self) -> str:
+        """A data node's config file: the user it replicates its primary as (every node gets
+        it, since Sentinel may make any of them a replica)."""
+        r = self.redis[REPLICA]
+        return f"masteruser {r.user}\nmasterauth {r.password}\n"
+
+    def sentinel_conf(self, primary: str = "redis", port: int = 6379) -> str:
+        """A sentinel's initial config file for compose (it rewrites its own copy): watch
+        `primary` as `hicache` (a majority of 3), log in to the nodes as `sentinel`, require
+        the `sentinels` password of clients and of the other sentinels."""
+        m, user, client = "hicache", self.redis[SENTINEL], self.redis[SENTINELS]
+        return (
+            "sentinel resolve-hostnames yes\nsentinel announce-hostnames yes\n"
+            f"sentinel monitor {m} {primary} {port} 2\n"
+            f"sentinel down-after-milliseconds {m} 5000\n"
+            f"sentinel failover-timeout {m} 30000\nsentinel parallel-syncs {m} 1\n"
+            f"sentinel auth-user {m} {user.user}\nsentinel auth-pass {m} {user.password}\n"
+            f"requirepass {client.password}\nsentinel sentinel-pass {client.password}\n"
+        )
 
     def nats_authorization(self) -> str:
         """The nats-server config `authorization` block."""
@@ -184,13 +221,25 @@ class MeshCredentials:
         def digest(user: str) -> str:
             return "#" + hashlib.sha256(self.redis[user].password.encode()).hexdigest()
 
-        router_reads = "+ping +select +evalsha +script|load +exists +hget +hgetall"
-        return (
+        # +get +info: the router reads the index's resync marker and the server's run id
+        router_reads = "+ping +select +evalsha +script|load +exists +hget +hgetall +get +info"
+        acl = (
             "user default off resetkeys resetchannels -@all\n"
             f"user {INDEX} on {digest(INDEX)} resetchannels ~hc:* "
             "+@all -@admin -@dangerous +info\n"
             f"user {ROUTER} on {digest(ROUTER)} resetchannels %R~hc:* -@all {router_reads}\n"
         )
+        if REPLICA in self.redis:  # a replica's link to its primary
+            acl += (
+                f"user {REPLICA} on {digest(REPLICA)} resetchannels -@all +psync +replconf +ping\n"
+            )
+        if SENTINEL in self.redis:  # what a sentinel needs of the nodes it watches
+            acl += (
+                f"user {SENTINEL} on {digest(SENTINEL)} resetchannels &__sentinel__:hello "
+                "-@all +multi +slaveof +replicaof +ping +exec +subscribe +config|rewrite +role "
+                "+publish +info +client|setname +client|kill +script|kill\n"
+            )
+        return acl
 
 
 def load(root: Path, engines: Iterable[EngineGrant]) -> MeshCredentials:
@@ -198,9 +247,11 @@ def load(root: Path, engines: Iterable[EngineGrant]) -> MeshCredentials:
     CredentialsError naming a missing or unsafe file."""
     grants = tuple(engines)
     nats_users = [ROUTER, INDEX, *(engine_user(e.engine_id) for e in grants)]
+    redis_users = [ROUTER, INDEX]
+    redis_users += [u for u in (REPLICA, SENTINEL, SENTINELS) if (root / "redis" / u).exists()]
     return MeshCredentials(
         {u: read_credentials(root / "nats" / u) for u in nats_users},
-        {u: read_credentials(root / "redis" / u) for u in (ROUTER, INDEX)},
+        {u: read_credentials(root / "redis" / u) for u in redis_users},
         grants,
     )
 
@@ -240,6 +291,13 @@ def add_credentials_args(parser: argparse.ArgumentParser) -> None:
         "--force", action="store_true", help="overwrite credentials already in DIR (rotate)"
     )
     parser.add_argument(
+        "--redis-replicas",
+        action="store_true",
+        help="also the credentials of a replicated Redis with Sentinel: the users replicas "
+        "and sentinels log in as (in the ACL file) and the sentinels' password "
+        "(redis/sentinels)",
+    )
+    parser.add_argument(
         "--tls-hosts",
         default=None,
         metavar="HOST,...",
@@ -257,7 +315,7 @@ def run_credentials(args: argparse.Namespace) -> int:
             raise ValueError("--engines names no engine")
         if (args.dir / NATS_AUTH_FILE).exists() and not args.force:
             raise ValueError(f"{args.dir} already holds credentials: --force replaces them")
-        creds = MeshCredentials.fresh(grants)
+        creds = MeshCredentials.fresh(grants, replicated=args.redis_replicas)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ another CA: `--nats-tls-ca-file` / `--redis-tls-ca-file` with `--nats-url` / `--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -35,12 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from bus_schemas.sentinel import DEFAULT_MASTER
 from services.engine.flags import engine_argv, pd_transfer_argv
 from services.launch import credentials as creds
 from services.launch import tls as tls_files
 from services.launch.buckets import LaunchBucket, check, load_buckets, parse_bucket
 from services.launch.nats_cluster import NatsCluster, wait_for_routes
 from services.launch.readiness import StartupStopped, wait_ready
+from services.launch.redis_sentinel import ReplicationAuth, redis_node_kind, sentinel_kind
 from services.launch.router_flags import router_flags_argv
 from services.launch.servers import ServerKind, free_port, nats_kind, redis_kind
 from services.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
@@ -49,6 +52,7 @@ from services.launch.up_flags import PROGRESS_ROUNDS, ROUTER_TIMEOUTS, add_up_ar
 __all__ = ["Mesh", "MeshHooks", "add_up_args", "check_port_free", "run_up"]
 
 ROUTER_TIER, SERVICE_TIER, SERVER_TIER = 2, 1, 0  # stop order: router, services, servers
+SENTINELS = 3  # with --redis-replicas: a majority of 3 agrees a primary is down
 
 
 class PortInUseError(RuntimeError):
@@ -107,8 +111,9 @@ class Mesh:
         self.workdir = tempfile.TemporaryDirectory(prefix="hicache-mesh-")
         self.creds_dir = args.credentials_dir or Path(self.workdir.name) / "credentials"
         grants = self._grants()
+        self.replicas = self._check_redis_replicas()
         if args.credentials_dir is None:
-            self.creds = creds.MeshCredentials.fresh(grants)
+            self.creds = creds.MeshCredentials.fresh(grants, replicated=self.replicas > 0)
             self.creds.write(self.creds_dir)
         else:
             self.creds = creds.load(args.credentials_dir, grants)  # CredentialsError: a ValueError
@@ -122,6 +127,13 @@ class Mesh:
             creds.write_private(acl, self.creds.redis_acl())
         index_redis = self.creds.redis[creds.INDEX]
         self.redis = redis_kind(str(acl), (index_redis.user, index_redis.password), self.tls)
+        self._acl = acl
+        if self.replicas and creds.SENTINELS not in self.creds.redis:
+            raise ValueError(
+                f"--redis-replicas: {self.creds_dir} has no replica and sentinel credentials "
+                "(make them with `hicache-mesh credentials DIR --redis-replicas`)"
+            )
+        self._sentinel_flags: list[str] = []  # the index's and router's, with --redis-replicas
         self._ports = {args.port}  # chosen for this mesh: the servers' ports avoid them
         self.supervisor = Supervisor(
             RestartPolicy(initial_s=args.restart_backoff), args.status_file
@@ -137,10 +149,14 @@ class Mesh:
         self.supervisor.extra_status["url"] = url
         self.supervisor.extra_status["credentials_dir"] = str(self.creds_dir)
         nats_url = a.nats_url or self.start_nats()
-        redis_url = a.redis_url or self.start_server(self.redis)
+        if self.replicas:
+            redis_url = self.start_sentinel_set()
+        else:
+            redis_url = a.redis_url or self.start_server(self.redis)
         py = sys.executable
         index = [py, "-m", "services.index", "--nats-url", nats_url, "--redis-url", redis_url]
         index += self._credential_flags(creds.INDEX, redis=True) + self._max_engines_argv()
+        index += self._sentinel_flags
         index += self._tls_flags(redis=True)
         self._start_child(ChildSpec("index", index, SERVICE_TIER))
         for name, extra in self.engines():
@@ -184,10 +200,71 @@ class Mesh:
         self.supervisor.extra_status["nats_monitor_urls"] = monitors
         return cluster.url()
 
+    # ------------------------------------------------------------ --redis-replicas
+
+    def _as_sentinels_see_it(self, kind: ServerKind) -> ServerKind:
+        """`kind` started by `services.launch.redis_node`: a node that restarts comes back as
+        a replica of the primary the sentinels name (after their failover, if it was the
+        primary), never as an empty primary its replicas would copy."""
+        flags = [sys.executable, "-m", "services.launch.redis_node", *self._sentinel_flags]
+
+        def argv(port: int, workdir: str) -> list[str]:
+            marker = ["--restart-marker", str(Path(workdir) / "started")]
+            return [*flags, "--node", f"127.0.0.1:{port}", *marker, "--", *kind.argv(port, workdir)]
+
+        return dataclasses.replace(kind, argv=argv)
+
+    def _check_redis_replicas(self) -> int:
+        a = self.args
+        n = int(getattr(a, "redis_replicas", 0) or 0)
+        if n < 0:
+            raise ValueError(f"--redis-replicas must be >= 0, got {n}")
+        if n and a.redis_url:
+            raise ValueError("--redis-replicas starts a replicated Redis: not with --redis-url")
+        if n and (a.tls or a.tls_dir is not None):
+            raise ValueError("--redis-replicas with --tls is not supported yet")
+        return n
+
+    def start_sentinel_set(self) -> str:
+        """Start a primary, `--redis-replicas` replicas and 3 sentinels (all supervised: a
+        restarted node comes back on its port and Sentinel makes it a replica of the current
+        primary); set the index's and router's Sentinel flags. Their `--redis-url`."""
+        r = self.creds.redis
+        auth = ReplicationAuth(
+            (r[creds.REPLICA].user, r[creds.REPLICA].password),
+            (r[creds.SENTINEL].user, r[creds.SENTINEL].password),
+            r[creds.SENTINELS].password,
+        )
+        probe = (r[creds.INDEX].user, r[creds.INDEX].password)
+        ports = []
+        for _ in range(1 + self.replicas + SENTINELS):
+            ports.append(self.hooks.free_port(self._ports))
+            self._ports.add(ports[-1])
+        primary = ("127.0.0.1", ports[0])
+        sentinel_ports = ports[1 + self.replicas :]
+        addresses = ",".join(f"127.0.0.1:{p}" for p in sentinel_ports)
+        sentinel_file = self.creds.redis_file(self.creds_dir, creds.SENTINELS).resolve()
+        self._sentinel_flags = ["--redis-sentinel", addresses]
+        self._sentinel_flags += ["--redis-sentinel-master", DEFAULT_MASTER]
+        self._sentinel_flags += ["--redis-sentinel-credentials", str(sentinel_file)]
+        acl = str(self._acl)
+        for i, port in enumerate(ports[: 1 + self.replicas]):
+            name, replicaof = ("redis", None) if i == 0 else (f"redis-replica-{i}", primary)
+            kind = redis_node_kind(
+                name, aclfile=acl, auth=auth, probe_auth=probe, replicaof=replicaof
+            )
+            self.start_server(self._as_sentinels_see_it(kind), port)
+        for i, port in enumerate(sentinel_ports):
+            kind = sentinel_kind(
+                f"redis-sentinel-{i + 1}", primary=primary, master=DEFAULT_MASTER, auth=auth
+            )
+            self.start_server(kind, port)
+        return "redis:///0"
+
     def router_argv(self, nats_url: str, redis_url: str) -> list[str]:
         a = self.args
         argv = [sys.executable, "-m", "router", "--host", a.host, "--port", str(a.port)]
-        argv += ["--nats-url", nats_url, "--redis-url", redis_url]
+        argv += ["--nats-url", nats_url, "--redis-url", redis_url, *self._sentinel_flags]
         argv += self._credential_flags(creds.ROUTER, redis=True) + self._tls_flags(redis=True)
         for bucket in self.buckets:
             argv += ["--bucket", bucket.router_spec()]

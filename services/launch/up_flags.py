@@ -24,6 +24,14 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     parser.add_argument(
+        "--redis-replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start a replicated Redis instead: a primary, N replicas and 3 sentinels; the "
+        "index and the router find the primary through Sentinel and follow its failovers",
+    )
+    parser.add_argument(
         "--credentials-dir",
         type=Path,
         default=None,
