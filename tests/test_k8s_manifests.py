@@ -24,10 +24,6 @@ patches; any other field fails the test rather than being skipped), then:
   users are those of `hicache-mesh credentials`.
 
 Not checked: nothing here runs a cluster, kustomize or helm (none on these machines).
-
-Flags other builds of issue 24 add (`NOT_YET_MERGED`) are dropped before parsing while the
-parser lacks them; once it has them they are parsed like every other flag. After the merge
-the list is to be emptied, which makes the parse strict.
 """
 
 from __future__ import annotations
@@ -54,14 +50,6 @@ BASE = DEPLOY / "base"
 KUSTOMIZATIONS = [BASE, DEPLOY / "overlays" / "multi-host"]
 K8S_VERSION = "1.31"
 # flag -> number of values: flags of issue 24's other builds, not in this branch's parsers yet
-NOT_YET_MERGED = {
-    "--redis-sentinel": 1,
-    "--redis-sentinel-master": 1,
-    "--redis-sentinel-credentials": 1,  # the Redis build's, for Sentinels that require a user
-    "--dist-init-addr": 1,
-    "--nnodes": 1,
-    "--node-rank": 1,
-}
 KUSTOMIZE_FIELDS = {"apiVersion", "kind", "resources", "labels", "secretGenerator", "images"}
 KUSTOMIZE_FIELDS |= {"patches"}
 SECRET_MODES = {0o400, 0o600}
@@ -232,20 +220,6 @@ def parser_of(module: str) -> argparse.ArgumentParser:
     return parser
 
 
-def without_unmerged(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """argv less the NOT_YET_MERGED flags this parser does not know yet."""
-    known = parser._option_string_actions  # the flags argparse knows
-    out, skip = [], 0
-    for a in argv:
-        if skip:
-            skip -= 1
-        elif a in NOT_YET_MERGED and a not in known:
-            skip = NOT_YET_MERGED[a]
-        else:
-            out.append(a)
-    return out
-
-
 def service_commands(objs: list[Obj]) -> list[tuple[str, str, list[str], Obj]]:
     out = []
     for obj in objs:
@@ -268,7 +242,7 @@ def test_every_command_parses_with_its_service_parser(name: str) -> None:
     for where, module, argv, _ in commands:
         parser = parser_of(module)
         try:
-            parser.parse_args(without_unmerged(parser, argv))
+            parser.parse_args(argv)
         except SystemExit as e:
             pytest.fail(f"{name} {where}: `{module}` rejects {argv} (exit {e.code})")
         # the bus is the three-server cluster, Redis its Sentinels
@@ -280,13 +254,6 @@ def test_every_command_parses_with_its_service_parser(name: str) -> None:
             assert "--redis-url" not in argv, where  # Sentinel names the primary
             # the chart puts the ACL users on the Sentinels too: the same user logs in there
             assert flag(argv, "--redis-sentinel-credentials") == flag(argv, "--redis-credentials")
-
-
-def test_the_unmerged_flags_are_only_dropped_while_unknown() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--nnodes")
-    argv = ["--nnodes", "2", "--node-rank", "1", "--x"]
-    assert without_unmerged(parser, argv) == ["--nnodes", "2", "--x"]
 
 
 # ---------------------------------------------------------------- references
@@ -472,10 +439,11 @@ def test_the_grace_period_outlasts_the_drain(name: str) -> None:
     for obj in (o for o in RENDERED[name] if pod_spec(o) is not None):
         grace = (pod_spec(obj) or {}).get("terminationGracePeriodSeconds", 30)
         for c in containers(obj):
-            module, argv = c["command"][2], c["command"][3:]
+            module = c["command"][2]
+            argv = [expand(a, container_env(c)) for a in c["command"][3:]]
             if module in drains:
                 parser = parser_of(module)
-                args = parser.parse_args(without_unmerged(parser, argv))
+                args = parser.parse_args(argv)
                 assert grace > getattr(args, drains[module]), obj["metadata"]["name"]
 
 
@@ -577,7 +545,7 @@ def test_multi_host_engine_is_an_indexed_statefulset() -> None:
         assert other["spec"]["replicas"] == 1 and "--nnodes" not in oc["command"]
     parser = parser_of("services.engine")
     argv0 = [expand(a, {"NODE_RANK": "0"}) for a in argv[3:]]
-    parser.parse_args(without_unmerged(parser, argv0))
+    parser.parse_args(argv0)
 
 
 # ---------------------------------------------------------------- the charts' values
