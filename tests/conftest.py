@@ -78,6 +78,9 @@ HEAVY_FIRST = (
     "test_cp_storage.py",
     "test_spec_multirank.py",
     "test_spec_tiers.py",
+    "test_multihost.py",
+    "test_redis_sentinel.py",
+    "test_nats_cluster.py",
 )
 
 

@@ -1,7 +1,8 @@
 """Engines whose ranks span hosts, and a mesh spread over hosts (issue 24, acceptance 1).
 
-The "hosts" are network namespaces joined by a bridge (`tests/netns.py`): nats-server and
-redis-server listen on the bridge's address, the router, the index and each engine run in a
+The "hosts" are network namespaces joined by a bridge (`tests/netns.py`): a 3-server NATS
+cluster (`start_nats_cluster`, every process given the three URLs) and redis-server listen
+on the bridge's address, the router, the index and each engine run in a
 namespace of their own and reach each other only through NATS and Redis. Engine `tp2` is
 one TP2 world over two hosts: node 0 (`node0`, the engine service) and node 1 (`node1`,
 started with the same flags plus `--node-rank 1`), its ranks talking gloo over the veth link.
@@ -37,6 +38,7 @@ from fault_helpers import (
 )
 from netns import Hosts, free_port_on, require_netns, start_on
 
+from services.launch.nats_cluster import start_nats_cluster
 from services.launch.readiness import wait_ready
 
 pytestmark = pytest.mark.timeout(180)
@@ -50,8 +52,7 @@ LONG_PROMPT = tuple(range(30, 50))
 
 @dataclass(frozen=True, slots=True)
 class Bus:
-    """Where the mesh's NATS and Redis are: a list of NATS URLs (one server now; a cluster's
-    servers once there is one) and one Redis URL."""
+    """Where the mesh's NATS and Redis are: the NATS cluster's URLs and one Redis URL."""
 
     nats_urls: tuple[str, ...]
     redis_url: str
@@ -99,17 +100,19 @@ def hosts() -> Iterator[Hosts]:
 
 @pytest.fixture(scope="module")
 def bus(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bus]:
-    """One nats-server and one redis-server on the bridge's address."""
+    """A 3-server NATS cluster and one redis-server on the bridge's address: every process
+    lists the three servers (issue 24: the mesh across hosts talks only through them)."""
     workdir = tmp_path_factory.mktemp("bus")
-    nats = start_on("nats", hosts.bridge_ip, workdir)
+    cluster, members = start_nats_cluster(3, host=hosts.bridge_ip)
     try:
         redis = start_on("redis", hosts.bridge_ip, workdir)
         try:
-            yield Bus((nats.url,), redis.url)
+            yield Bus(tuple(cluster.urls()), redis.url)
         finally:
             redis.stop()
     finally:
-        nats.stop()
+        for member in members:
+            member.stop()
 
 
 @pytest.fixture(scope="module")
