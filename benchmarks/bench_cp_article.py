@@ -20,9 +20,11 @@ the host pool of either arm.
 
 Same per-rank device memory: the replicated engine's pool is `--device-pages` pages on every
 rank. The sharded engine's rank holds `--device-pages` pages too: its owned rows (1/N of the
-logical pool, plus one trash page) and its two gather scratch buffers, sized for the largest
-batch of the trace (one layer of the batch's pages each), so its logical pool is
-N x (device pages - 1 - scratch). Both arms have the same logical host pool
+logical pool, plus one trash page) and, with the all-gather (`--cp-gather-transport
+collective`), its two gather scratch buffers, sized for the largest batch of the trace (one
+layer of the batch's pages each), so its logical pool is N x (device pages - 1 - scratch);
+with `shm` (the default, what CPU ranks of one host use) there is no scratch buffer and
+it is N x (device pages - 1). Both arms have the same logical host pool
 (`--host-pages`; a sharded rank holds its 1/N of it).
 
 Per request, on rank 0 (the figures the article plots):
@@ -176,7 +178,8 @@ def scratch_pages(args: argparse.Namespace, num_layers: int) -> int:
 
 def configs(args: argparse.Namespace) -> dict[str, EngineConfig]:
     num_layers = PRESETS[MODEL].num_layers
-    scratch = scratch_pages(args, num_layers)
+    # the all-gather's scratch buffers; shm reads the owners' rows and has none
+    scratch = scratch_pages(args, num_layers) if args.cp_gather_transport == "collective" else 0
     owned = args.device_pages - 1 - scratch
     if owned <= 0:
         raise SystemExit(
@@ -198,7 +201,11 @@ def configs(args: argparse.Namespace) -> dict[str, EngineConfig]:
             model=MODEL,
             dtype="float32",
             cache=cache,
-            parallel=ParallelConfig(cp_size=args.cp_size, kv_sharding=sharded),
+            parallel=ParallelConfig(
+                cp_size=args.cp_size,
+                kv_sharding=sharded,
+                cp_gather_transport=args.cp_gather_transport if sharded else "auto",
+            ),
             batch_invariant=True,
         )
     return out
@@ -219,6 +226,13 @@ def main() -> None:
     parser.add_argument("--host-pages", type=int, default=2048, help="logical, both arms")
     parser.add_argument("--seed", type=int, default=22)
     parser.add_argument("--arms", default="replicated,sharded", help="comma-separated")
+    parser.add_argument(
+        "--cp-gather-transport",
+        choices=("shm", "collective"),
+        default="shm",
+        help="the sharded arm's gather: shm (what CPU ranks of one host use; no scratch "
+        "buffer) or collective (the all-gather, its two scratch buffers out of the same memory)",
+    )
     args = parser.parse_args()
     arms = configs(args)
     results = {}
@@ -230,7 +244,8 @@ def main() -> None:
     print(
         f"CP{args.cp_size} {MODEL} float32, page {args.page_size}; {args.conversations} sessions x "
         f"{args.turns} turns (system {args.system} shared, history {args.history} + {args.user} user + {args.out} out per "
-        f"turn), {args.batch} sessions per batch; working set "
+        f"turn), {args.batch} sessions per batch; sharded gather {args.cp_gather_transport}; "
+        "working set "
         f"{args.system + args.conversations * (longest - args.system)} tokens; {platform.processor() or 'CPU'}, "
         f"{os.cpu_count()} cores"
     )

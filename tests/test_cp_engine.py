@@ -264,14 +264,18 @@ def test_checker_reports_cp_ranks_that_consume_their_own_counts(tmp_path: Path) 
 
 
 def test_compose_engines_take_cp_size_from_the_environment() -> None:
-    """CP_SIZE sets the colocated and P/D compose engines' --cp-size (1 when unset); the
-    buckets file's engines have their own layouts and none."""
+    """CP_SIZE sets the colocated, P/D and NATS-cluster compose engines' --cp-size (1 when
+    unset); the buckets file's engines have their own layouts and none."""
     for path in test_compose.COMPOSE_FILES:
         for name, svc in test_compose.services(path).items():
             cmd = svc.get("command", [])
             if cmd[:3] != ["python", "-m", "services.engine"]:
                 continue
-            if path.name in ("docker-compose.yml", "docker-compose.pd.yml"):
+            if path.name in (
+                "docker-compose.yml",
+                "docker-compose.pd.yml",
+                "docker-compose.nats-cluster.yml",
+            ):
                 assert cmd[cmd.index("--cp-size") + 1] == "${CP_SIZE:-1}", name
             else:
                 assert "--cp-size" not in cmd, (path.name, name)
