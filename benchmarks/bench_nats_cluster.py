@@ -37,6 +37,7 @@ from pathlib import Path
 
 import aiohttp
 import nats
+from bench_record import stop
 from machine_load import ForeignLoad
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -217,16 +218,6 @@ def start_up(workdir: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], 
     return proc, f"http://127.0.0.1:{port}", status
 
 
-def stop_up(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 async def complete(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> bool:
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
     try:
@@ -247,8 +238,8 @@ async def e2e(args: argparse.Namespace) -> None:
             await e2e_runs(args, {"1 server": one[1], "3-server cluster": clustered[1]})
             await e2e_recovery(args, clustered[1], clustered[2])
         finally:
-            stop_up(one[0])
-            stop_up(clustered[0])
+            stop(one[0])
+            stop(clustered[0])
 
 
 async def e2e_runs(args: argparse.Namespace, urls: dict[str, str]) -> None:

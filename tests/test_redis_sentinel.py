@@ -163,6 +163,64 @@ async def until(check: Any, timeout_s: float, what: str, step_s: float = 0.1) ->
     return time.monotonic() - start
 
 
+async def flush_every_engine(http: aiohttp.ClientSession, url: str) -> None:
+    """POST /flush_cache until the router answers 200 (every engine flushed)."""
+
+    async def flushed() -> bool:
+        async with http.post(f"{url}/flush_cache") as r:
+            return r.status == 200
+
+    await until(flushed, 10, "/flush_cache")
+
+
+class Prompt:
+    """One prompt sent through the router: the tokens it got from the cache, and whether
+    the router has routed it by prefix (reason `cache`) since `mark`."""
+
+    ROUTING = "hicache_router_routing_decisions_total"
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, req: Req) -> None:
+        self.http, self.url, self.body = http, url, body_of(req)
+        self.cache_before = 0.0
+
+    async def send(self) -> int:
+        async with self.http.post(f"{self.url}/v1/completions", json=self.body) as r:
+            assert r.status == 200, await r.text()
+            data = await r.json()
+        return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    async def mark(self) -> None:
+        self.cache_before = await metric(self.http, self.url, self.ROUTING, "cache")
+
+    async def by_prefix(self) -> bool:
+        cached = await self.send()
+        return cached > 0 and await metric(self.http, self.url, self.ROUTING, "cache") > (
+            self.cache_before
+        )
+
+
+async def cached_on_the_replica(
+    prompt: Prompt, s: Set, mesh: UpMesh, status_file: Path, what: str
+) -> tuple[int, int, dict[int, str], dict[str, int]]:
+    """Send `prompt` until the router routes it by prefix, then wait until the replica
+    lists as many pages per engine as the primary: the primary's and the replica's ports,
+    the Redis children's names by port, and the pages each engine holds."""
+    await prompt.send()
+    await prompt.mark()
+    await until(prompt.by_prefix, 10, f"{what} routed by prefix")
+    primary = await s.primary_port()
+    names = {c["port"]: n for n, c in children(status_file).items() if n.startswith("redis")}
+    (replica,) = [p for p, n in names.items() if "sentinel" not in n and p != primary]
+    held = {e: await s.node(primary).scard(rk.engine_pages(e)) for e in mesh.spec.engine_ids}
+
+    async def replicated() -> bool:
+        cards = [await s.node(replica).scard(rk.engine_pages(e)) for e in held]
+        return cards == list(held.values())
+
+    await until(replicated, 10, f"{what}'s entries on the replica")
+    return primary, replica, names, held
+
+
 async def test_failover_routes_by_load_until_resynced_and_serves_no_stale_hit(
     mesh: UpMesh, sentinel_set: Set, status_file: Path
 ) -> None:
@@ -197,12 +255,7 @@ async def test_failover_routes_by_load_until_resynced_and_serves_no_stale_hit(
         index_pid = mesh.pid_of("index")
         os.kill(index_pid, signal.SIGSTOP)
         try:
-
-            async def flushed() -> bool:
-                async with http.post(f"{url}/flush_cache") as r:
-                    return r.status == 200
-
-            await until(flushed, 10, "/flush_cache")
+            await flush_every_engine(http, url)
             # the load's cold answers, now: the old primary never hears of these prompts
             expected = await baseline(url, reqs)
             async with Load(url, reqs, expected, clients=4) as load:
@@ -286,36 +339,10 @@ async def test_removal_lost_with_the_primary_is_never_served_after_failover(
     left (it checks which node is the primary now)."""
     url, s = mesh.url, sentinel_set
     over = "hicache_router_prefix_predictions_total"
-    routing = "hicache_router_routing_decisions_total"
-    body = body_of(PROMPT_B)
-
-    async def send_b(http: aiohttp.ClientSession) -> int:
-        async with http.post(f"{url}/v1/completions", json=body) as r:
-            assert r.status == 200, await r.text()
-            data = await r.json()
-        return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
 
     async with aiohttp.ClientSession() as http:
-        await send_b(http)
-        cache_before = await metric(http, url, routing, "cache")
-
-        async def b_by_prefix() -> bool:
-            return await send_b(http) > 0 and await metric(http, url, routing, "cache") > (
-                cache_before
-            )
-
-        await until(b_by_prefix, 10, "B routed by prefix")
-        primary = await s.primary_port()
-        names = {c["port"]: n for n, c in children(status_file).items() if n.startswith("redis")}
-        (replica,) = [p for p, n in names.items() if "sentinel" not in n and p != primary]
-        held = {e: await s.node(primary).scard(rk.engine_pages(e)) for e in mesh.spec.engine_ids}
-
-        async def replicated() -> bool:
-            return all(
-                [await s.node(replica).scard(rk.engine_pages(e)) == n for e, n in held.items()]
-            )
-
-        await until(replicated, 10, "B's entries on the replica")
+        b = Prompt(http, url, PROMPT_B)
+        primary, replica, names, held = await cached_on_the_replica(b, s, mesh, status_file, "B")
         replica_pid = children(status_file)[names[replica]]["pid"]
         over_before = await metric(http, url, over, "over")
         os.kill(replica_pid, signal.SIGSTOP)
@@ -328,12 +355,7 @@ async def test_removal_lost_with_the_primary_is_never_served_after_failover(
                 assert await cutter.execute_command("CLIENT", "KILL", "TYPE", "replica") == 1
             finally:
                 await cutter.aclose()
-
-            async def flushed() -> bool:
-                async with http.post(f"{url}/flush_cache") as r:
-                    return r.status == 200
-
-            await until(flushed, 10, "/flush_cache")
+            await flush_every_engine(http, url)
 
             async def removed_on_primary() -> bool:
                 cards = [await s.node(primary).scard(rk.engine_pages(e)) for e in held]
@@ -355,9 +377,9 @@ async def test_removal_lost_with_the_primary_is_never_served_after_failover(
         # now B is sent until it is routed by prefix again: never a stale prediction
         async def again() -> bool:
             assert await metric(http, url, over, "over") == over_before, "a stale hit"
-            return await b_by_prefix()
+            return await b.by_prefix()
 
-        cache_before = await metric(http, url, routing, "cache")
+        await b.mark()
         await until(again, 20, "B routed by prefix after the resync", 0.05)
         assert await metric(http, url, over, "over") == over_before, "a stale hit"
 
@@ -375,8 +397,6 @@ async def test_an_index_restarted_across_the_failover_resyncs_what_redis_lists(
     cached on the engine that dropped it. Runs on the set the tests before left."""
     url, s = mesh.url, sentinel_set
     over = "hicache_router_prefix_predictions_total"
-    routing = "hicache_router_routing_decisions_total"
-    body = body_of(PROMPT_C)
 
     async def linked() -> bool:  # a replica in sync with the primary the sentinels name
         primary = await s.primary_port()
@@ -394,42 +414,14 @@ async def test_an_index_restarted_across_the_failover_resyncs_what_redis_lists(
 
     await until(linked, 30, "a replica linked to the primary", 0.2)
 
-    async def send_c(http: aiohttp.ClientSession) -> int:
-        async with http.post(f"{url}/v1/completions", json=body) as r:
-            assert r.status == 200, await r.text()
-            data = await r.json()
-        return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
-
     async with aiohttp.ClientSession() as http:
-        await send_c(http)
-        cache_before = await metric(http, url, routing, "cache")
-
-        async def c_by_prefix() -> bool:
-            return await send_c(http) > 0 and await metric(http, url, routing, "cache") > (
-                cache_before
-            )
-
-        await until(c_by_prefix, 10, "C routed by prefix")
-        primary = await s.primary_port()
-        names = {c["port"]: n for n, c in children(status_file).items() if n.startswith("redis")}
-        (replica,) = [p for p, n in names.items() if "sentinel" not in n and p != primary]
-        held = {e: await s.node(primary).scard(rk.engine_pages(e)) for e in mesh.spec.engine_ids}
-
-        async def replicated() -> bool:
-            cards = [await s.node(replica).scard(rk.engine_pages(e)) for e in held]
-            return cards == list(held.values())
-
-        await until(replicated, 10, "C's entries on the replica")
+        c = Prompt(http, url, PROMPT_C)
+        primary, replica, names, held = await cached_on_the_replica(c, s, mesh, status_file, "C")
         over_before = await metric(http, url, over, "over")
         index_pid = mesh.pid_of("index")
         os.kill(index_pid, signal.SIGSTOP)
         try:
-
-            async def flushed() -> bool:
-                async with http.post(f"{url}/flush_cache") as r:
-                    return r.status == 200
-
-            await until(flushed, 10, "/flush_cache")
+            await flush_every_engine(http, url)
             os.kill(children(status_file)[names[primary]]["pid"], signal.SIGKILL)
 
             async def promoted() -> bool:
@@ -443,9 +435,9 @@ async def test_an_index_restarted_across_the_failover_resyncs_what_redis_lists(
 
         async def again() -> bool:
             assert await metric(http, url, over, "over") == over_before, "a stale hit"
-            return await c_by_prefix()
+            return await c.by_prefix()
 
-        cache_before = await metric(http, url, routing, "cache")
+        await c.mark()
         await until(again, 30, "C routed by prefix after the new index resynced", 0.05)
         assert await metric(http, url, over, "over") == over_before, "a stale hit"
         assert mesh.pid_of("index") != index_pid
