@@ -31,6 +31,7 @@ from bus_schemas import redis_keys, subjects
 from bus_schemas.codec import Message
 from bus_schemas.messages import Heartbeat, KVEvent, KVEventBatch, SnapshotRequest
 from bus_schemas.page_hash import page_hashes
+from bus_schemas.sentinel import INDEX_SYNCED
 from services.index.cli import build_parser
 from services.index.fencing import Action, Fence, decide_batch, epoch_order, parse_epoch
 from services.index.service import EngineLanes, IndexConfig, IndexService
@@ -573,6 +574,69 @@ async def test_redis_restart_resyncs_every_engine(
         await r.aclose()
         if restarted is not None:
             restarted.stop()
+
+
+async def test_a_redis_that_lacks_the_last_writes_is_resynced_before_it_is_marked(
+    nats_server: ServerProcess, fresh_redis: ServerProcess, tmp_path: Path
+) -> None:
+    """What a Sentinel failover hands the index (issue 24): another server, with another run
+    id, that holds the state from before the index's last removal (a replica that had not
+    received it), and no write of the index failed in between (it was stopped during the
+    swap). The index must treat the unknown run id as a possibly stale view: clear every
+    engine's entries and ask each for a snapshot, and write the resync marker for the new
+    run id only once the snapshot has come. Without that, the stale page would stay listed
+    and routers would trust this server at once."""
+    log_path = tmp_path / "index.log"
+    proc = start_index_process(nats_server.url, fresh_redis.url, log_path)
+    nc = await nats.connect(nats_server.url)
+    promoted: ServerProcess | None = None
+    r = aioredis.Redis.from_url(fresh_redis.url, decode_responses=True)
+    raw = aioredis.Redis.from_url(fresh_redis.url)  # bytes: DUMP / RESTORE
+    try:
+        await wait_ready(proc, log_path)
+        mesh = Mesh(nc, r, proc, log_path)
+        requests = SnapshotRequests()
+        await requests.subscribe(nc, "e1")
+        await mesh.send(heartbeat("e1", 9))  # one heartbeat only: the index writes nothing more
+        await mesh.send(batch("e1", 9, 0, stored("device", H[0:3])))
+        await eventually(mesh.pages, {h: {"e1": 1} for h in H[0:3]})
+        old_run_id = (await r.info("server"))["run_id"]
+        await eventually(lambda: r.get(INDEX_SYNCED), old_run_id)
+        # what the replica got: every key before the removal
+        replica = {k: await raw.dump(k) for k in await raw.keys("*")}
+        await mesh.send(batch("e1", 9, 1, removed("device", [H[2]])))
+        await eventually(mesh.pages, {h: {"e1": 1} for h in H[0:2]})
+
+        proc.send_signal(signal.SIGSTOP)  # no write of the index fails during the swap
+        try:
+            fresh_redis.stop()
+            promoted = start_redis(fresh_redis.port)  # the replica, promoted: another run id
+            await raw.aclose()
+            raw = aioredis.Redis.from_url(promoted.url)
+            for key, value in replica.items():
+                await raw.restore(key, 0, value, replace=True)
+            await r.aclose()
+            r = mesh.r = aioredis.Redis.from_url(promoted.url, decode_responses=True)
+            new_run_id = (await r.info("server"))["run_id"]
+            assert new_run_id != old_run_id
+            assert H[2] in await mesh.pages()  # the stale page the removal never reached
+        finally:
+            proc.send_signal(signal.SIGCONT)
+
+        await eventually(mesh.pages, {}, timeout_s=5)  # every engine's entries cleared
+        await eventually(requests.at_least(1), True, timeout_s=5)
+        assert requests.received[-1].reason == "index lost redis state"
+        assert await r.get(INDEX_SYNCED) != new_run_id  # not until the snapshot is in
+        await mesh.send(batch("e1", 9, 2, stored("device", H[0:2]), snapshot=True))
+        await eventually(mesh.pages, {h: {"e1": 1} for h in H[0:2]})
+        await eventually(lambda: r.get(INDEX_SYNCED), new_run_id)
+    finally:
+        assert terminate(proc) == 0
+        await nc.drain()
+        await r.aclose()
+        await raw.aclose()
+        if promoted is not None:
+            promoted.stop()
 
 
 # ----------------------------------------------------------------- in process
