@@ -63,8 +63,6 @@ class PeerReads:
         # kept alive in the entry): their rows in `flat` less the layer's offset, the
         # positions holding this pass's new slots, and those slots' rows in `staged`
         self.index: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        self.num_slots = pool.num_pages * pool.spec.page_size
-        self.lookup = torch.full((self.num_slots,), -1, dtype=torch.int64, device=pool.device)
 
     def begin(self, plan: CPGatherPlan) -> None:
         """A layer of `plan`'s pass starts: the pass's first opens its reads of peers'
@@ -123,11 +121,11 @@ class PeerReads:
         if staged is None or staged.numel() == 0:
             dst = src = torch.empty(0, dtype=torch.int64, device=slot_ids.device)
         else:
-            self.lookup[staged] = torch.arange(len(staged), device=staged.device)
-            pos = self.lookup[slot_ids]
-            self.lookup[staged] = -1
-            dst = torch.nonzero(pos >= 0).flatten()
-            src = pos[dst]
+            order = torch.argsort(staged)  # where each slot is among the staged ones
+            ordered = staged[order]
+            at = torch.searchsorted(ordered, slot_ids).clamp_(max=len(staged) - 1)
+            dst = torch.nonzero(ordered[at] == slot_ids).flatten()
+            src = order[at[dst]]
         self.index[key] = (base, dst, src, slot_ids, *([] if staged is None else [staged]))
         return base, dst, src
 
